@@ -1,0 +1,168 @@
+//! The host backend: replicas in host memory, reduced by host threads. Always built, it runs
+//! every algorithm in CI (as wgpu's noop backend does for its core).
+//!
+//! One allreduce reads every replica once and writes every replica once, block by block: the
+//! blocks of all replicas are summed into an L1-resident accumulator and written back while
+//! their cache lines are still hot, so the memory traffic equals one copy of the same bytes.
+//! A bucket is split into contiguous element ranges across threads ("virtual fusion": tensors
+//! are not packed into a staging buffer, which on the host would only add traffic).
+
+mod kernels;
+
+use std::sync::OnceLock;
+
+use half::{bf16, f16};
+
+use super::{Backend, BucketView, Segment};
+use crate::error::Result;
+use crate::plan::{Step, StepOp, Via};
+use crate::types::{DType, ReduceOp};
+
+/// Below this many bytes touched, a call runs on the caller's thread: spawning costs ~10 µs.
+const INLINE_BYTES: usize = 1 << 20;
+/// Each extra thread gets at least this many bytes.
+const BYTES_PER_THREAD: usize = 512 << 10;
+
+fn hardware_threads() -> usize {
+    static THREADS: OnceLock<usize> = OnceLock::new();
+    *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+pub struct HostBackend {
+    max_threads: usize,
+}
+
+impl HostBackend {
+    pub fn new() -> HostBackend {
+        HostBackend {
+            max_threads: hardware_threads(),
+        }
+    }
+
+    /// Runs `f(segment, start, len)` over every element of `bucket`, split into contiguous
+    /// ranges over up to `max_threads` threads when the call is large enough to pay for them.
+    fn for_each_span<F>(&self, bucket: &BucketView<'_>, bytes_per_element: usize, f: F)
+    where
+        F: Fn(&Segment<'_>, usize, usize) + Sync,
+    {
+        let total = bucket.elements();
+        let bytes = total.saturating_mul(bytes_per_element);
+        let threads = if bytes < INLINE_BYTES {
+            1
+        } else {
+            (bytes / BYTES_PER_THREAD).clamp(1, self.max_threads)
+        };
+        let run = |lo: usize, hi: usize| {
+            let mut offset = 0;
+            for seg in &bucket.segments {
+                let (a, b) = (lo.max(offset), hi.min(offset + seg.count));
+                if a < b {
+                    f(seg, a - offset, b - a);
+                }
+                offset += seg.count;
+                if offset >= hi {
+                    break;
+                }
+            }
+        };
+        if threads == 1 {
+            return run(0, total);
+        }
+        let bound = |t: usize| total * t / threads;
+        std::thread::scope(|scope| {
+            for t in 1..threads {
+                let run = &run;
+                scope.spawn(move || run(bound(t), bound(t + 1)));
+            }
+            run(0, bound(1));
+        });
+    }
+}
+
+impl Default for HostBackend {
+    fn default() -> Self {
+        HostBackend::new()
+    }
+}
+
+/// The order in which a flat host program sums replicas: its root, then each summed source.
+fn summation_order(steps: &[Step], replicas: usize) -> Vec<usize> {
+    let Some(root) = steps.first().map(|s| s.dst) else {
+        return (0..replicas).collect();
+    };
+    let mut order = vec![root];
+    for s in steps {
+        // The planner gives host replicas a flat sum onto one root; anything else is a plan bug.
+        assert!(s.via == Via::Host, "host backend got a {:?} step", s.via);
+        if s.op == StepOp::Sum {
+            assert_eq!(s.dst, root, "host programs sum onto one root");
+            order.push(s.src);
+        }
+    }
+    order
+}
+
+impl Backend for HostBackend {
+    fn name(&self) -> &'static str {
+        "host"
+    }
+
+    unsafe fn allreduce(
+        &self,
+        bucket: &BucketView<'_>,
+        op: ReduceOp,
+        divisor: usize,
+        steps: &[Step],
+    ) -> Result<()> {
+        let Some(first) = bucket.segments.first() else {
+            return Ok(());
+        };
+        let replicas = first.ptrs.len();
+        if replicas <= 1 && divisor <= 1 {
+            return Ok(());
+        }
+        let order = summation_order(steps, replicas);
+        let bytes_per_element = bucket.dtype.size() * replicas * 2;
+        macro_rules! run {
+            ($t:ty) => {
+                self.for_each_span(bucket, bytes_per_element, |seg, start, len| unsafe {
+                    kernels::reduce_span::<$t>(seg.ptrs, &order, start, len, op, divisor)
+                })
+            };
+        }
+        match bucket.dtype {
+            DType::F32 => run!(f32),
+            DType::F64 => run!(f64),
+            DType::F16 => run!(f16),
+            DType::Bf16 => run!(bf16),
+            DType::I32 => run!(i32),
+            DType::I64 => run!(i64),
+        }
+        Ok(())
+    }
+
+    unsafe fn broadcast(&self, bucket: &BucketView<'_>, root: usize) -> Result<()> {
+        let size = bucket.dtype.size();
+        let Some(first) = bucket.segments.first() else {
+            return Ok(());
+        };
+        let replicas = first.ptrs.len();
+        self.for_each_span(bucket, size * replicas, |seg, start, len| {
+            let src = (seg.ptrs[root] + start * size) as *const u8;
+            for (r, &dst) in seg.ptrs.iter().enumerate() {
+                if r != root {
+                    // SAFETY: the caller guarantees valid, non-overlapping replica memory.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(src, (dst + start * size) as *mut u8, len * size)
+                    };
+                }
+            }
+        });
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        // Host collectives are complete when they return.
+        Ok(())
+    }
+}

@@ -1,0 +1,181 @@
+//! A context: the options it was made with, the topology, the registry, the cached plan and the
+//! executor. This is the whole library seen from Rust; `ffi` only translates C calls into it.
+
+use std::sync::Arc;
+
+use crate::backend::host::HostBackend;
+use crate::error::{Error, ErrorKind, Result};
+use crate::exec::Executor;
+use crate::options::Options;
+use crate::plan::{self, Plan, Topology};
+use crate::registry::{Registration, Registry, Snapshot, TensorView};
+use crate::types::{DType, Device, ReduceOp, Role, RoleMask};
+
+pub struct Context {
+    options: Options,
+    topology: Topology,
+    registry: Registry,
+    /// Registry checked and planned at one generation; rebuilt lazily after (un)registration.
+    prepared: Option<(Arc<Snapshot>, Arc<Plan>)>,
+    executor: Executor,
+}
+
+/// The description of the options' topology with no tensors and no device: a dry run.
+pub fn plan_describe(options: &Options) -> Result<String> {
+    let topology = Topology::from_options(options, None)?;
+    let snapshot = Registry::new(topology.replicas()).snapshot();
+    let plan = Plan::new(&topology, &snapshot, options.fusion_bytes);
+    Ok(plan::describe(&topology, &plan, &snapshot, options.fusion_bytes))
+}
+
+impl Context {
+    pub fn new(options: &Options) -> Result<Context> {
+        options.validate()?;
+        if options.has_cuda_replicas() {
+            return Err(Error::new(
+                ErrorKind::Unavailable,
+                "CUDA replicas are not supported by this build of dpsync yet (host replicas only); \
+                 dpsync_plan_describe can plan them",
+            ));
+        }
+        let topology = Topology::from_options(options, None)?;
+        Ok(Context {
+            options: options.clone(),
+            registry: Registry::new(topology.replicas()),
+            topology,
+            prepared: None,
+            executor: Executor::new(Box::new(HostBackend::new())),
+        })
+    }
+
+    pub fn replica_count(&self) -> usize {
+        self.topology.replicas()
+    }
+
+    /// 1 / replicas in the world: the loss factor that turns a SUM of gradients into a mean.
+    pub fn loss_scale(&self) -> f64 {
+        1.0 / self.topology.world_replicas() as f64
+    }
+
+    fn check_replica(&self, replica: usize, argument: &str) -> Result<()> {
+        if replica >= self.replica_count() {
+            return Err(Error::invalid(format!(
+                "{argument} {replica} is out of range: the context has {} replicas",
+                self.replica_count()
+            )));
+        }
+        Ok(())
+    }
+
+    pub fn set_stream(&mut self, replica: usize, _stream: usize) -> Result<()> {
+        self.check_replica(replica, "replica")?;
+        match self.topology.devices[replica] {
+            Device::Host => Err(Error::invalid(format!(
+                "replica {replica} is a host replica: streams belong to CUDA replicas"
+            ))),
+            Device::Cuda(_) => unreachable!("contexts with CUDA replicas are refused at creation"),
+        }
+    }
+
+    pub fn synchronize(&self) -> Result<()> {
+        self.executor.synchronize()
+    }
+
+    pub fn register(
+        &mut self,
+        name: &str,
+        role: Role,
+        replica: usize,
+        ptr: usize,
+        count: usize,
+        dtype: DType,
+    ) -> Result<()> {
+        self.check_replica(replica, "replica")?;
+        self.registry.register(
+            name,
+            replica,
+            Registration {
+                role,
+                ptr,
+                count,
+                dtype,
+            },
+        )
+    }
+
+    pub fn unregister(&mut self, name: &str) -> Result<()> {
+        self.registry.unregister(name)
+    }
+
+    /// The checked registry and its plan for the current generation.
+    fn prepare(&mut self) -> (Arc<Snapshot>, Arc<Plan>) {
+        let generation = self.registry.generation();
+        match &self.prepared {
+            Some((s, p)) if s.generation == generation => (s.clone(), p.clone()),
+            _ => {
+                let snapshot = Arc::new(self.registry.snapshot());
+                let plan = Arc::new(Plan::new(&self.topology, &snapshot, self.options.fusion_bytes));
+                self.prepared = Some((snapshot.clone(), plan.clone()));
+                (snapshot, plan)
+            }
+        }
+    }
+
+    pub fn describe(&mut self) -> String {
+        let (snapshot, plan) = self.prepare();
+        plan::describe(&self.topology, &plan, &snapshot, self.options.fusion_bytes)
+    }
+
+    fn divisor(&self) -> usize {
+        self.topology.world_replicas()
+    }
+
+    pub fn allreduce_grads(&mut self, op: ReduceOp) -> Result<()> {
+        let (snapshot, plan) = self.prepare();
+        snapshot.select(Role::Grad.into())?;
+        let tensors: Vec<&TensorView> = snapshot.tensors.iter().collect();
+        // SAFETY: registered memory stays valid while registered (the C contract).
+        unsafe {
+            self.executor
+                .allreduce_buckets(&plan.buckets, &tensors, op, self.divisor(), &plan.allreduce)
+        }
+    }
+
+    pub fn allreduce(&mut self, name: &str, op: ReduceOp) -> Result<()> {
+        let (snapshot, plan) = self.prepare();
+        let tensor = snapshot.lookup(name)?;
+        // SAFETY: as in allreduce_grads.
+        unsafe {
+            self.executor.allreduce(
+                &[tensor],
+                op,
+                self.divisor(),
+                &plan.allreduce,
+                self.options.fusion_bytes,
+            )
+        }
+    }
+
+    pub fn broadcast(&mut self, roles: RoleMask, root: usize) -> Result<()> {
+        self.check_replica(root, "root_replica")?;
+        let (snapshot, _) = self.prepare();
+        let tensors = snapshot.select(roles)?;
+        // SAFETY: as in allreduce_grads.
+        unsafe { self.executor.broadcast(&tensors, root, self.options.fusion_bytes) }
+    }
+
+    pub fn average(&mut self, roles: RoleMask) -> Result<()> {
+        let (snapshot, plan) = self.prepare();
+        let tensors = snapshot.select(roles)?;
+        // SAFETY: as in allreduce_grads.
+        unsafe {
+            self.executor.allreduce(
+                &tensors,
+                ReduceOp::Avg,
+                self.divisor(),
+                &plan.allreduce,
+                self.options.fusion_bytes,
+            )
+        }
+    }
+}

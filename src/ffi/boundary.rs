@@ -1,0 +1,140 @@
+//! The one way into the library from C, in the manner of rustls-ffi's `ffi_panic_boundary!`:
+//! every exported body runs under `catch_unwind`; an `Err` becomes its status plus the
+//! thread's last-error message; a panic becomes `DPSYNC_STATUS_PANIC` (and poisons the context
+//! it happened in). Pointer and enum arguments are decoded by the helpers below, which name the
+//! C parameter in their message.
+
+use std::cell::RefCell;
+use std::ffi::{c_char, CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use parking_lot::Mutex;
+
+use super::status::dpsync_status;
+use crate::context::Context;
+use crate::error::{Error, ErrorKind, Result};
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+fn set_last_error(message: &str) {
+    // Interior NULs would truncate the message in C; show them instead.
+    let text = CString::new(message.replace('\0', "\\0")).unwrap_or_default();
+    LAST_ERROR.with(|e| *e.borrow_mut() = text);
+}
+
+pub(super) fn last_error_ptr() -> *const c_char {
+    LAST_ERROR.with(|e| e.borrow().as_ptr())
+}
+
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic payload".to_owned())
+}
+
+fn report(result: Result<()>) -> dpsync_status {
+    match result {
+        Ok(()) => dpsync_status::DPSYNC_STATUS_OK,
+        Err(err) => {
+            set_last_error(&err.message);
+            err.kind.into()
+        }
+    }
+}
+
+/// Runs `body` at the boundary: no panic crosses into C.
+pub(super) fn entry(body: impl FnOnce() -> Result<()>) -> dpsync_status {
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(result) => report(result),
+        Err(payload) => {
+            let text = panic_text(&*payload);
+            report(Err(Error::new(
+                ErrorKind::Panic,
+                format!("internal error (please report): {text}"),
+            )))
+        }
+    }
+}
+
+/// The object behind a `dpsync_context *`.
+pub struct dpsync_context {
+    inner: Mutex<Context>,
+    /// Set when a call on this context panicked: its state may be half-updated.
+    poisoned: Mutex<Option<String>>,
+}
+
+impl dpsync_context {
+    pub(super) fn new(context: Context) -> dpsync_context {
+        dpsync_context {
+            inner: Mutex::new(context),
+            poisoned: Mutex::new(None),
+        }
+    }
+}
+
+/// Runs `body` on the context behind `context`, under the boundary. A context that panicked
+/// before refuses further work with INVALID_STATE.
+pub(super) fn with_context(
+    context: *const dpsync_context,
+    body: impl FnOnce(&mut Context) -> Result<()>,
+) -> dpsync_status {
+    entry(|| {
+        // SAFETY: a non-NULL context comes from dpsync_context_create (the C contract).
+        let ctx = unsafe { context.as_ref() }.ok_or_else(|| Error::invalid("context is NULL"))?;
+        if let Some(why) = ctx.poisoned.lock().as_ref() {
+            return Err(Error::new(
+                ErrorKind::InvalidState,
+                format!("the context is unusable after an earlier internal error: {why}"),
+            ));
+        }
+        let outcome = catch_unwind(AssertUnwindSafe(|| body(&mut ctx.inner.lock())));
+        match outcome {
+            Ok(result) => result,
+            Err(payload) => {
+                let text = panic_text(&*payload);
+                *ctx.poisoned.lock() = Some(text.clone());
+                Err(Error::new(
+                    ErrorKind::Panic,
+                    format!("internal error (please report); the context refuses further work: {text}"),
+                ))
+            }
+        }
+    })
+}
+
+/// `ptr` as a reference, or INVALID_ARGUMENT naming `argument`.
+pub(super) unsafe fn try_ref<'a, T>(ptr: *const T, argument: &str) -> Result<&'a T> {
+    ptr.as_ref()
+        .ok_or_else(|| Error::invalid(format!("{argument} is NULL")))
+}
+
+/// `ptr` as a mutable reference, or INVALID_ARGUMENT naming `argument`.
+pub(super) unsafe fn try_mut<'a, T>(ptr: *mut T, argument: &str) -> Result<&'a mut T> {
+    ptr.as_mut()
+        .ok_or_else(|| Error::invalid(format!("{argument} is NULL")))
+}
+
+/// A NUL-terminated UTF-8 string argument.
+pub(super) unsafe fn try_str<'a>(ptr: *const c_char, argument: &str) -> Result<&'a str> {
+    if ptr.is_null() {
+        return Err(Error::invalid(format!("{argument} is NULL")));
+    }
+    CStr::from_ptr(ptr)
+        .to_str()
+        .map_err(|_| Error::invalid(format!("{argument} is not valid UTF-8")))
+}
+
+/// A C enum value passed as `uint32_t`, decoded by `decode`.
+pub(super) fn try_enum<T>(
+    code: u32,
+    decode: fn(u32) -> Option<T>,
+    argument: &str,
+    expected: &str,
+) -> Result<T> {
+    decode(code)
+        .ok_or_else(|| Error::invalid(format!("{argument} is {code}, not one of {expected}")))
+}

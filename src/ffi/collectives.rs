@@ -1,0 +1,61 @@
+//! Dense collectives. Each validates every tensor it will touch before writing a byte, and
+//! returns once its work is done (host) or queued (devices).
+
+use std::ffi::c_char;
+
+use super::boundary::{dpsync_context, try_enum, try_str, with_context};
+use super::status::dpsync_status;
+use crate::error::{Error, Result};
+use crate::types::{ReduceOp, RoleMask};
+
+fn reduce_op(op: u32) -> Result<ReduceOp> {
+    try_enum(op, ReduceOp::from_code, "op", "DPSYNC_REDUCE_SUM/AVG (0, 1)")
+}
+
+fn role_mask(roles: u32) -> Result<RoleMask> {
+    RoleMask::from_bits(roles).ok_or_else(|| {
+        Error::invalid(format!(
+            "roles is {roles:#x}: a non-empty mask of DPSYNC_ROLE_* bits (0x1..0xF)"
+        ))
+    })
+}
+
+/// Reduce every GRAD tensor across all replicas (and ranks), fused into buckets, last
+/// registered first. Every replica ends with identical bytes.
+#[no_mangle]
+pub unsafe extern "C" fn dpsync_allreduce_grads(
+    context: *mut dpsync_context,
+    op: u32,
+) -> dpsync_status {
+    with_context(context, |ctx| ctx.allreduce_grads(reduce_op(op)?))
+}
+
+/// Reduce one tensor (any role) across all replicas in place.
+#[no_mangle]
+pub unsafe extern "C" fn dpsync_allreduce(
+    context: *mut dpsync_context,
+    name: *const c_char,
+    op: u32,
+) -> dpsync_status {
+    with_context(context, |ctx| {
+        let name = try_str(name, "name")?;
+        ctx.allreduce(name, reduce_op(op)?)
+    })
+}
+
+/// Copy every tensor whose role is in `roles` from `root_replica` (of rank 0) to all other
+/// replicas.
+#[no_mangle]
+pub unsafe extern "C" fn dpsync_broadcast(
+    context: *mut dpsync_context,
+    roles: u32,
+    root_replica: usize,
+) -> dpsync_status {
+    with_context(context, |ctx| ctx.broadcast(role_mask(roles)?, root_replica))
+}
+
+/// Replace every tensor whose role is in `roles` by its mean over all replicas.
+#[no_mangle]
+pub unsafe extern "C" fn dpsync_average(context: *mut dpsync_context, roles: u32) -> dpsync_status {
+    with_context(context, |ctx| ctx.average(role_mask(roles)?))
+}

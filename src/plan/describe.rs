@@ -1,0 +1,59 @@
+//! The plan as JSON, for `dpsync_describe` and `dpsync_plan_describe`.
+
+use serde_json::{json, Value};
+
+use super::{Plan, Topology};
+use crate::registry::Snapshot;
+
+pub fn describe(topology: &Topology, plan: &Plan, snapshot: &Snapshot, fusion_bytes: usize) -> String {
+    let n = topology.replicas();
+    let replicas: Vec<Value> = topology
+        .devices
+        .iter()
+        .enumerate()
+        .map(|(i, d)| json!({"index": i, "device": d.to_string(), "rank": topology.rank}))
+        .collect();
+    let peer: Vec<Vec<u8>> = topology.peer.chunks(n.max(1)).map(<[u8]>::to_vec).collect();
+    let buckets: Vec<Value> = plan
+        .buckets
+        .iter()
+        .map(|b| {
+            let names: Vec<&str> = b
+                .tensors
+                .iter()
+                .map(|&i| snapshot.tensors[i].name.as_str())
+                .collect();
+            json!({"dtype": b.dtype.name(), "bytes": b.bytes(), "elements": b.elements, "tensors": names})
+        })
+        .collect();
+    let steps: Vec<Value> = plan
+        .allreduce
+        .iter()
+        .map(|s| {
+            let mut step = json!({"op": s.op.name(), "src": s.src, "dst": s.dst,
+                                  "via": s.via.name(), "round": s.round});
+            if let Some(rank) = s.rank {
+                step["rank"] = json!(rank);
+            }
+            step
+        })
+        .collect();
+    let problems: Vec<&str> = snapshot.problems().map(|e| e.message.as_str()).collect();
+    json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "rank": topology.rank,
+        "world_size": topology.world_size,
+        "replicas": replicas,
+        "transport": topology.transport.name(),
+        "transport_reason": topology.transport_reason,
+        "peer_access": peer,
+        "peer_access_source": topology.peer_source.name(),
+        "fusion_bytes": fusion_bytes,
+        "loss_scale": 1.0 / topology.world_replicas() as f64,
+        "tensors": snapshot.tensors.len(),
+        "buckets": buckets,
+        "steps": steps,
+        "problems": problems,
+    })
+    .to_string()
+}

@@ -1,0 +1,154 @@
+//! The replicas' devices, who can read whose memory, and the transport that follows.
+
+use crate::error::Result;
+use crate::options::Options;
+use crate::types::{Device, Transport};
+
+/// The transport a plan runs on (AUTO resolved).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransportChoice {
+    Host,
+    Nccl,
+    PeerCopy,
+}
+
+impl TransportChoice {
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportChoice::Host => "host",
+            TransportChoice::Nccl => "nccl",
+            TransportChoice::PeerCopy => "peer_copy",
+        }
+    }
+}
+
+/// Where the peer-access matrix came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PeerSource {
+    /// Host replicas share one address space.
+    Host,
+    /// `dpsync_options_set_peer_access`.
+    Override,
+    /// Queried from the driver by a live context.
+    Detected,
+    /// A dry run without an override: no device was asked, so no pair of distinct GPUs is
+    /// assumed to have access (the plan that is correct on every machine).
+    Assumed,
+}
+
+impl PeerSource {
+    pub fn name(self) -> &'static str {
+        match self {
+            PeerSource::Host => "host",
+            PeerSource::Override => "override",
+            PeerSource::Detected => "detected",
+            PeerSource::Assumed => "assumed",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Topology {
+    pub devices: Vec<Device>,
+    /// Row-major n x n, n = replicas; `peer[i * n + j] == 1`: replica i's device reads j's memory.
+    pub peer: Vec<u8>,
+    pub peer_source: PeerSource,
+    pub transport: TransportChoice,
+    pub transport_reason: String,
+    /// This process's rank and the number of processes (always 0 and 1 until multi-process).
+    pub rank: usize,
+    pub world_size: usize,
+}
+
+impl Topology {
+    /// The topology the options describe. `detected` is a live context's peer matrix; `None` is
+    /// a dry run that touches no device.
+    pub fn from_options(options: &Options, detected: Option<Vec<u8>>) -> Result<Topology> {
+        options.validate()?;
+        let devices = options.replicas.clone();
+        let n = devices.len();
+        let cuda = options.has_cuda_replicas();
+        let (mut peer, peer_source) = match (&options.peer_access, detected, cuda) {
+            (Some(m), _, _) => (m.clone(), PeerSource::Override),
+            (None, _, false) => (vec![1; n * n], PeerSource::Host),
+            (None, Some(m), true) => (m, PeerSource::Detected),
+            (None, None, true) => (vec![0; n * n], PeerSource::Assumed),
+        };
+        // A device always reads its own memory, whatever a matrix says.
+        for i in 0..n {
+            for j in 0..n {
+                if devices[i] == devices[j] {
+                    peer[i * n + j] = 1;
+                }
+            }
+        }
+        let (transport, transport_reason) = match (options.transport, cuda) {
+            (_, false) => (
+                TransportChoice::Host,
+                "host replicas: multi-threaded reduction in host memory".to_owned(),
+            ),
+            (Transport::Nccl, true) => (TransportChoice::Nccl, "NCCL requested".to_owned()),
+            (Transport::PeerCopy, true) => (
+                TransportChoice::PeerCopy,
+                "PEER_COPY requested".to_owned(),
+            ),
+            (_, true) => (
+                TransportChoice::Nccl,
+                "AUTO: NCCL, if it loads and initialises when the context is created; \
+                 otherwise peer_copy (a dry run does not load it)"
+                    .to_owned(),
+            ),
+        };
+        Ok(Topology {
+            devices,
+            peer,
+            peer_source,
+            transport,
+            transport_reason,
+            rank: 0,
+            world_size: 1,
+        })
+    }
+
+    pub fn replicas(&self) -> usize {
+        self.devices.len()
+    }
+
+    /// Replicas over all processes: the divisor of AVG and of the loss scale.
+    pub fn world_replicas(&self) -> usize {
+        self.devices.len() * self.world_size
+    }
+
+    /// Whether a kernel on `a`'s device may read `b`'s memory directly and vice versa.
+    pub fn mutual_access(&self, a: usize, b: usize) -> bool {
+        let n = self.replicas();
+        self.peer[a * n + b] != 0 && self.peer[b * n + a] != 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn same_device_pairs_always_have_access() {
+        let mut o = Options::default();
+        o.set_cuda_replicas(&[0, 0, 1]).unwrap();
+        o.set_peer_access(&[0; 9], 3).unwrap();
+        let t = Topology::from_options(&o, None).unwrap();
+        assert_eq!(t.peer, vec![1, 1, 0, 1, 1, 0, 0, 0, 1]);
+        assert_eq!(t.peer_source, PeerSource::Override);
+        assert!(t.mutual_access(0, 1) && !t.mutual_access(1, 2));
+        assert_eq!(t.transport, TransportChoice::Nccl);
+    }
+
+    #[test]
+    fn host_replicas_plan_the_host_transport() {
+        let mut o = Options::default();
+        o.set_host_replicas(4).unwrap();
+        let t = Topology::from_options(&o, None).unwrap();
+        assert_eq!(t.transport, TransportChoice::Host);
+        assert_eq!(t.peer, vec![1; 16]);
+        assert_eq!(t.world_replicas(), 4);
+    }
+}

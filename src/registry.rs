@@ -1,0 +1,347 @@
+//! The registry: tensors by name and replica. It accepts registrations one replica at a time
+//! (frameworks register replica by replica), refuses only what contradicts an earlier
+//! registration on the same replica, and reports disagreements between replicas through a
+//! [`Snapshot`], so that the first collective touching a tensor can name it.
+
+use std::collections::HashMap;
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::types::{DType, Role, RoleMask};
+
+/// One replica's registration of a name: caller-owned memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Registration {
+    pub role: Role,
+    /// Address of the first element (kept as an integer: the registry never dereferences it).
+    pub ptr: usize,
+    pub count: usize,
+    pub dtype: DType,
+}
+
+impl Registration {
+    fn describe(&self) -> String {
+        format!(
+            "role {}, {} elements of {} at {:#x}",
+            self.role, self.count, self.dtype, self.ptr
+        )
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Entry {
+    name: String,
+    per_replica: Vec<Option<Registration>>,
+}
+
+/// Tensors by name, in order of each name's first registration.
+#[derive(Debug)]
+pub struct Registry {
+    replicas: usize,
+    entries: Vec<Entry>,
+    index: HashMap<String, usize>,
+    generation: u64,
+}
+
+impl Registry {
+    pub fn new(replicas: usize) -> Registry {
+        Registry {
+            replicas,
+            entries: Vec::new(),
+            index: HashMap::new(),
+            generation: 0,
+        }
+    }
+
+    /// Changes whenever the set of registrations changes; plans are cached against it.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    pub fn register(&mut self, name: &str, replica: usize, reg: Registration) -> Result<()> {
+        if replica >= self.replicas {
+            return Err(Error::invalid(format!(
+                "replica {replica} is out of range: the context has {} replicas",
+                self.replicas
+            )));
+        }
+        if let Some(&i) = self.index.get(name) {
+            let slot = &mut self.entries[i].per_replica[replica];
+            match slot {
+                Some(old) if *old == reg => return Ok(()),
+                Some(old) => {
+                    return Err(Error::new(
+                        ErrorKind::Conflict,
+                        format!(
+                            "tensor '{name}': replica {replica} already has it registered with {}; \
+                             the new registration has {} (unregister it first to change it)",
+                            old.describe(),
+                            reg.describe()
+                        ),
+                    ))
+                }
+                None => *slot = Some(reg),
+            }
+        } else {
+            let mut per_replica = vec![None; self.replicas];
+            per_replica[replica] = Some(reg);
+            self.index.insert(name.to_owned(), self.entries.len());
+            self.entries.push(Entry {
+                name: name.to_owned(),
+                per_replica,
+            });
+        }
+        self.generation += 1;
+        Ok(())
+    }
+
+    /// Removes `name` from every replica.
+    pub fn unregister(&mut self, name: &str) -> Result<()> {
+        let Some(i) = self.index.remove(name) else {
+            return Err(not_found(name));
+        };
+        self.entries.remove(i);
+        for pos in self.index.values_mut() {
+            if *pos > i {
+                *pos -= 1;
+            }
+        }
+        self.generation += 1;
+        Ok(())
+    }
+
+    /// Checks every name across replicas. Consistent tensors become [`TensorView`]s; the others
+    /// are kept as the error a collective touching them must return.
+    pub fn snapshot(&self) -> Snapshot {
+        let mut snapshot = Snapshot {
+            generation: self.generation,
+            tensors: Vec::new(),
+            problems: Vec::new(),
+            index: HashMap::with_capacity(self.entries.len()),
+        };
+        for entry in &self.entries {
+            let lookup = match check_entry(entry) {
+                Ok(view) => {
+                    snapshot.tensors.push(view);
+                    Ok(snapshot.tensors.len() - 1)
+                }
+                Err(err) => {
+                    let roles = entry.per_replica.iter().flatten().map(|r| r.role.bit());
+                    let bits = roles.fold(0, |acc, bit| acc | bit);
+                    snapshot.problems.push((bits, err));
+                    Err(snapshot.problems.len() - 1)
+                }
+            };
+            snapshot.index.insert(entry.name.clone(), lookup);
+        }
+        snapshot
+    }
+}
+
+fn not_found(name: &str) -> Error {
+    Error::new(
+        ErrorKind::NotFound,
+        format!("tensor '{name}' is not registered"),
+    )
+}
+
+/// The replicas of one name must agree on role, dtype and count, and their memory must not
+/// overlap (the reduction writes every replica).
+fn check_entry(entry: &Entry) -> Result<TensorView> {
+    let name = &entry.name;
+    let (first, reference) = entry
+        .per_replica
+        .iter()
+        .enumerate()
+        .find_map(|(i, r)| r.map(|r| (i, r)))
+        .expect("an entry holds at least one registration");
+    let mut ptrs = Vec::with_capacity(entry.per_replica.len());
+    for (replica, reg) in entry.per_replica.iter().enumerate() {
+        let Some(reg) = reg else {
+            return Err(Error::inconsistent(format!(
+                "tensor '{name}': not registered on replica {replica} (registered on replica {first})"
+            )));
+        };
+        if reg.role != reference.role {
+            return Err(Error::inconsistent(format!(
+                "tensor '{name}': replica {replica} registered it as {}, replica {first} as {}",
+                reg.role, reference.role
+            )));
+        }
+        if reg.dtype != reference.dtype {
+            return Err(Error::inconsistent(format!(
+                "tensor '{name}': replica {replica} has dtype {}, replica {first} has {}",
+                reg.dtype, reference.dtype
+            )));
+        }
+        if reg.count != reference.count {
+            return Err(Error::inconsistent(format!(
+                "tensor '{name}': replica {replica} has {} elements, replica {first} has {}",
+                reg.count, reference.count
+            )));
+        }
+        ptrs.push(reg.ptr);
+    }
+    let bytes = reference.count * reference.dtype.size();
+    let mut spans: Vec<(usize, usize)> = ptrs.iter().copied().zip(0..).collect();
+    spans.sort_unstable();
+    for pair in spans.windows(2) {
+        let ((lo, a), (hi, b)) = (pair[0], pair[1]);
+        if hi < lo.saturating_add(bytes) {
+            let (a, b) = (a.min(b), a.max(b));
+            return Err(Error::inconsistent(format!(
+                "tensor '{name}': the memory of replica {b} overlaps the memory of replica {a}"
+            )));
+        }
+    }
+    Ok(TensorView {
+        name: name.clone(),
+        role: reference.role,
+        dtype: reference.dtype,
+        count: reference.count,
+        ptrs,
+    })
+}
+
+/// A tensor registered consistently on every replica.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorView {
+    pub name: String,
+    pub role: Role,
+    pub dtype: DType,
+    pub count: usize,
+    /// One address per replica, in replica order.
+    pub ptrs: Vec<usize>,
+}
+
+impl TensorView {
+    pub fn bytes(&self) -> usize {
+        self.count * self.dtype.size()
+    }
+}
+
+/// The registry checked at one generation: what collectives may touch, and what they must refuse.
+#[derive(Debug)]
+pub struct Snapshot {
+    pub generation: u64,
+    /// Consistent tensors in registration order.
+    pub tensors: Vec<TensorView>,
+    /// Inconsistent names: the roles they were registered with (a bit mask) and the error.
+    problems: Vec<(u32, Error)>,
+    index: HashMap<String, Result<usize, usize>>,
+}
+
+impl Snapshot {
+    /// The tensor `name`, or NOT_FOUND / the INCONSISTENT error naming it.
+    pub fn lookup(&self, name: &str) -> Result<&TensorView> {
+        match self.index.get(name) {
+            None => Err(not_found(name)),
+            Some(Ok(i)) => Ok(&self.tensors[*i]),
+            Some(Err(p)) => Err(self.problems[*p].1.clone()),
+        }
+    }
+
+    /// Every tensor whose role is in `mask`, in registration order; fails if any name registered
+    /// with such a role on some replica is inconsistent (a collective touching it would be wrong).
+    pub fn select(&self, mask: RoleMask) -> Result<Vec<&TensorView>> {
+        if let Some((_, err)) = self.problems.iter().find(|(bits, _)| {
+            [Role::Param, Role::Grad, Role::Computed, Role::State]
+                .iter()
+                .any(|r| bits & r.bit() != 0 && mask.contains(*r))
+        }) {
+            return Err(err.clone());
+        }
+        Ok(self
+            .tensors
+            .iter()
+            .filter(|t| mask.contains(t.role))
+            .collect())
+    }
+
+    pub fn problems(&self) -> impl Iterator<Item = &Error> {
+        self.problems.iter().map(|(_, e)| e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reg(role: Role, ptr: usize, count: usize) -> Registration {
+        Registration {
+            role,
+            ptr,
+            count,
+            dtype: DType::F32,
+        }
+    }
+
+    #[test]
+    fn identical_registration_is_a_noop_and_a_difference_conflicts() {
+        let mut r = Registry::new(2);
+        r.register("w", 0, reg(Role::Param, 0x1000, 10)).unwrap();
+        let g = r.generation();
+        r.register("w", 0, reg(Role::Param, 0x1000, 10)).unwrap();
+        assert_eq!(r.generation(), g, "a no-op must not invalidate plans");
+        let err = r.register("w", 0, reg(Role::Param, 0x2000, 10)).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Conflict);
+        assert!(err.message.contains("'w'") && err.message.contains("replica 0"));
+        let err = r.register("w", 2, reg(Role::Param, 0x2000, 10)).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::InvalidArgument);
+        assert!(err.message.contains("replica 2"));
+    }
+
+    #[test]
+    fn snapshot_names_the_inconsistent_tensor_and_replica() {
+        let mut r = Registry::new(3);
+        for i in 0..3 {
+            r.register("ok", i, reg(Role::Grad, 0x1000 * (i + 1), 4)).unwrap();
+        }
+        r.register("fc_w", 0, reg(Role::Param, 0x10000, 10)).unwrap();
+        r.register("fc_w", 1, reg(Role::Param, 0x20000, 11)).unwrap();
+        r.register("fc_w", 2, reg(Role::Param, 0x30000, 10)).unwrap();
+        r.register("half", 1, reg(Role::State, 0x40000, 1)).unwrap();
+        let s = r.snapshot();
+        assert_eq!(s.lookup("ok").unwrap().ptrs, vec![0x1000, 0x2000, 0x3000]);
+        let err = s.lookup("fc_w").unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Inconsistent);
+        assert_eq!(
+            err.message,
+            "tensor 'fc_w': replica 1 has 11 elements, replica 0 has 10"
+        );
+        let err = s.lookup("half").unwrap_err();
+        assert!(err.message.contains("not registered on replica 0"));
+        assert_eq!(s.lookup("nope").unwrap_err().kind, ErrorKind::NotFound);
+        // Only the roles a collective touches are checked.
+        assert_eq!(s.select(Role::Grad.into()).unwrap().len(), 1);
+        assert!(s.select(Role::Param.into()).is_err());
+        assert!(s.select(Role::State.into()).is_err());
+        assert_eq!(s.problems().count(), 2);
+    }
+
+    #[test]
+    fn overlapping_replica_memory_is_inconsistent() {
+        let mut r = Registry::new(2);
+        r.register("g", 0, reg(Role::Grad, 0x1000, 4)).unwrap();
+        r.register("g", 1, reg(Role::Grad, 0x1008, 4)).unwrap();
+        let err = r.snapshot().lookup("g").unwrap_err();
+        assert!(err.message.contains("overlaps"), "{}", err.message);
+        r.unregister("g").unwrap();
+        r.register("g", 0, reg(Role::Grad, 0x1000, 4)).unwrap();
+        r.register("g", 1, reg(Role::Grad, 0x1010, 4)).unwrap();
+        assert!(r.snapshot().lookup("g").is_ok());
+    }
+
+    #[test]
+    fn unregister_keeps_the_order_of_the_rest() {
+        let mut r = Registry::new(1);
+        for (i, name) in ["a", "b", "c"].iter().enumerate() {
+            r.register(name, 0, reg(Role::Grad, 0x100 * (i + 1), 1)).unwrap();
+        }
+        r.unregister("b").unwrap();
+        assert_eq!(r.unregister("b").unwrap_err().kind, ErrorKind::NotFound);
+        let s = r.snapshot();
+        let names: Vec<_> = s.tensors.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["a", "c"]);
+        assert!(s.lookup("c").is_ok());
+    }
+}
