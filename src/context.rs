@@ -25,7 +25,12 @@ pub fn plan_describe(options: &Options) -> Result<String> {
     let topology = Topology::from_options(options, None)?;
     let snapshot = Registry::new(topology.replicas()).snapshot();
     let plan = Plan::new(&topology, &snapshot, options.fusion_bytes);
-    Ok(plan::describe(&topology, &plan, &snapshot, options.fusion_bytes))
+    Ok(plan::describe(
+        &topology,
+        &plan,
+        &snapshot,
+        options.fusion_bytes,
+    ))
 }
 
 impl Context {
@@ -114,7 +119,11 @@ impl Context {
             Some((s, p)) if s.generation == generation => (s.clone(), p.clone()),
             _ => {
                 let snapshot = Arc::new(self.registry.snapshot());
-                let plan = Arc::new(Plan::new(&self.topology, &snapshot, self.options.fusion_bytes));
+                let plan = Arc::new(Plan::new(
+                    &self.topology,
+                    &snapshot,
+                    self.options.fusion_bytes,
+                ));
                 self.prepared = Some((snapshot.clone(), plan.clone()));
                 (snapshot, plan)
             }
@@ -136,8 +145,13 @@ impl Context {
         let tensors: Vec<&TensorView> = snapshot.tensors.iter().collect();
         // SAFETY: registered memory stays valid while registered (the C contract).
         unsafe {
-            self.executor
-                .allreduce_buckets(&plan.buckets, &tensors, op, self.divisor(), &plan.allreduce)
+            self.executor.allreduce_buckets(
+                &plan.buckets,
+                &tensors,
+                op,
+                self.divisor(),
+                &plan.allreduce,
+            )
         }
     }
 
@@ -161,7 +175,10 @@ impl Context {
         let (snapshot, _) = self.prepare();
         let tensors = snapshot.select(roles)?;
         // SAFETY: as in allreduce_grads.
-        unsafe { self.executor.broadcast(&tensors, root, self.options.fusion_bytes) }
+        unsafe {
+            self.executor
+                .broadcast(&tensors, root, self.options.fusion_bytes)
+        }
     }
 
     pub fn average(&mut self, roles: RoleMask) -> Result<()> {

@@ -138,8 +138,10 @@ mod tests {
 
     #[test]
     fn transport_must_fit_the_replicas() {
-        let mut o = Options::default();
-        o.transport = Transport::Nccl;
+        let mut o = Options {
+            transport: Transport::Nccl,
+            ..Options::default()
+        };
         assert!(o.validate().unwrap_err().message.contains("transport"));
         o.set_cuda_replicas(&[0]).unwrap();
         o.validate().unwrap();

@@ -282,10 +282,14 @@ mod tests {
         let g = r.generation();
         r.register("w", 0, reg(Role::Param, 0x1000, 10)).unwrap();
         assert_eq!(r.generation(), g, "a no-op must not invalidate plans");
-        let err = r.register("w", 0, reg(Role::Param, 0x2000, 10)).unwrap_err();
+        let err = r
+            .register("w", 0, reg(Role::Param, 0x2000, 10))
+            .unwrap_err();
         assert_eq!(err.kind, ErrorKind::Conflict);
         assert!(err.message.contains("'w'") && err.message.contains("replica 0"));
-        let err = r.register("w", 2, reg(Role::Param, 0x2000, 10)).unwrap_err();
+        let err = r
+            .register("w", 2, reg(Role::Param, 0x2000, 10))
+            .unwrap_err();
         assert_eq!(err.kind, ErrorKind::InvalidArgument);
         assert!(err.message.contains("replica 2"));
     }
@@ -294,11 +298,15 @@ mod tests {
     fn snapshot_names_the_inconsistent_tensor_and_replica() {
         let mut r = Registry::new(3);
         for i in 0..3 {
-            r.register("ok", i, reg(Role::Grad, 0x1000 * (i + 1), 4)).unwrap();
+            r.register("ok", i, reg(Role::Grad, 0x1000 * (i + 1), 4))
+                .unwrap();
         }
-        r.register("fc_w", 0, reg(Role::Param, 0x10000, 10)).unwrap();
-        r.register("fc_w", 1, reg(Role::Param, 0x20000, 11)).unwrap();
-        r.register("fc_w", 2, reg(Role::Param, 0x30000, 10)).unwrap();
+        r.register("fc_w", 0, reg(Role::Param, 0x10000, 10))
+            .unwrap();
+        r.register("fc_w", 1, reg(Role::Param, 0x20000, 11))
+            .unwrap();
+        r.register("fc_w", 2, reg(Role::Param, 0x30000, 10))
+            .unwrap();
         r.register("half", 1, reg(Role::State, 0x40000, 1)).unwrap();
         let s = r.snapshot();
         assert_eq!(s.lookup("ok").unwrap().ptrs, vec![0x1000, 0x2000, 0x3000]);
@@ -335,7 +343,8 @@ mod tests {
     fn unregister_keeps_the_order_of_the_rest() {
         let mut r = Registry::new(1);
         for (i, name) in ["a", "b", "c"].iter().enumerate() {
-            r.register(name, 0, reg(Role::Grad, 0x100 * (i + 1), 1)).unwrap();
+            r.register(name, 0, reg(Role::Grad, 0x100 * (i + 1), 1))
+                .unwrap();
         }
         r.unregister("b").unwrap();
         assert_eq!(r.unregister("b").unwrap_err().kind, ErrorKind::NotFound);

@@ -28,7 +28,10 @@ fn view<'a>(bucket: &Bucket, tensors: &[&'a TensorView]) -> BucketView<'a> {
 
 /// Buckets for an ad-hoc set of tensors (broadcast, average): same fusion rule as gradients.
 fn buckets_for(tensors: &[&TensorView], fusion_bytes: usize) -> Vec<Bucket> {
-    let items = tensors.iter().enumerate().map(|(i, t)| (i, t.dtype, t.count));
+    let items = tensors
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (i, t.dtype, t.count));
     plan_buckets(items, fusion_bytes)
 }
 
@@ -80,7 +83,12 @@ impl Executor {
     ///
     /// # Safety
     /// As for [`Executor::allreduce_buckets`].
-    pub unsafe fn broadcast(&self, tensors: &[&TensorView], root: usize, fusion_bytes: usize) -> Result<()> {
+    pub unsafe fn broadcast(
+        &self,
+        tensors: &[&TensorView],
+        root: usize,
+        fusion_bytes: usize,
+    ) -> Result<()> {
         for bucket in buckets_for(tensors, fusion_bytes) {
             self.backend.broadcast(&view(&bucket, tensors), root)?;
         }

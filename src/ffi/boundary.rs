@@ -99,7 +99,9 @@ pub(super) fn with_context(
                 *ctx.poisoned.lock() = Some(text.clone());
                 Err(Error::new(
                     ErrorKind::Panic,
-                    format!("internal error (please report); the context refuses further work: {text}"),
+                    format!(
+                        "internal error (please report); the context refuses further work: {text}"
+                    ),
                 ))
             }
         }

@@ -9,7 +9,12 @@ use crate::error::{Error, Result};
 use crate::types::{ReduceOp, RoleMask};
 
 fn reduce_op(op: u32) -> Result<ReduceOp> {
-    try_enum(op, ReduceOp::from_code, "op", "DPSYNC_REDUCE_SUM/AVG (0, 1)")
+    try_enum(
+        op,
+        ReduceOp::from_code,
+        "op",
+        "DPSYNC_REDUCE_SUM/AVG (0, 1)",
+    )
 }
 
 fn role_mask(roles: u32) -> Result<RoleMask> {
@@ -51,7 +56,9 @@ pub unsafe extern "C" fn dpsync_broadcast(
     roles: u32,
     root_replica: usize,
 ) -> dpsync_status {
-    with_context(context, |ctx| ctx.broadcast(role_mask(roles)?, root_replica))
+    with_context(context, |ctx| {
+        ctx.broadcast(role_mask(roles)?, root_replica)
+    })
 }
 
 /// Replace every tensor whose role is in `roles` by its mean over all replicas.

@@ -9,7 +9,12 @@ use crate::context::plan_describe;
 use crate::error::{Error, Result};
 
 /// snprintf-style: writes at most `capacity` bytes including the NUL, stores the full length.
-unsafe fn write_text(text: &str, buffer: *mut c_char, capacity: usize, length: *mut usize) -> Result<()> {
+unsafe fn write_text(
+    text: &str,
+    buffer: *mut c_char,
+    capacity: usize,
+    length: *mut usize,
+) -> Result<()> {
     let length = try_mut(length, "length")?;
     if buffer.is_null() && capacity > 0 {
         return Err(Error::invalid("buffer is NULL but capacity is not 0"));

@@ -14,10 +14,10 @@ mod options;
 mod register;
 mod status;
 
+pub use boundary::dpsync_context;
 pub use collectives::*;
 pub use context::*;
 pub use describe::*;
 pub use options::*;
 pub use register::*;
-pub use boundary::dpsync_context;
 pub use status::*;

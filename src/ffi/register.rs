@@ -62,5 +62,3 @@ pub unsafe extern "C" fn dpsync_unregister(
 ) -> dpsync_status {
     with_context(context, |ctx| ctx.unregister(try_str(name, "name")?))
 }
-
-

@@ -5,7 +5,12 @@ use serde_json::{json, Value};
 use super::{Plan, Topology};
 use crate::registry::Snapshot;
 
-pub fn describe(topology: &Topology, plan: &Plan, snapshot: &Snapshot, fusion_bytes: usize) -> String {
+pub fn describe(
+    topology: &Topology,
+    plan: &Plan,
+    snapshot: &Snapshot,
+    fusion_bytes: usize,
+) -> String {
     let n = topology.replicas();
     let replicas: Vec<Value> = topology
         .devices

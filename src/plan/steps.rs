@@ -87,7 +87,14 @@ pub fn allreduce_steps(topology: &Topology) -> Vec<Step> {
     let mut round = local_rounds;
     if topology.transport == TransportChoice::Nccl {
         for (rank, &leader) in leaders.iter().enumerate() {
-            b.push(StepOp::NcclAllreduce, leader, leader, Via::Nccl, round, Some(rank));
+            b.push(
+                StepOp::NcclAllreduce,
+                leader,
+                leader,
+                Via::Nccl,
+                round,
+                Some(rank),
+            );
         }
         round += 1;
     } else if leaders.len() > 1 {
@@ -142,7 +149,15 @@ impl Builder<'_> {
         }
     }
 
-    fn push(&mut self, op: StepOp, src: usize, dst: usize, via: Via, round: usize, rank: Option<usize>) {
+    fn push(
+        &mut self,
+        op: StepOp,
+        src: usize,
+        dst: usize,
+        via: Via,
+        round: usize,
+        rank: Option<usize>,
+    ) {
         self.steps.push(Step {
             op,
             src,
@@ -268,7 +283,11 @@ mod tests {
 
     #[test]
     fn caffe2_pairwise_trees_for_4_8_16() {
-        let t = cuda(&[0, 1, 2, 3, 4, 5, 6, 7], Transport::PeerCopy, Some(&[1; 64]));
+        let t = cuda(
+            &[0, 1, 2, 3, 4, 5, 6, 7],
+            Transport::PeerCopy,
+            Some(&[1; 64]),
+        );
         let steps = allreduce_steps(&t);
         assert_eq!(
             sums_by_round(&steps),
@@ -282,7 +301,10 @@ mod tests {
         simulate(&steps, 8);
         let t = cuda(&[0, 1, 2, 3], Transport::PeerCopy, Some(&[1; 16]));
         let steps = allreduce_steps(&t);
-        assert_eq!(sums_by_round(&steps), vec![vec![(1, 0), (3, 2)], vec![(2, 0)]]);
+        assert_eq!(
+            sums_by_round(&steps),
+            vec![vec![(1, 0), (3, 2)], vec![(2, 0)]]
+        );
         simulate(&steps, 4);
         let ordinals: Vec<i32> = (0..16).collect();
         let steps = allreduce_steps(&cuda(&ordinals, Transport::PeerCopy, None));

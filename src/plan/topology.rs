@@ -88,10 +88,9 @@ impl Topology {
                 "host replicas: multi-threaded reduction in host memory".to_owned(),
             ),
             (Transport::Nccl, true) => (TransportChoice::Nccl, "NCCL requested".to_owned()),
-            (Transport::PeerCopy, true) => (
-                TransportChoice::PeerCopy,
-                "PEER_COPY requested".to_owned(),
-            ),
+            (Transport::PeerCopy, true) => {
+                (TransportChoice::PeerCopy, "PEER_COPY requested".to_owned())
+            }
             (_, true) => (
                 TransportChoice::Nccl,
                 "AUTO: NCCL, if it loads and initialises when the context is created; \

@@ -8,7 +8,7 @@ use half::{bf16, f16};
 use crate::types::ReduceOp;
 
 /// Elements per block: an accumulator block and an output block stay in L1.
-pub(crate) const BLOCK: usize = 2048;
+pub(crate) const BLOCK: usize = 1024;
 
 pub trait Reducible: Copy + Default + Send + Sync + 'static {
     type Acc: Copy + Default;
@@ -155,7 +155,10 @@ mod tests {
     use super::*;
 
     fn reduce<T: Reducible>(mut replicas: Vec<Vec<T>>, op: ReduceOp) -> Vec<Vec<T>> {
-        let ptrs: Vec<usize> = replicas.iter_mut().map(|r| r.as_mut_ptr() as usize).collect();
+        let ptrs: Vec<usize> = replicas
+            .iter_mut()
+            .map(|r| r.as_mut_ptr() as usize)
+            .collect();
         let order: Vec<usize> = (0..ptrs.len()).collect();
         let len = replicas[0].len();
         unsafe { reduce_span::<T>(&ptrs, &order, 0, len, op, ptrs.len()) };
@@ -183,14 +186,19 @@ mod tests {
         assert_eq!(r[1], vec![i32::MIN, -7]);
         let r = reduce(vec![vec![i32::MAX, -7], vec![i32::MAX, 0]], ReduceOp::Avg);
         assert_eq!(r[0], vec![i32::MAX, -3]);
-        let r = reduce(vec![vec![i64::MAX], vec![i64::MAX], vec![i64::MAX]], ReduceOp::Avg);
+        let r = reduce(
+            vec![vec![i64::MAX], vec![i64::MAX], vec![i64::MAX]],
+            ReduceOp::Avg,
+        );
         assert_eq!(r[2], vec![i64::MAX]);
     }
 
     #[test]
     fn spans_longer_than_a_block_are_reduced_everywhere() {
         let n = BLOCK * 2 + 3;
-        let replicas: Vec<Vec<f64>> = (0..3).map(|r| (0..n).map(|i| (i * 3 + r) as f64).collect()).collect();
+        let replicas: Vec<Vec<f64>> = (0..3)
+            .map(|r| (0..n).map(|i| (i * 3 + r) as f64).collect())
+            .collect();
         let r = reduce(replicas, ReduceOp::Sum);
         for v in &r {
             for (i, x) in v.iter().enumerate() {

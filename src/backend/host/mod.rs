@@ -153,7 +153,11 @@ impl Backend for HostBackend {
                 if r != root {
                     // SAFETY: the caller guarantees valid, non-overlapping replica memory.
                     unsafe {
-                        std::ptr::copy_nonoverlapping(src, (dst + start * size) as *mut u8, len * size)
+                        std::ptr::copy_nonoverlapping(
+                            src,
+                            (dst + start * size) as *mut u8,
+                            len * size,
+                        )
                     };
                 }
             }

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Every test, on a fresh machine (Debian, Rust toolchain, root, no GPU). CI runs exactly this.
+source "$(dirname "$0")/common.sh"
+ensure_tools
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+
+step "cargo clippy (all targets, warnings are errors)"
+cargo clippy --release --all-targets -- -D warnings
+
+build_library
+
+step "cargo test (unit, FFI integration, header freshness)"
+cargo test --release
+
+step "Python ctypes smoke test"
+python3 tests/python/smoke_test.py target/release/libdpsync.so
+
+step "contract check: include/dpsync.h against ../shared/api/dpsync.h"
+python3 tests/contract/check_contract.py
+
+step "benchmark smoke run (figures: cargo bench --bench host_allreduce)"
+cargo bench --bench host_allreduce -- --quick
+
+build_examples
+step "ctest: C examples"
+(cd build/examples && ctest --output-on-failure)
