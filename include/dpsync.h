@@ -174,6 +174,7 @@ enum dpsync_status dpsync_average(struct dpsync_context *context, uint32_t roles
 
 /**
  * Creates a context driving every replica the options name. `*out` is set only on success.
+ * The options are copied: they may be changed or freed afterwards.
  * Contexts with CUDA replicas return DPSYNC_STATUS_UNAVAILABLE in this version.
  */
 enum dpsync_status dpsync_context_create(const struct dpsync_options *options,

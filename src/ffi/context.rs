@@ -8,6 +8,7 @@ use super::status::dpsync_status;
 use crate::context::Context;
 
 /// Creates a context driving every replica the options name. `*out` is set only on success.
+/// The options are copied: they may be changed or freed afterwards.
 /// Contexts with CUDA replicas return DPSYNC_STATUS_UNAVAILABLE in this version.
 #[no_mangle]
 pub unsafe extern "C" fn dpsync_context_create(

@@ -1,0 +1,370 @@
+/*
+ * train_dense — data-parallel SGD on N host replicas kept in sync by dpsync.
+ *
+ * A 2-layer MLP (8 -> 16 tanh -> 4 softmax, 212 parameters in 4 tensors) learns labels produced
+ * by a fixed random "teacher" on synthetic, deterministic data. Each step every replica computes
+ * the gradient of its shard of the global batch with the loss scaled by dpsync_loss_scale, the
+ * gradients are SUMmed by dpsync_allreduce_grads, and every replica applies the same SGD update.
+ *
+ *   train_dense [--replicas N] [--steps S] [--batch B] [--lr LR] [--fusion-bytes X]
+ *               [--save FILE] [--expect FILE --tol T] [--describe]
+ */
+#include <dpsync.h>
+
+#include <errno.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { IN = 8, HID = 16, OUT = 4, DATASET = 1024 };
+
+/* Parameter layout inside one contiguous block: --save / --expect and the final bytewise
+   comparison then see every parameter at once. */
+enum {
+  OFF_W1 = 0,
+  OFF_B1 = OFF_W1 + IN * HID,
+  OFF_W2 = OFF_B1 + HID,
+  OFF_B2 = OFF_W2 + HID * OUT,
+  N_PARAMS = OFF_B2 + OUT
+};
+
+/* Forward order: the library reduces GRAD tensors in reverse registration order, the order
+   backward produces them. */
+static const struct {
+  const char *name;
+  const char *grad_name;
+  size_t offset;
+  size_t count;
+  int fan_in; /* > 0: weight, uniform init in +-1/sqrt(fan_in); 0: bias, zero init */
+} TENSORS[] = {
+    {"fc1_w", "fc1_w_grad", OFF_W1, IN * HID, IN},
+    {"fc1_b", "fc1_b_grad", OFF_B1, HID, 0},
+    {"fc2_w", "fc2_w_grad", OFF_W2, HID * OUT, HID},
+    {"fc2_b", "fc2_b_grad", OFF_B2, OUT, 0},
+};
+enum { N_TENSORS = sizeof(TENSORS) / sizeof(TENSORS[0]) };
+
+typedef struct {
+  float params[N_PARAMS];
+  float grads[N_PARAMS];
+  double loss; /* this replica's scaled loss; after the allreduce, the global mean loss */
+} replica_t;
+
+/* ------------------------------------------------------------------ helpers */
+
+static void check(dpsync_status status, const char *call, int line) {
+  if (status != DPSYNC_STATUS_OK) {
+    fprintf(stderr, "train_dense.c:%d: %s failed: %s: %s\n", line, call,
+            dpsync_status_name((uint32_t)status), dpsync_last_error());
+    exit(1);
+  }
+}
+#define CHECK(call) check((call), #call, __LINE__)
+
+/* PCG-style 64-bit LCG: the same numbers on every platform, unlike rand(). */
+typedef struct {
+  uint64_t state;
+} lcg_t;
+
+static float lcg_uniform(lcg_t *g, float lo, float hi) {
+  g->state = g->state * 6364136223846793005ULL + 1442695040888963407ULL;
+  float u = (float)(g->state >> 40) / 16777216.0f; /* top 24 bits: exact in a float, in [0,1) */
+  return lo + (hi - lo) * u;
+}
+
+static int parse_size(const char *text, size_t *out) {
+  char *end = NULL;
+  if (text == NULL || *text == '\0' || *text == '-') return 0;
+  errno = 0;
+  unsigned long long v = strtoull(text, &end, 10);
+  if (errno != 0 || *end != '\0' || v > SIZE_MAX) return 0;
+  *out = (size_t)v;
+  return 1;
+}
+
+static int parse_double(const char *text, double *out) {
+  char *end = NULL;
+  if (text == NULL || *text == '\0') return 0;
+  errno = 0;
+  double v = strtod(text, &end);
+  if (errno != 0 || *end != '\0' || !isfinite(v)) return 0;
+  *out = v;
+  return 1;
+}
+
+static void usage(void) {
+  fprintf(stderr,
+          "usage: train_dense [--replicas N] [--steps S] [--batch B] [--lr LR] [--fusion-bytes X]\n"
+          "                   [--save FILE] [--expect FILE --tol T] [--describe]\n"
+          "  B is the global batch and must be a multiple of N.\n");
+  exit(2);
+}
+
+/* ------------------------------------------------------------------ data and model */
+
+static float data_x[DATASET][IN];
+static int data_y[DATASET];
+
+static void make_dataset(void) {
+  lcg_t g = {0x5eed0001ULL};
+  float teacher[OUT][IN];
+  for (int c = 0; c < OUT; c++)
+    for (int i = 0; i < IN; i++) teacher[c][i] = lcg_uniform(&g, -1.0f, 1.0f);
+  for (int n = 0; n < DATASET; n++) {
+    int best = 0;
+    float best_score = -INFINITY;
+    for (int i = 0; i < IN; i++) data_x[n][i] = lcg_uniform(&g, -1.0f, 1.0f);
+    for (int c = 0; c < OUT; c++) {
+      float s = 0.0f;
+      for (int i = 0; i < IN; i++) s += teacher[c][i] * data_x[n][i];
+      if (s > best_score) {
+        best_score = s;
+        best = c;
+      }
+    }
+    data_y[n] = best;
+  }
+}
+
+/* Loss and gradient of `count` samples starting at global position `first`, each sample's
+   cross-entropy multiplied by `coef` (= loss_scale / local batch), accumulated into r->grads. */
+static void forward_backward(replica_t *r, size_t first, size_t count, double coef) {
+  const float *w1 = r->params + OFF_W1, *b1 = r->params + OFF_B1;
+  const float *w2 = r->params + OFF_W2, *b2 = r->params + OFF_B2;
+  float *gw1 = r->grads + OFF_W1, *gb1 = r->grads + OFF_B1;
+  float *gw2 = r->grads + OFF_W2, *gb2 = r->grads + OFF_B2;
+  double loss = 0.0;
+
+  memset(r->grads, 0, sizeof r->grads);
+  for (size_t s = 0; s < count; s++) {
+    const float *x = data_x[(first + s) % DATASET];
+    int y = data_y[(first + s) % DATASET];
+    float h[HID], logits[OUT], dlogit[OUT], dz[HID];
+
+    for (int k = 0; k < HID; k++) {
+      float z = b1[k];
+      for (int i = 0; i < IN; i++) z += x[i] * w1[i * HID + k];
+      h[k] = tanhf(z);
+    }
+    float m = -INFINITY;
+    for (int c = 0; c < OUT; c++) {
+      float o = b2[c];
+      for (int k = 0; k < HID; k++) o += h[k] * w2[k * OUT + c];
+      logits[c] = o;
+      if (o > m) m = o;
+    }
+    double sum = 0.0;
+    for (int c = 0; c < OUT; c++) sum += exp((double)(logits[c] - m));
+    double lse = m + log(sum);
+    loss += lse - logits[y];
+
+    for (int c = 0; c < OUT; c++) {
+      double p = exp(logits[c] - lse);
+      dlogit[c] = (float)(coef * (p - (c == y ? 1.0 : 0.0)));
+      gb2[c] += dlogit[c];
+    }
+    for (int k = 0; k < HID; k++) {
+      float dh = 0.0f;
+      for (int c = 0; c < OUT; c++) {
+        gw2[k * OUT + c] += h[k] * dlogit[c];
+        dh += w2[k * OUT + c] * dlogit[c];
+      }
+      dz[k] = dh * (1.0f - h[k] * h[k]);
+      gb1[k] += dz[k];
+    }
+    for (int i = 0; i < IN; i++)
+      for (int k = 0; k < HID; k++) gw1[i * HID + k] += x[i] * dz[k];
+  }
+  r->loss = coef * loss;
+}
+
+/* ------------------------------------------------------------------ weight files */
+
+static void save_weights(const char *path, const float *params) {
+  FILE *f = fopen(path, "wb");
+  if (f == NULL || fwrite(params, sizeof(float), N_PARAMS, f) != N_PARAMS || fclose(f) != 0) {
+    fprintf(stderr, "cannot write %s: %s\n", path, strerror(errno));
+    exit(1);
+  }
+  printf("saved %d parameters of replica 0 to %s\n", (int)N_PARAMS, path);
+}
+
+/* Returns 1 if every |w - ref| <= tol * (1 + |ref|). */
+static int expect_weights(const char *path, const float *params, double tol) {
+  float ref[N_PARAMS];
+  FILE *f = fopen(path, "rb");
+  if (f == NULL) {
+    fprintf(stderr, "cannot open %s: %s\n", path, strerror(errno));
+    return 0;
+  }
+  size_t got = fread(ref, sizeof(float), N_PARAMS, f);
+  int extra = fgetc(f) != EOF;
+  fclose(f);
+  if (got != N_PARAMS || extra) {
+    fprintf(stderr, "%s: expected exactly %d f32 values\n", path, (int)N_PARAMS);
+    return 0;
+  }
+  double max_diff = 0.0;
+  int bad = 0;
+  for (int i = 0; i < N_PARAMS; i++) {
+    double d = fabs((double)params[i] - (double)ref[i]);
+    if (d > max_diff) max_diff = d;
+    if (!(d <= tol * (1.0 + fabs((double)ref[i])))) {
+      if (bad < 5) fprintf(stderr, "  param %d: %.9g vs reference %.9g\n", i, params[i], ref[i]);
+      bad++;
+    }
+  }
+  printf("compared with %s: max |diff| %.3g, %d of %d outside tol %g\n", path, max_diff, bad,
+         (int)N_PARAMS, tol);
+  return bad == 0;
+}
+
+/* ------------------------------------------------------------------ main */
+
+int main(int argc, char **argv) {
+  size_t replicas = 4, steps = 100, batch = 64, fusion_bytes = 0;
+  int have_fusion = 0, describe = 0;
+  double lr = 0.5, tol = 0.0;
+  const char *save_path = NULL, *expect_path = NULL;
+
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i];
+    const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (strcmp(a, "--describe") == 0) {
+      describe = 1;
+      continue;
+    }
+    if (v == NULL) usage();
+    i++;
+    if (strcmp(a, "--replicas") == 0) {
+      if (!parse_size(v, &replicas) || replicas == 0) usage();
+    } else if (strcmp(a, "--steps") == 0) {
+      if (!parse_size(v, &steps) || steps == 0) usage();
+    } else if (strcmp(a, "--batch") == 0) {
+      if (!parse_size(v, &batch) || batch == 0) usage();
+    } else if (strcmp(a, "--fusion-bytes") == 0) {
+      if (!parse_size(v, &fusion_bytes)) usage();
+      have_fusion = 1;
+    } else if (strcmp(a, "--lr") == 0) {
+      if (!parse_double(v, &lr) || lr <= 0.0) usage();
+    } else if (strcmp(a, "--tol") == 0) {
+      if (!parse_double(v, &tol) || tol < 0.0) usage();
+    } else if (strcmp(a, "--save") == 0) {
+      save_path = v;
+    } else if (strcmp(a, "--expect") == 0) {
+      expect_path = v;
+    } else {
+      usage();
+    }
+  }
+  if (batch % replicas != 0) {
+    fprintf(stderr, "--batch %zu is not a multiple of --replicas %zu\n", batch, replicas);
+    return 1;
+  }
+  const size_t local_batch = batch / replicas;
+
+  dpsync_options *opts = NULL;
+  dpsync_context *ctx = NULL;
+  CHECK(dpsync_options_new(&opts));
+  CHECK(dpsync_options_set_host_replicas(opts, replicas));
+  if (have_fusion) CHECK(dpsync_options_set_fusion_bytes(opts, fusion_bytes));
+  CHECK(dpsync_context_create(opts, &ctx));
+  dpsync_options_free(opts);
+
+  size_t count = 0;
+  double loss_scale = 0.0;
+  CHECK(dpsync_replica_count(ctx, &count));
+  CHECK(dpsync_loss_scale(ctx, &loss_scale));
+  if (count != replicas) {
+    fprintf(stderr, "dpsync_replica_count: %zu, expected %zu\n", count, replicas);
+    return 1;
+  }
+  printf("train_dense: %zu host replicas, global batch %zu (%zu per replica), %zu steps, lr %g, "
+         "loss scale %g, %d parameters\n",
+         replicas, batch, local_batch, steps, lr, loss_scale, (int)N_PARAMS);
+
+  replica_t *reps = calloc(replicas, sizeof *reps);
+  if (reps == NULL) {
+    fprintf(stderr, "out of memory\n");
+    return 1;
+  }
+  for (size_t r = 0; r < replicas; r++) {
+    for (int t = 0; t < N_TENSORS; t++) {
+      CHECK(dpsync_register(ctx, TENSORS[t].name, DPSYNC_ROLE_PARAM, r, reps[r].params + TENSORS[t].offset,
+                            TENSORS[t].count, DPSYNC_DTYPE_F32));
+      CHECK(dpsync_register(ctx, TENSORS[t].grad_name, DPSYNC_ROLE_GRAD, r,
+                            reps[r].grads + TENSORS[t].offset, TENSORS[t].count, DPSYNC_DTYPE_F32));
+    }
+    CHECK(dpsync_register(ctx, "loss", DPSYNC_ROLE_COMPUTED, r, &reps[r].loss, 1, DPSYNC_DTYPE_F64));
+  }
+
+  /* Only replica 0 initialises; the broadcast must overwrite the others' (deliberately wrong)
+     values, as after loading a checkpoint on one replica. */
+  lcg_t g = {0x1234abcdULL};
+  for (int t = 0; t < N_TENSORS; t++) {
+    float bound = TENSORS[t].fan_in > 0 ? 1.0f / sqrtf((float)TENSORS[t].fan_in) : 0.0f;
+    for (size_t i = 0; i < TENSORS[t].count; i++)
+      reps[0].params[TENSORS[t].offset + i] = bound > 0.0f ? lcg_uniform(&g, -bound, bound) : 0.0f;
+  }
+  for (size_t r = 1; r < replicas; r++)
+    for (int i = 0; i < N_PARAMS; i++) reps[r].params[i] = (float)r * 100.0f + (float)i;
+  CHECK(dpsync_broadcast(ctx, DPSYNC_ROLE_PARAM, 0));
+  for (size_t r = 1; r < replicas; r++) {
+    if (memcmp(reps[r].params, reps[0].params, sizeof reps[0].params) != 0) {
+      fprintf(stderr, "after broadcast, replica %zu's params differ from replica 0's\n", r);
+      return 1;
+    }
+  }
+
+  if (describe) {
+    size_t len = 0;
+    CHECK(dpsync_describe(ctx, NULL, 0, &len));
+    char *json = malloc(len + 1);
+    if (json == NULL) return 1;
+    CHECK(dpsync_describe(ctx, json, len + 1, &len));
+    printf("%s\n", json);
+    free(json);
+  }
+
+  make_dataset();
+  double first_loss = 0.0, last_loss = 0.0;
+  for (size_t step = 0; step < steps; step++) {
+    /* Replicas are independent here; a real framework would run them in parallel. */
+    for (size_t r = 0; r < replicas; r++)
+      forward_backward(&reps[r], step * batch + r * local_batch, local_batch, loss_scale / (double)local_batch);
+    CHECK(dpsync_allreduce_grads(ctx, DPSYNC_REDUCE_SUM));
+    CHECK(dpsync_allreduce(ctx, "loss", DPSYNC_REDUCE_SUM));
+    for (size_t r = 0; r < replicas; r++)
+      for (int i = 0; i < N_PARAMS; i++) reps[r].params[i] -= (float)lr * reps[r].grads[i];
+
+    if (step == 0) first_loss = reps[0].loss;
+    last_loss = reps[0].loss;
+    printf("step %zu loss %.6f\n", step, reps[0].loss);
+  }
+
+  int ok = 1;
+  for (size_t r = 1; r < replicas; r++) {
+    if (memcmp(reps[r].params, reps[0].params, sizeof reps[0].params) != 0 || reps[r].loss != reps[0].loss) {
+      fprintf(stderr, "FAIL: replica %zu's weights differ from replica 0's\n", r);
+      ok = 0;
+    }
+  }
+  if (!(last_loss < first_loss)) {
+    fprintf(stderr, "FAIL: loss did not fall (%.6f -> %.6f)\n", first_loss, last_loss);
+    ok = 0;
+  }
+  if (save_path != NULL) save_weights(save_path, reps[0].params);
+  if (expect_path != NULL && !expect_weights(expect_path, reps[0].params, tol)) {
+    fprintf(stderr, "FAIL: weights differ from %s beyond tol %g\n", expect_path, tol);
+    ok = 0;
+  }
+
+  CHECK(dpsync_context_destroy(ctx));
+  free(reps);
+  if (!ok) return 1;
+  printf("final: loss %.6f -> %.6f after %zu steps; weights of all %zu replicas bytewise identical\n",
+         first_loss, last_loss, steps, replicas);
+  return 0;
+}

@@ -1,0 +1,868 @@
+//! Every bad input of every exported entry point: the exact status, a last-error message that
+//! names the culprit (argument name, or the tensor name and "replica N"), and nothing changed:
+//! tensor bytes of every replica as before, the registry as before (describe), and a valid
+//! collective afterwards still works. Also dpsync_status_name, dpsync_version and the per-thread
+//! last error.
+
+mod common;
+
+use common::*;
+use dpsync::*;
+use std::ffi::{c_char, c_void};
+use std::ptr;
+
+// ------------------------------------------------------------------ fixture
+
+/// A 3-replica context with one tensor of every role (and three GRAD dtypes).
+struct Fx {
+    ctx: Context,
+    n: usize,
+    /// (name, role, per-replica buffers)
+    tensors: Vec<(String, u32, Vec<Buf>)>,
+}
+
+impl Fx {
+    fn new() -> Fx {
+        let n = 3;
+        let ctx = Context::host(n, Some(64));
+        let mut fx = Fx {
+            ctx,
+            n,
+            tensors: Vec::new(),
+        };
+        fx.add("w", PARAM, DType::F32, 5);
+        fx.add("g", GRAD, DType::F32, 4);
+        fx.add("gi", GRAD, DType::I32, 3);
+        fx.add("gh", GRAD, DType::F16, 6);
+        fx.add("bn", COMPUTED, DType::F64, 2);
+        fx.add("it", STATE, DType::I64, 1);
+        fx
+    }
+
+    fn add(&mut self, name: &str, role: u32, d: DType, count: usize) {
+        let mut bufs: Vec<Buf> = (0..self.n)
+            .map(|r| Buf::random(d, count, (self.tensors.len() * 10 + r) as u64))
+            .collect();
+        for (r, b) in bufs.iter_mut().enumerate() {
+            self.ctx.reg_buf(name, role, r, b);
+        }
+        self.tensors.push((name.to_owned(), role, bufs));
+    }
+
+    fn snapshot(&self) -> Vec<Vec<Buf>> {
+        self.tensors.iter().map(|t| t.2.clone()).collect()
+    }
+
+    #[track_caller]
+    fn assert_unchanged(&self, before: &[Vec<Buf>], what: &str) {
+        for ((name, _, bufs), pre) in self.tensors.iter().zip(before) {
+            for (r, (b, p)) in bufs.iter().zip(pre).enumerate() {
+                assert_same_bytes(b, p, &format!("{what}: '{name}' on replica {r} changed"));
+            }
+        }
+    }
+
+    /// Valid collectives still work on the fixture, with exact results.
+    #[track_caller]
+    fn assert_usable(&mut self, what: &str) {
+        let before = self.snapshot();
+        check(
+            self.ctx.allreduce_grads(SUM),
+            &format!("{what}: allreduce_grads afterwards"),
+        );
+        check(
+            self.ctx.broadcast(PARAM | STATE, 1),
+            &format!("{what}: broadcast afterwards"),
+        );
+        check(
+            self.ctx.average(COMPUTED),
+            &format!("{what}: average afterwards"),
+        );
+        for ((name, role, bufs), pre) in self.tensors.iter().zip(&before) {
+            let want: Vec<Buf> = match *role {
+                GRAD => vec![reference_allreduce(&pre.iter().collect::<Vec<_>>(), SUM); self.n],
+                COMPUTED => vec![reference_allreduce(&pre.iter().collect::<Vec<_>>(), AVG); self.n],
+                _ => vec![pre[1].clone(); self.n],
+            };
+            for (r, (b, w)) in bufs.iter().zip(&want).enumerate() {
+                assert_same_bytes(b, w, &format!("{what}: '{name}' on replica {r} afterwards"));
+            }
+        }
+        check(
+            unsafe { dpsync_synchronize(self.ctx.0) },
+            &format!("{what}: synchronize"),
+        );
+    }
+}
+
+// ------------------------------------------------------------------ statuses, version, last error
+
+#[test]
+fn status_names_and_version() {
+    let names = [
+        "DPSYNC_STATUS_OK",
+        "DPSYNC_STATUS_INVALID_ARGUMENT",
+        "DPSYNC_STATUS_NOT_FOUND",
+        "DPSYNC_STATUS_CONFLICT",
+        "DPSYNC_STATUS_INCONSISTENT",
+        "DPSYNC_STATUS_INVALID_STATE",
+        "DPSYNC_STATUS_UNAVAILABLE",
+        "DPSYNC_STATUS_BACKEND_ERROR",
+        "DPSYNC_STATUS_TIMEOUT",
+        "DPSYNC_STATUS_PANIC",
+    ];
+    for (i, want) in names.iter().enumerate() {
+        assert_eq!(status_name(i as u32), *want, "status {i}");
+    }
+    assert_eq!(
+        status_name(dpsync_status::DPSYNC_STATUS_PANIC as u32),
+        "DPSYNC_STATUS_PANIC"
+    );
+    assert_eq!(
+        status_name(dpsync_status::DPSYNC_STATUS_OK as u32),
+        "DPSYNC_STATUS_OK"
+    );
+    for unknown in [10u32, 11, 100, 0x8000_0000, 0xFFFF_FFFF] {
+        assert_eq!(status_name(unknown), "UNKNOWN", "status {unknown}");
+    }
+    let v = unsafe { std::ffi::CStr::from_ptr(dpsync_version()) };
+    assert_eq!(v.to_str().unwrap(), env!("CARGO_PKG_VERSION"));
+    // static strings: the same pointer every time
+    let (a, b) = (dpsync_version(), dpsync_version());
+    assert_eq!(a, b);
+}
+
+#[test]
+fn last_error_is_per_thread_and_kept_across_successes() {
+    std::thread::spawn(|| {
+        assert_eq!(last_error(), "", "a fresh thread has no error");
+    })
+    .join()
+    .unwrap();
+
+    let o = Options::new();
+    let st = unsafe { dpsync_options_set_host_replicas(o.0, 0) };
+    let mine = expect_err(st, INVALID_ARGUMENT, &["count"]);
+
+    let theirs = std::thread::spawn(|| {
+        assert_eq!(
+            last_error(),
+            "",
+            "another thread's failure is not visible here"
+        );
+        let st = unsafe { dpsync_options_set_transport(ptr::null_mut(), T_HOST) };
+        let m = expect_err(st, INVALID_ARGUMENT, &["options"]);
+        // and a success on this thread does not clear it
+        let o = Options::host(2);
+        drop(o);
+        assert_eq!(last_error(), m);
+        m
+    })
+    .join()
+    .unwrap();
+    assert_ne!(mine, theirs);
+    assert_eq!(last_error(), mine, "this thread's message is unchanged");
+
+    // Successful calls do not clear it either.
+    let ctx = Context::host(2, None);
+    assert_eq!(ctx.replica_count(), 2);
+    assert_eq!(last_error(), mine);
+
+    // Many threads failing at once each see their own message.
+    let handles: Vec<_> = (0..8)
+        .map(|t| {
+            std::thread::spawn(move || {
+                let o = Options::host(2);
+                for _ in 0..200 {
+                    let name = format!("thread_{t}_tensor");
+                    let ctx = Context::new(&o);
+                    let st = ctx.allreduce(&name, SUM);
+                    let m = expect_err(st, NOT_FOUND, &[name.as_str()]);
+                    assert!(!m.contains(&format!("thread_{}_", (t + 1) % 8)), "{m}");
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    assert_eq!(last_error(), mine);
+}
+
+// ------------------------------------------------------------------ options
+
+/// plan_describe of the options, to see that a failed setter changed nothing.
+fn plan_of(o: &Options) -> String {
+    o.plan()
+        .unwrap_or_else(|(s, m)| panic!("plan_describe: {s:?}: {m}"))
+}
+
+#[test]
+fn options_new_and_setters_reject_null() {
+    let st = unsafe { dpsync_options_new(ptr::null_mut()) };
+    expect_err(st, INVALID_ARGUMENT, &["out"]);
+    unsafe { dpsync_options_free(ptr::null_mut()) };
+
+    let nul: *mut dpsync_options = ptr::null_mut();
+    let ords = [0i32, 1];
+    let m = [1u8; 4];
+    let cases: Vec<(&str, dpsync_status)> = unsafe {
+        vec![
+            (
+                "set_host_replicas",
+                dpsync_options_set_host_replicas(nul, 2),
+            ),
+            (
+                "set_cuda_replicas",
+                dpsync_options_set_cuda_replicas(nul, ords.as_ptr(), 2),
+            ),
+            ("set_transport", dpsync_options_set_transport(nul, T_HOST)),
+            ("set_fusion_bytes", dpsync_options_set_fusion_bytes(nul, 10)),
+            ("set_timeout_ms", dpsync_options_set_timeout_ms(nul, 10)),
+            (
+                "set_peer_access",
+                dpsync_options_set_peer_access(nul, m.as_ptr(), 2),
+            ),
+        ]
+    };
+    for (what, st) in cases {
+        assert_eq!(st, INVALID_ARGUMENT, "{what}(NULL)");
+    }
+    // the message of the last one
+    assert!(last_error().contains("options"), "{}", last_error());
+    // and each individually names "options"
+    let st = unsafe { dpsync_options_set_fusion_bytes(nul, 10) };
+    expect_err(st, INVALID_ARGUMENT, &["options"]);
+    let st = unsafe { dpsync_options_set_timeout_ms(nul, 10) };
+    expect_err(st, INVALID_ARGUMENT, &["options"]);
+    let st = unsafe { dpsync_options_set_host_replicas(nul, 2) };
+    expect_err(st, INVALID_ARGUMENT, &["options"]);
+    let st = unsafe { dpsync_options_set_cuda_replicas(nul, ords.as_ptr(), 2) };
+    expect_err(st, INVALID_ARGUMENT, &["options"]);
+    let st = unsafe { dpsync_options_set_peer_access(nul, m.as_ptr(), 2) };
+    expect_err(st, INVALID_ARGUMENT, &["options"]);
+}
+
+#[test]
+fn options_setters_reject_bad_values_and_change_nothing() {
+    let o = Options::host(3);
+    o.set_fusion_bytes(1000);
+    let plan0 = plan_of(&o);
+    let j0: serde_json::Value = serde_json::from_str(&plan0).unwrap();
+    assert_eq!(j0["replicas"].as_array().map(|a| a.len()), Some(3));
+
+    for count in [0usize, 4097, usize::MAX] {
+        let st = unsafe { dpsync_options_set_host_replicas(o.0, count) };
+        expect_err(st, INVALID_ARGUMENT, &["count"]);
+        assert_eq!(
+            plan_of(&o),
+            plan0,
+            "set_host_replicas({count}) changed the options"
+        );
+    }
+
+    let ords = vec![0i32; 4097];
+    let st = unsafe { dpsync_options_set_cuda_replicas(o.0, ptr::null(), 2) };
+    expect_err(st, INVALID_ARGUMENT, &["ordinals"]);
+    let st = unsafe { dpsync_options_set_cuda_replicas(o.0, ords.as_ptr(), 0) };
+    expect_err(st, INVALID_ARGUMENT, &["count"]);
+    let st = unsafe { dpsync_options_set_cuda_replicas(o.0, ords.as_ptr(), 4097) };
+    expect_err(st, INVALID_ARGUMENT, &["count"]);
+    let neg = [0i32, -1, 2];
+    let st = unsafe { dpsync_options_set_cuda_replicas(o.0, neg.as_ptr(), 3) };
+    expect_err(st, INVALID_ARGUMENT, &["ordinal"]);
+    assert_eq!(
+        plan_of(&o),
+        plan0,
+        "failed set_cuda_replicas changed the options"
+    );
+
+    for t in [4u32, 5, 0xFFFF_FFFF] {
+        let st = unsafe { dpsync_options_set_transport(o.0, t) };
+        expect_err(st, INVALID_ARGUMENT, &["transport"]);
+    }
+    assert_eq!(
+        plan_of(&o),
+        plan0,
+        "failed set_transport changed the options"
+    );
+
+    let m3 = [1u8; 9];
+    let m2 = [1u8; 4];
+    let st = unsafe { dpsync_options_set_peer_access(o.0, ptr::null(), 3) };
+    expect_err(st, INVALID_ARGUMENT, &["matrix"]);
+    let st = unsafe { dpsync_options_set_peer_access(o.0, m2.as_ptr(), 2) };
+    expect_err(st, INVALID_ARGUMENT, &["n", "3"]);
+    let st = unsafe { dpsync_options_set_peer_access(o.0, m3.as_ptr(), 4) };
+    expect_err(st, INVALID_ARGUMENT, &["n", "3"]);
+    assert_eq!(
+        plan_of(&o),
+        plan0,
+        "failed set_peer_access changed the options"
+    );
+
+    // Any fusion size and timeout is valid.
+    for f in [0usize, 1, usize::MAX] {
+        check(unsafe { dpsync_options_set_fusion_bytes(o.0, f) }, "fusion");
+    }
+    for t in [0u64, 1, u64::MAX] {
+        check(unsafe { dpsync_options_set_timeout_ms(o.0, t) }, "timeout");
+    }
+    check(
+        unsafe { dpsync_options_set_host_replicas(o.0, 4096) },
+        "4096 replicas",
+    );
+    check(
+        unsafe { dpsync_options_set_host_replicas(o.0, 1) },
+        "1 replica",
+    );
+}
+
+#[test]
+fn peer_matrix_is_checked_again_when_the_replica_count_changed() {
+    let o = Options::new();
+    o.set_cuda_replicas(&[0, 1]);
+    o.set_peer_access(&[1, 1, 1, 1], 2);
+    assert!(o.plan().is_ok());
+    o.set_cuda_replicas(&[0, 1, 2]);
+    let (st, msg) = o.plan().expect_err("a 2x2 matrix for 3 replicas");
+    assert_eq!(st, INVALID_ARGUMENT, "{msg}");
+    assert!(msg.contains('3'), "message names the replica count: {msg}");
+}
+
+// ------------------------------------------------------------------ context
+
+#[test]
+fn context_create_bad_input_leaves_out_untouched() {
+    let o = Options::host(2);
+    let sentinel = 0x5a5a_usize as *mut dpsync_context;
+
+    let mut out = sentinel;
+    let st = unsafe { dpsync_context_create(ptr::null(), &mut out) };
+    expect_err(st, INVALID_ARGUMENT, &["options"]);
+    assert_eq!(out, sentinel);
+
+    let st = unsafe { dpsync_context_create(o.0, ptr::null_mut()) };
+    expect_err(st, INVALID_ARGUMENT, &["out"]);
+
+    // CUDA replicas cannot be driven in this version.
+    let cu = Options::new();
+    cu.set_cuda_replicas(&[0, 1]);
+    let st = unsafe { dpsync_context_create(cu.0, &mut out) };
+    let msg = expect_err(st, UNAVAILABLE, &[]);
+    assert!(msg.to_lowercase().contains("cuda"), "{msg}");
+    assert_eq!(out, sentinel);
+    // ... but they can be planned.
+    assert!(cu.plan().is_ok());
+
+    // A transport that does not fit host replicas.
+    for t in [T_PEER_COPY, T_NCCL] {
+        let h = Options::host(2);
+        h.set_transport(t);
+        let st = unsafe { dpsync_context_create(h.0, &mut out) };
+        expect_err(st, INVALID_ARGUMENT, &["transport"]);
+        assert_eq!(out, sentinel);
+        let (st, msg) = h.plan().expect_err("plan with a wrong transport");
+        assert_eq!(st, INVALID_ARGUMENT);
+        assert!(msg.contains("transport"), "{msg}");
+    }
+    // HOST does not fit CUDA replicas.
+    cu.set_transport(T_HOST);
+    let (st, msg) = cu.plan().expect_err("HOST transport with CUDA replicas");
+    assert_eq!(st, INVALID_ARGUMENT);
+    assert!(msg.contains("transport"), "{msg}");
+
+    // HOST and AUTO fit host replicas.
+    for t in [T_HOST, T_AUTO] {
+        let h = Options::host(2);
+        h.set_transport(t);
+        let c = Context::new(&h);
+        assert_eq!(c.describe_json()["transport"].as_str(), Some("host"));
+    }
+
+    // set_host_replicas replaces a CUDA replica list (and vice versa for planning).
+    let swap = Options::new();
+    swap.set_cuda_replicas(&[0, 1, 2]);
+    swap.set_host_replicas(2);
+    let c = Context::new(&swap);
+    assert_eq!(c.replica_count(), 2);
+    assert_eq!(
+        c.describe_json()["replicas"][1]["device"].as_str(),
+        Some("host")
+    );
+    drop(c);
+
+    // The options are not consumed: a context can still be made from them.
+    let c = Context::new(&o);
+    assert_eq!(c.replica_count(), 2);
+    check(
+        unsafe { dpsync_context_destroy(ptr::null_mut()) },
+        "destroy(NULL)",
+    );
+}
+
+#[test]
+fn context_queries_bad_input() {
+    let ctx = Context::host(3, None);
+    let nul: *mut dpsync_context = ptr::null_mut();
+
+    let mut count = 12345usize;
+    let st = unsafe { dpsync_replica_count(nul, &mut count) };
+    expect_err(st, INVALID_ARGUMENT, &["context"]);
+    assert_eq!(count, 12345);
+    let st = unsafe { dpsync_replica_count(ctx.0, ptr::null_mut()) };
+    expect_err(st, INVALID_ARGUMENT, &["out"]);
+
+    let mut scale = -7.0f64;
+    let st = unsafe { dpsync_loss_scale(nul, &mut scale) };
+    expect_err(st, INVALID_ARGUMENT, &["context"]);
+    assert_eq!(scale, -7.0);
+    let st = unsafe { dpsync_loss_scale(ctx.0, ptr::null_mut()) };
+    expect_err(st, INVALID_ARGUMENT, &["out"]);
+
+    let st = unsafe { dpsync_synchronize(nul) };
+    expect_err(st, INVALID_ARGUMENT, &["context"]);
+
+    // set_stream: host replicas have no stream; out of range is an error too.
+    let fake_stream = 0x1000usize as *mut c_void;
+    let st = unsafe { dpsync_set_stream(nul, 0, ptr::null_mut()) };
+    expect_err(st, INVALID_ARGUMENT, &["context"]);
+    for r in 0..3 {
+        for s in [ptr::null_mut(), fake_stream] {
+            let st = unsafe { dpsync_set_stream(ctx.0, r, s) };
+            expect_err(st, INVALID_ARGUMENT, &["replica"]);
+        }
+    }
+    for r in [3usize, usize::MAX] {
+        let st = unsafe { dpsync_set_stream(ctx.0, r, ptr::null_mut()) };
+        expect_err(st, INVALID_ARGUMENT, &["replica"]);
+    }
+
+    assert_eq!(ctx.replica_count(), 3);
+    assert_eq!(ctx.loss_scale(), 1.0 / 3.0);
+    check(unsafe { dpsync_synchronize(ctx.0) }, "synchronize");
+}
+
+#[test]
+fn describe_bad_input() {
+    let fx = Fx::new();
+    let desc = fx.ctx.describe();
+    let mut buf = vec![0xAAu8; 64];
+    let mut len = 777usize;
+    let b = buf.as_mut_ptr() as *mut c_char;
+
+    let st = unsafe { dpsync_describe(ptr::null(), b, 64, &mut len) };
+    expect_err(st, INVALID_ARGUMENT, &["context"]);
+    let st = unsafe { dpsync_describe(fx.ctx.0, b, 64, ptr::null_mut()) };
+    expect_err(st, INVALID_ARGUMENT, &["length"]);
+    let st = unsafe { dpsync_describe(fx.ctx.0, ptr::null_mut(), 10, &mut len) };
+    expect_err(st, INVALID_ARGUMENT, &["buffer"]);
+    assert_eq!(len, 777, "*length untouched on failure");
+    assert!(
+        buf.iter().all(|&x| x == 0xAA),
+        "buffer untouched on failure"
+    );
+
+    let o = Options::host(2);
+    let st = unsafe { dpsync_plan_describe(ptr::null(), b, 64, &mut len) };
+    expect_err(st, INVALID_ARGUMENT, &["options"]);
+    let st = unsafe { dpsync_plan_describe(o.0, b, 64, ptr::null_mut()) };
+    expect_err(st, INVALID_ARGUMENT, &["length"]);
+    let st = unsafe { dpsync_plan_describe(o.0, ptr::null_mut(), 10, &mut len) };
+    expect_err(st, INVALID_ARGUMENT, &["buffer"]);
+    assert_eq!(len, 777);
+    assert!(buf.iter().all(|&x| x == 0xAA));
+
+    // (NULL, 0) sizes
+    check(
+        unsafe { dpsync_describe(fx.ctx.0, ptr::null_mut(), 0, &mut len) },
+        "size",
+    );
+    assert_eq!(len, desc.len());
+    assert_eq!(fx.ctx.describe(), desc);
+}
+
+// ------------------------------------------------------------------ registration
+
+#[test]
+fn register_rejects_bad_arguments_and_changes_nothing() {
+    let mut fx = Fx::new();
+    let n = fx.n;
+    let desc = fx.ctx.describe();
+    let before = fx.snapshot();
+    let mut data = vec![1.0f32; 4];
+    let d = data.as_mut_ptr() as *mut c_void;
+    let name = cstr("newt");
+    let ctx = fx.ctx.0;
+
+    // (case, status, message, argument the message must name)
+    let mut results: Vec<(String, dpsync_status, String, &str)> = Vec::new();
+    let mut run = |what: String, needle: &'static str, st: dpsync_status| {
+        results.push((what, st, last_error(), needle));
+    };
+    let empty = cstr("");
+    let bad_utf8 = [0x66u8, 0xff, 0xfe, 0x00];
+    unsafe {
+        let st = dpsync_register(ptr::null_mut(), name.as_ptr(), GRAD, 0, d, 4, F32);
+        run("context NULL".into(), "context", st);
+        let st = dpsync_register(ctx, ptr::null(), GRAD, 0, d, 4, F32);
+        run("name NULL".into(), "name", st);
+        let st = dpsync_register(ctx, empty.as_ptr(), GRAD, 0, d, 4, F32);
+        run("name empty".into(), "name", st);
+        let st = dpsync_register(ctx, bad_utf8.as_ptr().cast(), GRAD, 0, d, 4, F32);
+        run("name not UTF-8".into(), "name", st);
+        for role in [0u32, 3, 5, 6, 15, 16, 0xFFFF_FFFF] {
+            let st = dpsync_register(ctx, name.as_ptr(), role, 0, d, 4, F32);
+            run(format!("role {role}"), "role", st);
+        }
+        for replica in [n, n + 1, usize::MAX] {
+            let st = dpsync_register(ctx, name.as_ptr(), GRAD, replica, d, 4, F32);
+            run(format!("replica {replica}"), "replica", st);
+        }
+        let st = dpsync_register(ctx, name.as_ptr(), GRAD, 0, ptr::null_mut(), 4, F32);
+        run("data NULL".into(), "data", st);
+        let st = dpsync_register(ctx, name.as_ptr(), GRAD, 0, d, 0, F32);
+        run("count 0".into(), "count", st);
+        for dtype in [6u32, 7, 0xFFFF_FFFF] {
+            let st = dpsync_register(ctx, name.as_ptr(), GRAD, 0, d, 4, dtype);
+            run(format!("dtype {dtype}"), "dtype", st);
+        }
+    }
+    for (what, st, msg, needle) in &results {
+        assert_eq!(*st, INVALID_ARGUMENT, "register with {what} ({msg})");
+        assert!(
+            msg.contains(needle),
+            "register with {what}: message {msg:?} should name {needle:?}"
+        );
+    }
+    assert_eq!(
+        fx.ctx.describe(),
+        desc,
+        "failed registrations changed the registry"
+    );
+    assert!(data.iter().all(|&x| x == 1.0));
+    fx.assert_unchanged(&before, "failed registrations");
+    // 'newt' is registered nowhere, so GRAD collectives are consistent; a real registration works.
+    fx.assert_usable("after failed registrations");
+    assert_eq!(fx.ctx.allreduce("newt", SUM), NOT_FOUND);
+}
+
+#[test]
+fn conflicting_registration_keeps_the_original() {
+    let mut fx = Fx::new();
+    let desc = fx.ctx.describe();
+    let before = fx.snapshot();
+    // 'w' is PARAM f32 x5 on every replica; 'g' is GRAD f32 x4.
+    let w1 = fx.tensors[0].2[1].clone();
+    let mut other = vec![0f32; 5];
+    let wp = match &mut fx.tensors[0].2[1] {
+        Buf::F32(v) => v.as_mut_ptr() as *mut c_void,
+        _ => unreachable!(),
+    };
+    let ctx = fx.ctx.0;
+    let attempts: Vec<(&str, dpsync_status)> = vec![
+        ("another role", register_raw(ctx, "w", GRAD, 1, wp, 5, F32)),
+        ("another role", register_raw(ctx, "w", STATE, 1, wp, 5, F32)),
+        (
+            "another count",
+            register_raw(ctx, "w", PARAM, 1, wp, 4, F32),
+        ),
+        (
+            "another dtype",
+            register_raw(ctx, "w", PARAM, 1, wp, 5, I32),
+        ),
+        (
+            "another pointer",
+            register_raw(ctx, "w", PARAM, 1, other.as_mut_ptr().cast(), 5, F32),
+        ),
+    ];
+    for (what, st) in attempts {
+        assert_eq!(st, CONFLICT, "'w' on replica 1 with {what}");
+    }
+    // each message names the tensor and the replica
+    for (role, count, dtype) in [(GRAD, 5, F32), (PARAM, 4, F32), (PARAM, 5, I32)] {
+        let st = register_raw(ctx, "w", role, 1, wp, count, dtype);
+        expect_err(st, CONFLICT, &["'w'", "replica 1"]);
+    }
+    let st = register_raw(ctx, "w", PARAM, 1, other.as_mut_ptr().cast(), 5, F32);
+    expect_err(st, CONFLICT, &["'w'", "replica 1"]);
+
+    // A GRAD re-registered with fewer elements on replica 0.
+    let gp = fx.tensors[1].2[0].ptr();
+    let st = register_raw(ctx, "g", GRAD, 0, gp, 3, F32);
+    expect_err(st, CONFLICT, &["'g'", "replica 0"]);
+
+    assert_eq!(
+        fx.ctx.describe(),
+        desc,
+        "a conflicting registration changed the registry"
+    );
+    fx.assert_unchanged(&before, "conflicting registrations");
+    assert!(other.iter().all(|&x| x == 0.0));
+
+    // The original registrations are in force: 'w' broadcasts from replica 1's own buffer and
+    // 'g' is reduced over all 4 elements (assert_usable checks both exactly).
+    fx.assert_usable("after conflicts");
+    for r in 0..fx.n {
+        assert_same_bytes(
+            &fx.tensors[0].2[r],
+            &w1,
+            "'w' from replica 1's original buffer",
+        );
+    }
+    assert!(
+        other.iter().all(|&x| x == 0.0),
+        "the rejected buffer was never written"
+    );
+    // and the identical registration is still fine
+    check(
+        register_raw(ctx, "w", PARAM, 1, wp, 5, F32),
+        "identical re-registration",
+    );
+}
+
+#[test]
+fn unregister_bad_input() {
+    let mut fx = Fx::new();
+    let desc = fx.ctx.describe();
+    let name = cstr("g");
+    let st = unsafe { dpsync_unregister(ptr::null_mut(), name.as_ptr()) };
+    expect_err(st, INVALID_ARGUMENT, &["context"]);
+    let st = unsafe { dpsync_unregister(fx.ctx.0, ptr::null()) };
+    expect_err(st, INVALID_ARGUMENT, &["name"]);
+    let st = fx.ctx.unregister("nope");
+    expect_err(st, NOT_FOUND, &["nope"]);
+    let st = fx.ctx.unregister("G");
+    expect_err(st, NOT_FOUND, &["G"]);
+    assert_eq!(fx.ctx.describe(), desc);
+    fx.assert_usable("after failed unregisters");
+}
+
+// ------------------------------------------------------------------ collectives
+
+#[test]
+fn collectives_reject_bad_arguments_and_change_nothing() {
+    let mut fx = Fx::new();
+    let n = fx.n;
+    let before = fx.snapshot();
+    let nul: *mut dpsync_context = ptr::null_mut();
+    let g = cstr("g");
+    unsafe {
+        expect_err(
+            dpsync_allreduce_grads(nul, SUM),
+            INVALID_ARGUMENT,
+            &["context"],
+        );
+        for op in [2u32, 3, 0xFFFF_FFFF] {
+            expect_err(
+                dpsync_allreduce_grads(fx.ctx.0, op),
+                INVALID_ARGUMENT,
+                &["op"],
+            );
+            expect_err(
+                dpsync_allreduce(fx.ctx.0, g.as_ptr(), op),
+                INVALID_ARGUMENT,
+                &["op"],
+            );
+        }
+        expect_err(
+            dpsync_allreduce(nul, g.as_ptr(), SUM),
+            INVALID_ARGUMENT,
+            &["context"],
+        );
+        expect_err(
+            dpsync_allreduce(fx.ctx.0, ptr::null(), SUM),
+            INVALID_ARGUMENT,
+            &["name"],
+        );
+        expect_err(
+            dpsync_broadcast(nul, PARAM, 0),
+            INVALID_ARGUMENT,
+            &["context"],
+        );
+        expect_err(
+            dpsync_average(nul, COMPUTED),
+            INVALID_ARGUMENT,
+            &["context"],
+        );
+    }
+    for roles in [0u32, 0x10, 0x1F, 0x20, 0xFFFF_FFFF] {
+        expect_err(fx.ctx.broadcast(roles, 0), INVALID_ARGUMENT, &["roles"]);
+        expect_err(fx.ctx.average(roles), INVALID_ARGUMENT, &["roles"]);
+    }
+    for root in [n, n + 5, usize::MAX] {
+        expect_err(
+            fx.ctx.broadcast(PARAM, root),
+            INVALID_ARGUMENT,
+            &["root_replica"],
+        );
+    }
+    expect_err(fx.ctx.allreduce("nope", SUM), NOT_FOUND, &["nope"]);
+    expect_err(fx.ctx.allreduce("g ", SUM), NOT_FOUND, &[]);
+    fx.assert_unchanged(&before, "failed collectives");
+    fx.assert_usable("after failed collectives");
+}
+
+/// One way of registering a tensor 'bad' so that the replicas disagree.
+#[derive(Clone, Copy, Debug)]
+enum Bad {
+    /// f32 x4 on replicas 0 and 1, f32 x5 on replica 2
+    Count,
+    /// f32 x4 on replicas 0 and 1, i32 x4 on replica 2
+    Dtype,
+    /// GRAD on replicas 0 and 1, COMPUTED on replica 2
+    Role,
+    /// on replicas 0 and 1 only
+    MissingOnLast,
+    /// on replicas 1 and 2 only
+    MissingOnFirst,
+    /// replica 1's memory overlaps replica 0's
+    Overlap,
+}
+
+#[test]
+fn inconsistent_registrations_fail_the_collective_that_touches_them() {
+    for bad in [
+        Bad::Count,
+        Bad::Dtype,
+        Bad::Role,
+        Bad::MissingOnLast,
+        Bad::MissingOnFirst,
+        Bad::Overlap,
+    ] {
+        let what = format!("{bad:?}");
+        let mut fx = Fx::new();
+        let mut bufs: Vec<Vec<f32>> = vec![
+            vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
+            vec![10.0, 20.0, 30.0, 40.0, 50.0, 60.0],
+            vec![100.0, 200.0, 300.0, 400.0, 500.0, 600.0],
+        ];
+        let copies = bufs.clone();
+        let ptrs: Vec<*mut c_void> = bufs.iter_mut().map(|b| b.as_mut_ptr().cast()).collect();
+        let ctx = fx.ctx.0;
+        let reg = |r: usize, p: *mut c_void, role: u32, count: usize, dtype: u32| {
+            check(register_raw(ctx, "bad", role, r, p, count, dtype), &what);
+        };
+        let culprit = match bad {
+            Bad::Count => {
+                reg(0, ptrs[0], GRAD, 4, F32);
+                reg(1, ptrs[1], GRAD, 4, F32);
+                reg(2, ptrs[2], GRAD, 5, F32);
+                "replica 2"
+            }
+            Bad::Dtype => {
+                reg(0, ptrs[0], GRAD, 4, F32);
+                reg(1, ptrs[1], GRAD, 4, F32);
+                reg(2, ptrs[2], GRAD, 4, I32);
+                "replica 2"
+            }
+            Bad::Role => {
+                reg(0, ptrs[0], GRAD, 4, F32);
+                reg(1, ptrs[1], GRAD, 4, F32);
+                reg(2, ptrs[2], COMPUTED, 4, F32);
+                "replica 2"
+            }
+            Bad::MissingOnLast => {
+                reg(0, ptrs[0], GRAD, 4, F32);
+                reg(1, ptrs[1], GRAD, 4, F32);
+                "replica 2"
+            }
+            Bad::MissingOnFirst => {
+                reg(1, ptrs[1], GRAD, 4, F32);
+                reg(2, ptrs[2], GRAD, 4, F32);
+                "replica 0"
+            }
+            Bad::Overlap => {
+                reg(0, ptrs[0], GRAD, 4, F32);
+                // replica 1 registers elements 2..6 of replica 0's buffer
+                let p = unsafe { (ptrs[0] as *mut f32).add(2) } as *mut c_void;
+                reg(1, p, GRAD, 4, F32);
+                reg(2, ptrs[2], GRAD, 4, F32);
+                "replica"
+            }
+        };
+        let before = fx.snapshot();
+        let desc = fx.ctx.describe();
+
+        let st = fx.ctx.allreduce_grads(SUM);
+        expect_err(st, INCONSISTENT, &["'bad'", culprit]);
+        let st = fx.ctx.allreduce("bad", AVG);
+        expect_err(st, INCONSISTENT, &["'bad'", culprit]);
+        let st = fx.ctx.broadcast(GRAD, 0);
+        expect_err(st, INCONSISTENT, &["'bad'"]);
+        assert_eq!(
+            bufs, copies,
+            "{what}: 'bad' buffers changed by a failed collective"
+        );
+        fx.assert_unchanged(&before, &what);
+
+        // describe reports it
+        let j: serde_json::Value = serde_json::from_str(&desc).unwrap();
+        let problems = j["problems"].as_array().expect("problems");
+        assert!(
+            problems
+                .iter()
+                .any(|p| p.as_str().unwrap_or("").contains("'bad'")),
+            "{what}: describe problems {problems:?}"
+        );
+
+        // Collectives that do not touch 'bad' still work.
+        check(
+            fx.ctx.broadcast(PARAM, 2),
+            &format!("{what}: broadcast(PARAM)"),
+        );
+        check(
+            fx.ctx.allreduce("g", SUM),
+            &format!("{what}: allreduce('g')"),
+        );
+        // Unregistering it makes the context fully usable again.
+        check(fx.ctx.unregister("bad"), &what);
+        fx.assert_usable(&what);
+        assert_eq!(
+            bufs, copies,
+            "{what}: 'bad' buffers changed after unregister"
+        );
+    }
+}
+
+#[test]
+fn only_touched_tensors_are_checked() {
+    let fx = Fx::new();
+    // an inconsistent PARAM (missing on replica 2) does not fail allreduce_grads or average
+    let mut p0 = vec![1.0f32; 3];
+    let mut p1 = vec![2.0f32; 3];
+    fx.ctx.reg("badp", PARAM, 0, &mut p0, F32);
+    fx.ctx.reg("badp", PARAM, 1, &mut p1, F32);
+    let before = fx.snapshot();
+    let st = fx.ctx.broadcast(PARAM, 0);
+    expect_err(st, INCONSISTENT, &["'badp'", "replica 2"]);
+    let st = fx.ctx.broadcast(PARAM | COMPUTED, 1);
+    expect_err(st, INCONSISTENT, &["'badp'", "replica 2"]);
+    fx.assert_unchanged(&before, "failed broadcast");
+    assert_eq!((p0.clone(), p1.clone()), (vec![1.0; 3], vec![2.0; 3]));
+
+    let gbefore: Vec<Buf> = fx.tensors[1].2.clone();
+    check(
+        fx.ctx.allreduce_grads(SUM),
+        "allreduce_grads ignores PARAMs",
+    );
+    let want = reference_allreduce(&gbefore.iter().collect::<Vec<_>>(), SUM);
+    for r in 0..fx.n {
+        assert_same_bytes(&fx.tensors[1].2[r], &want, "'g'");
+    }
+    check(fx.ctx.average(COMPUTED), "average(COMPUTED) ignores PARAMs");
+    check(
+        fx.ctx.broadcast(STATE, 2),
+        "broadcast(STATE) ignores PARAMs",
+    );
+    assert_eq!((p0.clone(), p1.clone()), (vec![1.0; 3], vec![2.0; 3]));
+
+    // completing the registration makes broadcast(PARAM) work
+    let mut p2 = vec![3.0f32; 3];
+    fx.ctx.reg("badp", PARAM, 2, &mut p2, F32);
+    check(
+        fx.ctx.broadcast(PARAM, 1),
+        "broadcast after completing 'badp'",
+    );
+    assert_eq!((p0, p1, p2), (vec![2.0; 3], vec![2.0; 3], vec![2.0; 3]));
+}
