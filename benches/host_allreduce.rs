@@ -89,12 +89,19 @@ fn filled(n: usize, seed: usize) -> Vec<f32> {
         .collect()
 }
 
-/// 4 replicas x 64 MiB f32 allreduce vs one memcpy of the same 256 MiB.
-fn allreduce_vs_memcpy(quick: bool) {
+/// 4 replicas x 64 MiB f32 allreduce vs one memcpy of the same 256 MiB, with `threads` host
+/// threads (None: all).
+fn allreduce_vs_memcpy(quick: bool, threads: Option<usize>) {
+    // Read by the host backend when the context is created; nothing else runs concurrently here.
+    match threads {
+        Some(n) => std::env::set_var("DPSYNC_HOST_THREADS", n.to_string()),
+        None => std::env::remove_var("DPSYNC_HOST_THREADS"),
+    }
     let replicas = 4;
     let n = if quick { 1 << 20 } else { 16 << 20 };
     let reps = if quick { 3 } else { 9 };
     let ctx = Ctx::new(replicas, 25 << 20);
+    std::env::remove_var("DPSYNC_HOST_THREADS");
     let mut bufs: Vec<Vec<f32>> = (0..replicas).map(|r| filled(n, r)).collect();
     for (r, b) in bufs.iter_mut().enumerate() {
         ctx.register("g", r, b);
@@ -112,8 +119,9 @@ fn allreduce_vs_memcpy(quick: bool) {
         },
     );
     let mib = (total * 4) as f64 / (1 << 20) as f64;
+    let threads = threads.map_or("all threads".to_owned(), |n| format!("{n} thread(s)"));
     println!(
-        "allreduce {replicas} x {:.0} MiB f32: {:.2} ms | memcpy {mib:.0} MiB: {:.2} ms | ratio {:.2} (target <= 1.3)",
+        "allreduce {replicas} x {:.0} MiB f32 ({threads}): {:.2} ms | memcpy {mib:.0} MiB: {:.2} ms | ratio {:.2} (target <= 1.3)",
         mib / replicas as f64,
         ms(t_all),
         ms(t_copy),
@@ -216,7 +224,8 @@ fn main() {
         std::thread::available_parallelism().map_or(1, |n| n.get()),
         if quick { " (quick)" } else { "" }
     );
-    allreduce_vs_memcpy(quick);
+    allreduce_vs_memcpy(quick, None);
+    allreduce_vs_memcpy(quick, Some(1));
     gradient_set("ResNet-50", &format!("{data}/resnet50_params.tsv"), quick);
     if !quick {
         gradient_set("BERT-base", &format!("{data}/bert_base_params.tsv"), quick);

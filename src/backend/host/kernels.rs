@@ -7,8 +7,10 @@ use half::{bf16, f16};
 
 use crate::types::ReduceOp;
 
-/// Elements per block: an accumulator block and an output block stay in L1.
-pub(crate) const BLOCK: usize = 1024;
+/// Elements per block: every replica's block plus the accumulator and output blocks stay in
+/// L1 (4 replicas x 2 KiB + 2 x 2 KiB for f32). 512..4096 measured alike within noise on the
+/// 2-core development VM; 512 was best there (docs/PERFORMANCE.md).
+pub(crate) const BLOCK: usize = 512;
 
 pub trait Reducible: Copy + Default + Send + Sync + 'static {
     type Acc: Copy + Default;

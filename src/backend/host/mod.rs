@@ -33,9 +33,15 @@ pub struct HostBackend {
 }
 
 impl HostBackend {
+    /// Uses every hardware thread, or `DPSYNC_HOST_THREADS` (>= 1) when set: a framework that
+    /// runs its own thread pool beside dpsync may want to leave cores to it.
     pub fn new() -> HostBackend {
+        let configured = std::env::var("DPSYNC_HOST_THREADS")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .filter(|&n| n >= 1);
         HostBackend {
-            max_threads: hardware_threads(),
+            max_threads: configured.unwrap_or_else(hardware_threads),
         }
     }
 
