@@ -25,12 +25,7 @@ pub fn plan_describe(options: &Options) -> Result<String> {
     let topology = Topology::from_options(options, None)?;
     let snapshot = Registry::new(topology.replicas()).snapshot();
     let plan = Plan::new(&topology, &snapshot, options.fusion_bytes);
-    Ok(plan::describe(
-        &topology,
-        &plan,
-        &snapshot,
-        options.fusion_bytes,
-    ))
+    Ok(plan::describe(&topology, &plan, &snapshot, options.fusion_bytes).to_string())
 }
 
 impl Context {
@@ -132,7 +127,9 @@ impl Context {
 
     pub fn describe(&mut self) -> String {
         let (snapshot, plan) = self.prepare();
-        plan::describe(&self.topology, &plan, &snapshot, self.options.fusion_bytes)
+        let mut json = plan::describe(&self.topology, &plan, &snapshot, self.options.fusion_bytes);
+        json["backend"] = self.executor.describe_backend();
+        json.to_string()
     }
 
     fn divisor(&self) -> usize {

@@ -53,4 +53,7 @@ pub trait Backend: Send {
 
     /// Waits for every operation issued so far.
     fn synchronize(&self) -> Result<()>;
+
+    /// What `dpsync_describe` shows of this backend under "backend".
+    fn describe(&self) -> serde_json::Value;
 }

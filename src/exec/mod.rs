@@ -40,8 +40,8 @@ impl Executor {
         Executor { backend }
     }
 
-    pub fn backend_name(&self) -> &'static str {
-        self.backend.name()
+    pub fn describe_backend(&self) -> serde_json::Value {
+        self.backend.describe()
     }
 
     /// Reduces `buckets` (indices into `tensors`) in order.

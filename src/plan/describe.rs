@@ -5,12 +5,13 @@ use serde_json::{json, Value};
 use super::{Plan, Topology};
 use crate::registry::Snapshot;
 
+/// The JSON object; a live context adds what its backend reports under "backend".
 pub fn describe(
     topology: &Topology,
     plan: &Plan,
     snapshot: &Snapshot,
     fusion_bytes: usize,
-) -> String {
+) -> Value {
     let n = topology.replicas();
     let replicas: Vec<Value> = topology
         .devices
@@ -60,5 +61,4 @@ pub fn describe(
         "steps": steps,
         "problems": problems,
     })
-    .to_string()
 }

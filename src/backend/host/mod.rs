@@ -175,4 +175,8 @@ impl Backend for HostBackend {
         // Host collectives are complete when they return.
         Ok(())
     }
+
+    fn describe(&self) -> serde_json::Value {
+        serde_json::json!({"name": self.name(), "threads": self.max_threads})
+    }
 }
