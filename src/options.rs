@@ -106,8 +106,14 @@ impl Options {
             _ => {}
         }
         if let Some(matrix) = &self.peer_access {
-            let n = (matrix.len() as f64).sqrt() as usize;
-            self.check_peer_size(n)?;
+            let n = self.replicas.len();
+            if matrix.len() != n * n {
+                return Err(Error::invalid(format!(
+                    "peer-access matrix: n is {} but the options have {n} replicas \
+                     (the replicas changed after dpsync_options_set_peer_access)",
+                    matrix.len().isqrt()
+                )));
+            }
         }
         Ok(())
     }

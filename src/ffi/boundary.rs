@@ -140,3 +140,60 @@ pub(super) fn try_enum<T>(
     decode(code)
         .ok_or_else(|| Error::invalid(format!("{argument} is {code}, not one of {expected}")))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::options::Options;
+
+    fn last_error() -> String {
+        // SAFETY: the pointer is this thread's live CString.
+        unsafe { CStr::from_ptr(last_error_ptr()) }
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    #[test]
+    fn a_panic_becomes_a_status_and_poisons_only_its_context() {
+        let mut options = Options::default();
+        options.set_host_replicas(2).unwrap();
+        let ctx = dpsync_context::new(Context::new(&options).unwrap());
+        let other = dpsync_context::new(Context::new(&options).unwrap());
+        let status = with_context(&ctx, |_| panic!("defect under test"));
+        assert_eq!(status, dpsync_status::DPSYNC_STATUS_PANIC);
+        assert!(
+            last_error().contains("defect under test"),
+            "{}",
+            last_error()
+        );
+        let status = with_context(&ctx, |c| {
+            assert_eq!(c.replica_count(), 2);
+            Ok(())
+        });
+        assert_eq!(status, dpsync_status::DPSYNC_STATUS_INVALID_STATE);
+        assert!(last_error().contains("unusable"), "{}", last_error());
+        let status = with_context(&other, |c| {
+            assert_eq!(c.replica_count(), 2);
+            Ok(())
+        });
+        assert_eq!(status, dpsync_status::DPSYNC_STATUS_OK);
+        assert!(
+            last_error().contains("unusable"),
+            "success keeps the last error"
+        );
+    }
+
+    #[test]
+    fn a_panic_outside_a_context_is_caught_too() {
+        assert_eq!(
+            entry(|| panic!("free-standing defect")),
+            dpsync_status::DPSYNC_STATUS_PANIC
+        );
+        assert!(last_error().contains("free-standing defect"));
+        assert_eq!(
+            with_context(std::ptr::null(), |_| Ok(())),
+            dpsync_status::DPSYNC_STATUS_INVALID_ARGUMENT
+        );
+        assert_eq!(last_error(), "context is NULL");
+    }
+}
