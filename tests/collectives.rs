@@ -1118,7 +1118,7 @@ fn assert_rounds(st: &[Step], rounds: &[&[(usize, usize)]], what: &str) {
             );
             let r = *nums.iter().next().unwrap();
             assert!(
-                last.map_or(true, |l| r > l),
+                last.is_none_or(|l| r > l),
                 "{what}: rounds increase: {summed:?}"
             );
             last = Some(r);
