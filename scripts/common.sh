@@ -11,6 +11,7 @@ ensure_tools() {
   command -v c++ >/dev/null 2>&1 || missing+=(g++)
   command -v make >/dev/null 2>&1 || missing+=(make)
   command -v python3 >/dev/null 2>&1 || missing+=(python3)
+  command -v valgrind >/dev/null 2>&1 || missing+=(valgrind)
   if ((${#missing[@]})); then
     step "installing ${missing[*]}"
     local sudo=""
