@@ -213,12 +213,6 @@ pub struct TensorView {
     pub ptrs: Vec<usize>,
 }
 
-impl TensorView {
-    pub fn bytes(&self) -> usize {
-        self.count * self.dtype.size()
-    }
-}
-
 /// The registry checked at one generation: what collectives may touch, and what they must refuse.
 #[derive(Debug)]
 pub struct Snapshot {
