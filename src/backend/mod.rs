@@ -4,6 +4,7 @@
 
 pub mod host;
 
+
 use crate::error::Result;
 use crate::plan::Step;
 use crate::types::{DType, ReduceOp};
@@ -25,6 +26,40 @@ pub struct BucketView<'a> {
 impl BucketView<'_> {
     pub fn elements(&self) -> usize {
         self.segments.iter().map(|s| s.count).sum()
+    }
+}
+
+/// Memory the library owns on one replica (host memory for host replicas, device memory for
+/// CUDA ones): sparse outputs, BMUF state, staging. Zero-filled when made, freed on drop.
+pub struct Allocation {
+    ptr: usize,
+    bytes: usize,
+    /// Whatever frees the memory when dropped (a host vector, a device allocation).
+    _owner: Box<dyn Send + Sync>,
+}
+
+impl Allocation {
+    pub(crate) fn new(ptr: usize, bytes: usize, owner: Box<dyn Send + Sync>) -> Allocation {
+        Allocation {
+            ptr,
+            bytes,
+            _owner: owner,
+        }
+    }
+
+    /// Address of the first byte, aligned to at least 16 bytes.
+    pub fn ptr(&self) -> usize {
+        self.ptr
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl std::fmt::Debug for Allocation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Allocation({:#x}, {} bytes)", self.ptr, self.bytes)
     }
 }
 
@@ -50,6 +85,22 @@ pub trait Backend: Send {
     /// # Safety
     /// As for [`Backend::allreduce`].
     unsafe fn broadcast(&self, bucket: &BucketView<'_>, root: usize) -> Result<()>;
+
+    /// `bytes` zero-filled bytes of library-owned memory on `replica`.
+    fn alloc(&self, replica: usize, bytes: usize) -> Result<Allocation>;
+
+    /// Copies `bytes` from `src` on replica `src_replica` to `dst` on replica `dst_replica`.
+    ///
+    /// # Safety
+    /// Both ranges are valid on their replicas and do not overlap.
+    unsafe fn copy(
+        &self,
+        src_replica: usize,
+        src: usize,
+        dst_replica: usize,
+        dst: usize,
+        bytes: usize,
+    ) -> Result<()>;
 
     /// Waits for every operation issued so far.
     fn synchronize(&self) -> Result<()>;
