@@ -3,13 +3,14 @@
 
 use std::sync::Arc;
 
-use crate::backend::host::HostBackend;
-use crate::error::{Error, ErrorKind, Result};
+use crate::backend::cuda::CudaBackend;
+use crate::backend::Backend;
+use crate::error::{Error, Result};
 use crate::exec::Executor;
 use crate::options::Options;
 use crate::plan::{self, Plan, Topology};
 use crate::registry::{Registration, Registry, Snapshot, TensorView};
-use crate::types::{DType, Device, ReduceOp, Role, RoleMask};
+use crate::types::{DType, Device, Memory, ReduceOp, Role, RoleMask};
 
 pub struct Context {
     options: Options,
@@ -31,20 +32,22 @@ pub fn plan_describe(options: &Options) -> Result<String> {
 impl Context {
     pub fn new(options: &Options) -> Result<Context> {
         options.validate()?;
-        if options.has_cuda_replicas() {
-            return Err(Error::new(
-                ErrorKind::Unavailable,
-                "CUDA replicas are not supported by this build of dpsync yet (host replicas only); \
-                 dpsync_plan_describe can plan them",
-            ));
-        }
-        let topology = Topology::from_options(options, None)?;
+        let (topology, device) = if options.has_cuda_replicas() {
+            let opened = CudaBackend::open(options)?;
+            let mut topology = Topology::from_options(options, Some(opened.peer))?;
+            topology.transport = opened.transport;
+            topology.transport_reason = opened.reason;
+            let backend: Box<dyn Backend> = Box::new(opened.backend);
+            (topology, Some(backend))
+        } else {
+            (Topology::from_options(options, None)?, None)
+        };
         Ok(Context {
             options: options.clone(),
             registry: Registry::new(topology.replicas()),
             topology,
             prepared: None,
-            executor: Executor::new(Box::new(HostBackend::new())),
+            executor: Executor::new(device),
         })
     }
 
@@ -67,14 +70,9 @@ impl Context {
         Ok(())
     }
 
-    pub fn set_stream(&mut self, replica: usize, _stream: usize) -> Result<()> {
+    pub fn set_stream(&mut self, replica: usize, stream: usize) -> Result<()> {
         self.check_replica(replica, "replica")?;
-        match self.topology.devices[replica] {
-            Device::Host => Err(Error::invalid(format!(
-                "replica {replica} is a host replica: streams belong to CUDA replicas"
-            ))),
-            Device::Cuda(_) => unreachable!("contexts with CUDA replicas are refused at creation"),
-        }
+        self.executor.set_stream(replica, stream)
     }
 
     pub fn synchronize(&self) -> Result<()> {
@@ -91,6 +89,13 @@ impl Context {
         dtype: DType,
     ) -> Result<()> {
         self.check_replica(replica, "replica")?;
+        let memory = match self.topology.devices[replica] {
+            Device::Host => Memory::Host,
+            Device::Cuda(_) => self
+                .executor
+                .memory_of(replica, ptr)
+                .map_err(|e| Error::new(e.kind, format!("tensor '{name}': {}", e.message)))?,
+        };
         self.registry.register(
             name,
             replica,
@@ -99,6 +104,7 @@ impl Context {
                 ptr,
                 count,
                 dtype,
+                memory,
             },
         )
     }
@@ -142,13 +148,8 @@ impl Context {
         let tensors: Vec<&TensorView> = snapshot.tensors.iter().collect();
         // SAFETY: registered memory stays valid while registered (the C contract).
         unsafe {
-            self.executor.allreduce_buckets(
-                &plan.buckets,
-                &tensors,
-                op,
-                self.divisor(),
-                &plan.allreduce,
-            )
+            self.executor
+                .allreduce_buckets(&plan.buckets, &tensors, op, self.divisor(), &plan)
         }
     }
 
@@ -161,7 +162,7 @@ impl Context {
                 &[tensor],
                 op,
                 self.divisor(),
-                &plan.allreduce,
+                &plan,
                 self.options.fusion_bytes,
             )
         }
@@ -187,7 +188,7 @@ impl Context {
                 &tensors,
                 ReduceOp::Avg,
                 self.divisor(),
-                &plan.allreduce,
+                &plan,
                 self.options.fusion_bytes,
             )
         }

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::types::{DType, Role, RoleMask};
+use crate::types::{DType, Memory, Role, RoleMask};
 
 /// One replica's registration of a name: caller-owned memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -16,13 +16,19 @@ pub struct Registration {
     pub ptr: usize,
     pub count: usize,
     pub dtype: DType,
+    /// Host or device memory (always host on host replicas).
+    pub memory: Memory,
 }
 
 impl Registration {
     fn describe(&self) -> String {
         format!(
-            "role {}, {} elements of {} at {:#x}",
-            self.role, self.count, self.dtype, self.ptr
+            "role {}, {} elements of {} at {:#x} ({} memory)",
+            self.role,
+            self.count,
+            self.dtype,
+            self.ptr,
+            self.memory.name()
         )
     }
 }
@@ -179,6 +185,13 @@ fn check_entry(entry: &Entry) -> Result<TensorView> {
                 reg.count, reference.count
             )));
         }
+        if reg.memory != reference.memory {
+            return Err(Error::inconsistent(format!(
+                "tensor '{name}': replica {replica} has it in {} memory, replica {first} in {} memory",
+                reg.memory.name(),
+                reference.memory.name()
+            )));
+        }
         ptrs.push(reg.ptr);
     }
     let bytes = reference.count * reference.dtype.size();
@@ -198,6 +211,7 @@ fn check_entry(entry: &Entry) -> Result<TensorView> {
         role: reference.role,
         dtype: reference.dtype,
         count: reference.count,
+        memory: reference.memory,
         ptrs,
     })
 }
@@ -209,6 +223,7 @@ pub struct TensorView {
     pub role: Role,
     pub dtype: DType,
     pub count: usize,
+    pub memory: Memory,
     /// One address per replica, in replica order.
     pub ptrs: Vec<usize>,
 }
@@ -266,6 +281,7 @@ mod tests {
             ptr,
             count,
             dtype: DType::F32,
+            memory: Memory::Host,
         }
     }
 
@@ -331,6 +347,24 @@ mod tests {
         r.register("g", 0, reg(Role::Grad, 0x1000, 4)).unwrap();
         r.register("g", 1, reg(Role::Grad, 0x1010, 4)).unwrap();
         assert!(r.snapshot().lookup("g").is_ok());
+    }
+
+    #[test]
+    fn host_and_device_memory_of_one_name_is_inconsistent() {
+        let mut r = Registry::new(2);
+        r.register("bn_mean", 0, reg(Role::Computed, 0x1000, 4))
+            .unwrap();
+        let device = Registration {
+            memory: Memory::Device,
+            ..reg(Role::Computed, 0x9000, 4)
+        };
+        r.register("bn_mean", 1, device).unwrap();
+        let err = r.snapshot().lookup("bn_mean").unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Inconsistent);
+        assert_eq!(
+            err.message,
+            "tensor 'bn_mean': replica 1 has it in device memory, replica 0 in host memory"
+        );
     }
 
     #[test]

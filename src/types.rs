@@ -178,6 +178,23 @@ pub enum Device {
     Cuda(i32),
 }
 
+/// Which memory a tensor's elements are in. A CUDA replica may hold host tensors (made by CPU
+/// ops in a GPU model); they are found by pointer attributes and reduced on the host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Memory {
+    Host,
+    Device,
+}
+
+impl Memory {
+    pub fn name(self) -> &'static str {
+        match self {
+            Memory::Host => "host",
+            Memory::Device => "device",
+        }
+    }
+}
+
 impl fmt::Display for Device {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

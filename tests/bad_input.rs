@@ -345,14 +345,23 @@ fn context_create_bad_input_leaves_out_untouched() {
     let st = unsafe { dpsync_context_create(o.0, ptr::null_mut()) };
     expect_err(st, INVALID_ARGUMENT, &["out"]);
 
-    // CUDA replicas cannot be driven in this version.
+    // Without a driver, CUDA replicas are UNAVAILABLE, naming what is missing (a GPU machine
+    // has a driver: tests/cuda.rs covers it there).
     let cu = Options::new();
     cu.set_cuda_replicas(&[0, 1]);
     let st = unsafe { dpsync_context_create(cu.0, &mut out) };
-    let msg = expect_err(st, UNAVAILABLE, &[]);
-    assert!(msg.to_lowercase().contains("cuda"), "{msg}");
-    assert_eq!(out, sentinel);
-    // ... but they can be planned.
+    if st == UNAVAILABLE {
+        let msg = last_error();
+        assert!(msg.contains("libcuda"), "{msg}");
+        assert_eq!(out, sentinel);
+    } else {
+        eprintln!("cuda UNAVAILABLE path: skipped: a CUDA driver is present ({st:?})");
+        if st == OK {
+            unsafe { dpsync_context_destroy(out) };
+            out = sentinel;
+        }
+    }
+    // ... and they can always be planned.
     assert!(cu.plan().is_ok());
 
     // A transport that does not fit host replicas.

@@ -2,12 +2,12 @@
 //! the plan validated it) and return only errors a caller cannot foresee: a missing runtime, a
 //! failing device call, a timeout. Algorithms over them live in [`crate::exec`].
 
+pub mod cuda;
 pub mod host;
 
-
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::plan::Step;
-use crate::types::{DType, ReduceOp};
+use crate::types::{DType, Memory, ReduceOp};
 
 /// One tensor's elements on every replica: `ptrs[r]` is replica r's first element.
 #[derive(Clone, Copy, Debug)]
@@ -65,6 +65,29 @@ impl std::fmt::Debug for Allocation {
 
 pub trait Backend: Send {
     fn name(&self) -> &'static str;
+
+    /// Which memory `ptr` (registered on `replica`) is in. The host backend has only host memory.
+    fn memory_of(&self, _replica: usize, _ptr: usize) -> Result<Memory> {
+        Ok(Memory::Host)
+    }
+
+    /// The caller's stream (a `CUstream`, 0 = legacy default stream) for `replica`.
+    fn set_stream(&mut self, replica: usize, _stream: usize) -> Result<()> {
+        Err(Error::invalid(format!(
+            "replica {replica} is a host replica: streams belong to CUDA replicas"
+        )))
+    }
+
+    /// Opens a collective: the work issued until [`Backend::end`] runs after the work already
+    /// queued on the callers' streams (stream-ordered backends record and wait on events here).
+    fn begin(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Closes a collective: work queued on the callers' streams afterwards waits for it.
+    fn end(&self) -> Result<()> {
+        Ok(())
+    }
 
     /// Reduces every segment across replicas in place by the plan's `steps`; with
     /// `ReduceOp::Avg` the sum is divided by `divisor` (replicas in the world).

@@ -1,15 +1,22 @@
 //! Algorithms, written once over the [`Backend`] primitives: dense allreduce by buckets,
 //! broadcast, average. Inputs are validated before they get here (registry and plan); the
 //! executor only turns plan data into backend calls.
+//!
+//! A context has one backend for its replicas' memory (host threads, or CUDA) and, on CUDA
+//! replicas, a host backend for tensors that live in host memory (CPU ops in a GPU model).
 
+use crate::backend::host::HostBackend;
 use crate::backend::{Backend, BucketView, Segment};
 use crate::error::Result;
-use crate::plan::{plan_buckets, Bucket, Step};
+use crate::plan::{plan_buckets, Bucket, Plan};
 use crate::registry::TensorView;
-use crate::types::ReduceOp;
+use crate::types::{Memory, ReduceOp};
 
 pub struct Executor {
+    /// The backend of the replicas' own memory.
     backend: Box<dyn Backend>,
+    /// Host-memory tensors on device replicas; `None` when `backend` is already the host's.
+    host: Option<HostBackend>,
 }
 
 fn view<'a>(bucket: &Bucket, tensors: &[&'a TensorView]) -> BucketView<'a> {
@@ -31,20 +38,63 @@ fn buckets_for(tensors: &[&TensorView], fusion_bytes: usize) -> Vec<Bucket> {
     let items = tensors
         .iter()
         .enumerate()
-        .map(|(i, t)| (i, t.dtype, t.count));
+        .map(|(i, t)| (i, t.dtype, t.memory, t.count));
     plan_buckets(items, fusion_bytes)
 }
 
 impl Executor {
-    pub fn new(backend: Box<dyn Backend>) -> Executor {
-        Executor { backend }
+    /// `device` is the backend of CUDA replicas; `None` for host replicas.
+    pub fn new(device: Option<Box<dyn Backend>>) -> Executor {
+        match device {
+            Some(backend) => Executor {
+                backend,
+                host: Some(HostBackend::new()),
+            },
+            None => Executor {
+                backend: Box::new(HostBackend::new()),
+                host: None,
+            },
+        }
     }
 
     pub fn describe_backend(&self) -> serde_json::Value {
-        self.backend.describe()
+        let mut json = self.backend.describe();
+        if let Some(host) = &self.host {
+            json["host_memory"] = host.describe();
+        }
+        json
     }
 
-    /// Reduces `buckets` (indices into `tensors`) in order.
+    pub fn memory_of(&self, replica: usize, ptr: usize) -> Result<Memory> {
+        self.backend.memory_of(replica, ptr)
+    }
+
+    pub fn set_stream(&mut self, replica: usize, stream: usize) -> Result<()> {
+        self.backend.set_stream(replica, stream)
+    }
+
+    fn backend_for(&self, memory: Memory) -> &dyn Backend {
+        match (memory, &self.host) {
+            (Memory::Host, Some(host)) => host,
+            _ => self.backend.as_ref(),
+        }
+    }
+
+    /// Runs `work` between the backend's `begin` and `end` when it touches device memory, so
+    /// that it is ordered with the callers' streams; host work needs no bracket.
+    fn collective(&self, buckets: &[Bucket], work: impl FnOnce() -> Result<()>) -> Result<()> {
+        let device = self.host.is_some() && buckets.iter().any(|b| b.memory == Memory::Device);
+        if !device {
+            return work();
+        }
+        self.backend.begin()?;
+        let result = work();
+        // Close the bracket even after a failure: the callers' streams must not wait forever.
+        let closed = self.backend.end();
+        result.and(closed)
+    }
+
+    /// Reduces `buckets` (indices into `tensors`) in order, by the plan's programs.
     ///
     /// # Safety
     /// Every registered pointer is valid (the C contract makes that the caller's duty).
@@ -54,13 +104,23 @@ impl Executor {
         tensors: &[&TensorView],
         op: ReduceOp,
         divisor: usize,
-        steps: &[Step],
+        plan: &Plan,
     ) -> Result<()> {
-        for bucket in buckets {
-            self.backend
-                .allreduce(&view(bucket, tensors), op, divisor, steps)?;
-        }
-        Ok(())
+        self.collective(buckets, || {
+            for bucket in buckets {
+                let steps = match (bucket.memory, &self.host) {
+                    (Memory::Host, Some(_)) => &plan.host_allreduce,
+                    _ => &plan.allreduce,
+                };
+                self.backend_for(bucket.memory).allreduce(
+                    &view(bucket, tensors),
+                    op,
+                    divisor,
+                    steps,
+                )?;
+            }
+            Ok(())
+        })
     }
 
     /// Reduces `tensors`, fused by dtype into buckets of at most `fusion_bytes`.
@@ -72,11 +132,11 @@ impl Executor {
         tensors: &[&TensorView],
         op: ReduceOp,
         divisor: usize,
-        steps: &[Step],
+        plan: &Plan,
         fusion_bytes: usize,
     ) -> Result<()> {
         let buckets = buckets_for(tensors, fusion_bytes);
-        self.allreduce_buckets(&buckets, tensors, op, divisor, steps)
+        self.allreduce_buckets(&buckets, tensors, op, divisor, plan)
     }
 
     /// Copies `tensors` from replica `root` to every other replica.
@@ -89,10 +149,14 @@ impl Executor {
         root: usize,
         fusion_bytes: usize,
     ) -> Result<()> {
-        for bucket in buckets_for(tensors, fusion_bytes) {
-            self.backend.broadcast(&view(&bucket, tensors), root)?;
-        }
-        Ok(())
+        let buckets = buckets_for(tensors, fusion_bytes);
+        self.collective(&buckets, || {
+            for bucket in &buckets {
+                self.backend_for(bucket.memory)
+                    .broadcast(&view(bucket, tensors), root)?;
+            }
+            Ok(())
+        })
     }
 
     pub fn synchronize(&self) -> Result<()> {

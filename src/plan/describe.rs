@@ -29,7 +29,7 @@ pub fn describe(
                 .iter()
                 .map(|&i| snapshot.tensors[i].name.as_str())
                 .collect();
-            json!({"dtype": b.dtype.name(), "bytes": b.bytes(), "elements": b.elements, "tensors": names})
+            json!({"dtype": b.dtype.name(), "memory": b.memory.name(), "bytes": b.bytes(), "elements": b.elements, "tensors": names})
         })
         .collect();
     let steps: Vec<Value> = plan

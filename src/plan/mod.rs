@@ -23,8 +23,11 @@ pub struct Plan {
     /// GRAD tensors fused into buckets, last registered first. Indices refer to
     /// `Snapshot::tensors`.
     pub buckets: Vec<Bucket>,
-    /// The reduction program for one allreduce (same for every bucket and tensor).
+    /// The reduction program for one allreduce of device memory (same for every bucket and
+    /// tensor); on host replicas, the host program.
     pub allreduce: Vec<Step>,
+    /// The program for host-memory tensors (on CUDA replicas too: CPU ops in a GPU model).
+    pub host_allreduce: Vec<Step>,
 }
 
 impl Plan {
@@ -35,11 +38,12 @@ impl Plan {
             .enumerate()
             .rev()
             .filter(|(_, t)| t.role == Role::Grad)
-            .map(|(i, t)| (i, t.dtype, t.count));
+            .map(|(i, t)| (i, t.dtype, t.memory, t.count));
         Plan {
             generation: snapshot.generation,
             buckets: plan_buckets(grads, fusion_bytes),
             allreduce: allreduce_steps(topology),
+            host_allreduce: allreduce_steps(&topology.for_host_memory()),
         }
     }
 }

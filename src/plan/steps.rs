@@ -85,7 +85,10 @@ pub fn allreduce_steps(topology: &Topology) -> Vec<Step> {
         b.flat_sum(group, 0);
     }
     let mut round = local_rounds;
-    if topology.transport == TransportChoice::Nccl {
+    // One GPU in one process: the local sums are the whole reduction (a one-rank NCCL
+    // allreduce would be a no-op launch).
+    let ranks = leaders.len() * topology.world_size;
+    if topology.transport == TransportChoice::Nccl && ranks > 1 {
         for (rank, &leader) in leaders.iter().enumerate() {
             b.push(
                 StepOp::NcclAllreduce,

@@ -109,6 +109,18 @@ impl Topology {
         })
     }
 
+    /// The same replicas seen as one address space: how host-memory tensors are reduced.
+    pub fn for_host_memory(&self) -> Topology {
+        let n = self.replicas();
+        Topology {
+            peer: vec![1; n * n],
+            peer_source: PeerSource::Host,
+            transport: TransportChoice::Host,
+            transport_reason: "host memory: multi-threaded reduction".to_owned(),
+            ..self.clone()
+        }
+    }
+
     pub fn replicas(&self) -> usize {
         self.devices.len()
     }

@@ -851,3 +851,23 @@ pub fn assert_allclose(a: &[f32], b: &[f32], rtol: f32, atol: f32, what: &str) {
         );
     }
 }
+
+pub const INVALID_STATE: dpsync_status = dpsync_status::DPSYNC_STATUS_INVALID_STATE;
+pub const TIMEOUT: dpsync_status = dpsync_status::DPSYNC_STATUS_TIMEOUT;
+
+/// A context over CUDA `ordinals`, or `None` (after printing the skip line a GPU test owes its
+/// reader) when this machine has no usable CUDA device.
+pub fn cuda_context(test: &str, ordinals: &[i32], configure: impl Fn(&Options)) -> Option<Context> {
+    let o = Options::new();
+    o.set_cuda_replicas(ordinals);
+    configure(&o);
+    let mut p = ptr::null_mut();
+    // SAFETY: valid options and out pointer.
+    let st = unsafe { dpsync_context_create(o.0, &mut p) };
+    if st == UNAVAILABLE {
+        eprintln!("{test}: skipped: no CUDA device ({})", last_error());
+        return None;
+    }
+    check(st, "dpsync_context_create (CUDA)");
+    Some(Context(p))
+}

@@ -1,0 +1,837 @@
+//! The CUDA backend: replicas in device memory, reduced on their GPUs in stream order.
+//!
+//! Stream protocol (DESIGN.md point 4, ProcessGroupNCCL's): [`Backend::begin`] records an event
+//! on every caller stream and makes each device's communication stream wait on all of them;
+//! the collective's kernels, copies and NCCL calls run on the communication streams;
+//! [`Backend::end`] records a completion event per device and makes every caller stream wait
+//! on all of them. The host never blocks except in [`Backend::synchronize`] (and once when a
+//! scratch buffer must grow).
+//!
+//! One bucket: the replicas of each device are summed by one table-walk kernel (into a fusion
+//! buffer when other devices take part, or straight back into every replica when the device
+//! is alone); between devices, one grouped NCCL allreduce or the plan's peer/staged sum and copy
+//! steps on the fusion buffers; then one kernel writes the (averaged) result into every local
+//! replica.
+
+mod driver;
+mod kernels;
+mod nccl;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys;
+use parking_lot::Mutex;
+
+use self::driver::{DeviceMemory, Event, PrimaryContext, Stream};
+use self::kernels::{Kernels, Walk};
+use self::nccl::CommSet;
+use super::{Allocation, Backend, BucketView};
+use crate::error::{Error, ErrorKind, Result};
+use crate::options::Options;
+use crate::plan::{Step, StepOp, TransportChoice, Via};
+use crate::types::{DType, Device, Memory, ReduceOp, Transport};
+
+/// Library scratch memory of one device, grown on demand and reused by every collective.
+#[derive(Default)]
+struct Scratch {
+    fusion: Option<DeviceMemory>,
+    staging: Option<DeviceMemory>,
+    /// Segment tables by content (they only change when the registry does).
+    tables: HashMap<Vec<u64>, DeviceMemory>,
+}
+
+/// Tables kept before the cache is flushed (a framework re-registering every step).
+const MAX_TABLES: usize = 4096;
+
+/// One group of replicas reduced together on one GPU (the plan's device group).
+struct Group {
+    /// Replicas of the group, in replica order (the first is the leader).
+    local: Vec<usize>,
+    stream: Stream,
+    /// Recorded when another device must see this one's progress.
+    progress: Event,
+    scratch: Mutex<Scratch>,
+    kernels: Arc<Kernels>,
+    /// Last: released after everything above was freed.
+    ctx: Arc<PrimaryContext>,
+}
+
+struct Replica {
+    group: usize,
+    /// The caller's stream (`CUstream`; 0 = the legacy default stream).
+    stream: usize,
+    /// Recorded on the caller's stream when a collective begins.
+    start: Event,
+}
+
+/// A collective whose completion has not been observed yet.
+struct Pending {
+    issued: Instant,
+    /// One completion event per group.
+    done: Vec<Event>,
+}
+
+#[derive(Default)]
+struct State {
+    pending: VecDeque<Pending>,
+    /// Completion events for reuse.
+    spare: Vec<Vec<Event>>,
+    /// Set by a timeout or a device fault: every later collective is refused.
+    failed: Option<Error>,
+}
+
+pub struct CudaBackend {
+    groups: Vec<Group>,
+    replicas: Vec<Replica>,
+    transport: TransportChoice,
+    nccl_library: Option<String>,
+    comms: Mutex<Option<Arc<CommSet>>>,
+    state: Mutex<State>,
+    timeout: Option<Duration>,
+    driver_version: i32,
+}
+
+/// What opening the backend found out about the machine.
+pub struct Opened {
+    pub backend: CudaBackend,
+    /// Replica-level n x n matrix from `cuDeviceCanAccessPeer`.
+    pub peer: Vec<u8>,
+    pub transport: TransportChoice,
+    pub reason: String,
+}
+
+fn ordinal(device: Device) -> i32 {
+    match device {
+        Device::Cuda(o) => o,
+        Device::Host => unreachable!("the CUDA backend only gets CUDA replicas"),
+    }
+}
+
+fn deadline(issued: Instant, timeout: Option<Duration>) -> Option<Instant> {
+    timeout.map(|t| issued + t)
+}
+
+impl CudaBackend {
+    /// Loads the driver, checks the devices, detects and enables peer access, picks the
+    /// transport and compiles the kernels. Touches no tensor.
+    pub fn open(options: &Options) -> Result<Opened> {
+        driver::load()?;
+        let count = driver::device_count()?;
+        if count == 0 {
+            return Err(Error::new(
+                ErrorKind::Unavailable,
+                "the CUDA driver reports no device",
+            ));
+        }
+        let ordinals: Vec<i32> = options.replicas.iter().map(|d| ordinal(*d)).collect();
+        for (r, &o) in ordinals.iter().enumerate() {
+            if o < 0 || o >= count {
+                return Err(Error::invalid(format!(
+                    "replica {r}: CUDA device {o} does not exist (this machine has {count})"
+                )));
+            }
+        }
+        // Groups: one per distinct GPU, in order of first replica (the planner's rule).
+        let mut group_of = Vec::with_capacity(ordinals.len());
+        let mut group_ordinals: Vec<i32> = Vec::new();
+        for &o in &ordinals {
+            match group_ordinals.iter().position(|&g| g == o) {
+                Some(g) => group_of.push(g),
+                None => {
+                    group_of.push(group_ordinals.len());
+                    group_ordinals.push(o);
+                }
+            }
+        }
+        let ctxs: Vec<Arc<PrimaryContext>> = group_ordinals
+            .iter()
+            .map(|&o| PrimaryContext::retain(o).map(Arc::new))
+            .collect::<Result<_>>()?;
+        let peer = detect_peer_access(&ctxs, &group_of)?;
+        if let Some(m) = &options.peer_access {
+            let n = ordinals.len();
+            for i in 0..n {
+                for j in 0..n {
+                    if m[i * n + j] != 0 && peer[i * n + j] == 0 {
+                        return Err(Error::invalid(format!(
+                            "peer_access matrix: entry [{i}][{j}] says replica {i} (cuda:{}) \
+                             reads replica {j} (cuda:{}) directly, but the devices have no peer \
+                             access",
+                            ordinals[i], ordinals[j]
+                        )));
+                    }
+                }
+            }
+        }
+        let (transport, reason, nccl_library) = choose_transport(options.transport)?;
+        let mut groups = Vec::with_capacity(ctxs.len());
+        for (g, ctx) in ctxs.iter().enumerate() {
+            let kernels = Kernels::for_device(ctx)?;
+            let _bound = ctx.bind()?;
+            groups.push(Group {
+                local: (0..ordinals.len()).filter(|&r| group_of[r] == g).collect(),
+                stream: Stream::new()?,
+                progress: Event::new()?,
+                scratch: Mutex::new(Scratch::default()),
+                kernels,
+                ctx: ctx.clone(),
+            });
+        }
+        let mut replicas = Vec::with_capacity(ordinals.len());
+        for &g in &group_of {
+            let _bound = groups[g].ctx.bind()?;
+            replicas.push(Replica {
+                group: g,
+                stream: 0,
+                start: Event::new()?,
+            });
+        }
+        let timeout = (options.timeout_ms > 0).then(|| Duration::from_millis(options.timeout_ms));
+        let mut backend = CudaBackend {
+            groups,
+            replicas,
+            transport,
+            nccl_library,
+            comms: Mutex::new(None),
+            state: Mutex::new(State::default()),
+            timeout,
+            driver_version: driver::driver_version(),
+        };
+        let (transport, reason) = backend.settle_auto(options.transport, transport, reason);
+        backend.transport = transport;
+        Ok(Opened {
+            backend,
+            peer,
+            transport,
+            reason,
+        })
+    }
+
+    /// AUTO promises NCCL only if it *initialises*: with several GPUs, create the communicators
+    /// now and fall back to peer copies if that fails (NCCL requested: lazily, at first use).
+    fn settle_auto(
+        &self,
+        requested: Transport,
+        transport: TransportChoice,
+        reason: String,
+    ) -> (TransportChoice, String) {
+        if requested != Transport::Auto || transport != TransportChoice::Nccl {
+            return (transport, reason);
+        }
+        if self.groups.len() < 2 {
+            return (transport, reason);
+        }
+        match self.comms(Instant::now()) {
+            Ok(_) => (transport, reason),
+            Err(e) => (
+                TransportChoice::PeerCopy,
+                format!(
+                    "AUTO: NCCL loaded but its communicators did not initialise ({}); using \
+                     peer_copy",
+                    e.message
+                ),
+            ),
+        }
+    }
+
+    /// The communicators of this context's device set (created on first use, shared).
+    fn comms(&self, issued: Instant) -> Result<Arc<CommSet>> {
+        let mut slot = self.comms.lock();
+        if let Some(set) = slot.as_ref() {
+            return Ok(set.clone());
+        }
+        let ctxs: Vec<&PrimaryContext> = self.groups.iter().map(|g| g.ctx.as_ref()).collect();
+        let set = CommSet::get(&ctxs, deadline(issued, self.timeout))?;
+        *slot = Some(set.clone());
+        Ok(set)
+    }
+
+    /// The segment table of `bucket` for `group`, in device memory (uploaded once per layout).
+    fn table(&self, group: &Group, bucket: &BucketView<'_>) -> Result<u64> {
+        let nrep = group.local.len();
+        let mut host = Vec::with_capacity(bucket.segments.len() * (2 + nrep));
+        let mut offset = 0u64;
+        for seg in &bucket.segments {
+            host.push(offset);
+            host.push(seg.count as u64);
+            offset += seg.count as u64;
+        }
+        for seg in &bucket.segments {
+            host.extend(group.local.iter().map(|&r| seg.ptrs[r] as u64));
+        }
+        let mut scratch = group.scratch.lock();
+        if let Some(mem) = scratch.tables.get(&host) {
+            return Ok(mem.ptr);
+        }
+        if scratch.tables.len() >= MAX_TABLES {
+            // Tables in the cache may still be read by queued kernels.
+            self.sync_group(group)?;
+            scratch.tables.clear();
+        }
+        let bytes = host.len() * 8;
+        let mem = DeviceMemory::zeroed(bytes)?;
+        // SAFETY: `mem` holds `bytes` bytes; the upload is synchronous.
+        driver::check(
+            unsafe { sys::cuMemcpyHtoD_v2(mem.ptr, host.as_ptr().cast(), bytes) },
+            "cuMemcpyHtoD (segment table)",
+        )?;
+        let ptr = mem.ptr;
+        scratch.tables.insert(host, mem);
+        Ok(ptr)
+    }
+
+    fn sync_group(&self, group: &Group) -> Result<()> {
+        // SAFETY: our stream.
+        driver::check(
+            unsafe { sys::cuStreamSynchronize(group.stream.0) },
+            "cuStreamSynchronize",
+        )
+    }
+
+    /// A scratch buffer of at least `bytes` (fusion or staging) on `group`'s device.
+    fn scratch(&self, group: &Group, bytes: usize, staging: bool) -> Result<u64> {
+        let mut scratch = group.scratch.lock();
+        let slot = if staging {
+            &mut scratch.staging
+        } else {
+            &mut scratch.fusion
+        };
+        if let Some(mem) = slot.as_ref().filter(|m| m.bytes >= bytes) {
+            return Ok(mem.ptr);
+        }
+        if slot.is_some() {
+            // The old buffer may still be in use by queued work.
+            self.sync_group(group)?;
+        }
+        *slot = None;
+        let mem = DeviceMemory::zeroed(bytes)?;
+        let ptr = mem.ptr;
+        *slot = Some(mem);
+        Ok(ptr)
+    }
+
+    /// Makes `to`'s stream wait for the work queued so far on `from`'s.
+    fn order(&self, from: usize, to: usize) -> Result<()> {
+        if from == to {
+            return Ok(());
+        }
+        let src = &self.groups[from];
+        let _bound = src.ctx.bind()?;
+        src.progress.record(src.stream.0)?;
+        src.progress.wait_on(self.groups[to].stream.0)
+    }
+
+    /// Drops completed collectives; a collective older than the timeout is a TIMEOUT.
+    fn reap(&self, state: &mut State, wait: bool) -> Result<()> {
+        while let Some(front) = state.pending.front() {
+            let limit = deadline(front.issued, self.timeout);
+            let mut spins = 0u32;
+            loop {
+                let mut complete = true;
+                for ev in &front.done {
+                    if !ev.query()? {
+                        complete = false;
+                        break;
+                    }
+                }
+                if let Some(comms) = self.comms.lock().as_ref() {
+                    comms.async_error()?;
+                }
+                if complete {
+                    break;
+                }
+                if limit.is_some_and(|d| Instant::now() >= d) {
+                    let waited = front.issued.elapsed();
+                    return Err(Error::new(
+                        ErrorKind::Timeout,
+                        format!(
+                            "a collective issued {:.1} ms ago did not complete within the \
+                             {} ms timeout; the context refuses further collectives (destroy it)",
+                            waited.as_secs_f64() * 1e3,
+                            self.timeout.unwrap_or_default().as_millis()
+                        ),
+                    ));
+                }
+                if !wait {
+                    return Ok(());
+                }
+                spins += 1;
+                if spins < 1000 {
+                    std::thread::yield_now();
+                } else {
+                    std::thread::sleep(Duration::from_micros(50));
+                }
+            }
+            let done = state.pending.pop_front().expect("front exists").done;
+            state.spare.push(done);
+        }
+        Ok(())
+    }
+
+    /// Records a failure that makes the context unusable, aborting the communicators.
+    fn fail(&self, state: &mut State, err: Error) -> Error {
+        if let Some(comms) = self.comms.lock().take() {
+            comms.abort();
+        }
+        state.failed = Some(err.clone());
+        err
+    }
+
+    fn refuse_if_failed(state: &State) -> Result<()> {
+        match &state.failed {
+            Some(e) => Err(Error::new(
+                ErrorKind::InvalidState,
+                format!(
+                    "the context is unusable after an earlier failure ({}); destroy it",
+                    e.message
+                ),
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// Observes the queue; a timeout or device fault poisons the context.
+    fn observe(&self, wait: bool) -> Result<()> {
+        let mut state = self.state.lock();
+        Self::refuse_if_failed(&state)?;
+        match self.reap(&mut state, wait) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind == ErrorKind::Timeout || e.kind == ErrorKind::Backend => {
+                Err(self.fail(&mut state, e))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    fn element_bytes(dtype: DType, n: usize) -> usize {
+        dtype.size() * n
+    }
+
+    /// The cross-device part of a bucket on the fusion buffers.
+    fn exchange(
+        &self,
+        dtype: DType,
+        total: usize,
+        fusion: &[u64],
+        steps: &[Step],
+        issued: Instant,
+    ) -> Result<()> {
+        let bytes = Self::element_bytes(dtype, total);
+        if self.transport == TransportChoice::Nccl {
+            let comms = self.comms(issued)?;
+            let streams: Vec<sys::CUstream> = self.groups.iter().map(|g| g.stream.0).collect();
+            let bind = |rank: usize| self.groups[rank].ctx.bind();
+            return comms.allreduce(
+                dtype,
+                total,
+                fusion,
+                &streams,
+                &bind,
+                deadline(issued, self.timeout),
+            );
+        }
+        for step in steps {
+            let (gs, gd) = (self.replicas[step.src].group, self.replicas[step.dst].group);
+            if gs == gd || step.via == Via::Local {
+                continue; // local sums and copies are the pack and unpack walks
+            }
+            self.order(gs, gd)?;
+            let (src, dst) = (&self.groups[gs], &self.groups[gd]);
+            let _bound = dst.ctx.bind()?;
+            match (step.op, step.via) {
+                (StepOp::Sum, Via::Peer) => {
+                    dst.kernels
+                        .add(dst.stream.0, dtype, fusion[gd], fusion[gs], total)?;
+                }
+                (StepOp::Sum, _) => {
+                    let staging = self.scratch(dst, bytes, true)?;
+                    // SAFETY: both buffers hold `bytes`; ordered on dst's stream.
+                    driver::check(
+                        unsafe {
+                            sys::cuMemcpyPeerAsync(
+                                staging,
+                                dst.ctx.ctx,
+                                fusion[gs],
+                                src.ctx.ctx,
+                                bytes,
+                                dst.stream.0,
+                            )
+                        },
+                        "cuMemcpyPeerAsync (staged operand)",
+                    )?;
+                    dst.kernels
+                        .add(dst.stream.0, dtype, fusion[gd], staging, total)?;
+                }
+                (StepOp::Copy, _) => {
+                    // SAFETY: as above.
+                    driver::check(
+                        unsafe {
+                            sys::cuMemcpyPeerAsync(
+                                fusion[gd],
+                                dst.ctx.ctx,
+                                fusion[gs],
+                                src.ctx.ctx,
+                                bytes,
+                                dst.stream.0,
+                            )
+                        },
+                        "cuMemcpyPeerAsync (result copy)",
+                    )?;
+                }
+                (StepOp::NcclAllreduce, _) => unreachable!("NCCL steps only in NCCL plans"),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Replica-level peer matrix; pairs that can are enabled both ways.
+fn detect_peer_access(ctxs: &[Arc<PrimaryContext>], group_of: &[usize]) -> Result<Vec<u8>> {
+    let g = ctxs.len();
+    let mut device = vec![0u8; g * g];
+    for a in 0..g {
+        for b in 0..g {
+            if a == b {
+                device[a * g + b] = 1;
+            } else if driver::can_access_peer(&ctxs[a], &ctxs[b])? {
+                driver::enable_peer_access(&ctxs[a], &ctxs[b])?;
+                device[a * g + b] = 1;
+            }
+        }
+    }
+    let n = group_of.len();
+    let mut peer = vec![0u8; n * n];
+    for i in 0..n {
+        for j in 0..n {
+            peer[i * n + j] = device[group_of[i] * g + group_of[j]];
+        }
+    }
+    Ok(peer)
+}
+
+fn choose_transport(requested: Transport) -> Result<(TransportChoice, String, Option<String>)> {
+    match requested {
+        Transport::PeerCopy => Ok((
+            TransportChoice::PeerCopy,
+            "PEER_COPY requested".to_owned(),
+            None,
+        )),
+        Transport::Nccl => match nccl::load() {
+            Ok(lib) => Ok((
+                TransportChoice::Nccl,
+                format!("NCCL requested: {lib}"),
+                Some(lib),
+            )),
+            Err(e) => Err(Error::new(
+                ErrorKind::Unavailable,
+                format!("transport NCCL was requested but {}", e.message),
+            )),
+        },
+        _ => match nccl::load() {
+            Ok(lib) => Ok((
+                TransportChoice::Nccl,
+                format!("AUTO: NCCL loaded: {lib}"),
+                Some(lib),
+            )),
+            Err(e) => Ok((
+                TransportChoice::PeerCopy,
+                format!("AUTO: NCCL unavailable ({}); using peer_copy", e.message),
+                None,
+            )),
+        },
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn memory_of(&self, replica: usize, ptr: usize) -> Result<Memory> {
+        let want = self.groups[self.replicas[replica].group].ctx.ordinal;
+        match driver::pointer_memory(ptr) {
+            None | Some((false, _, _)) => Ok(Memory::Host),
+            Some((true, _, true)) => Ok(Memory::Device),
+            Some((true, got, false)) if got == want => Ok(Memory::Device),
+            Some((true, got, false)) => Err(Error::invalid(format!(
+                "data: device memory of cuda:{got} registered on replica {replica}, which is on \
+                 cuda:{want}"
+            ))),
+        }
+    }
+
+    fn set_stream(&mut self, replica: usize, stream: usize) -> Result<()> {
+        let group = &self.groups[self.replicas[replica].group];
+        if stream != 0 {
+            let ctx = driver::stream_context(stream as sys::CUstream).map_err(|e| {
+                Error::invalid(format!(
+                    "cuda_stream: not a usable stream for replica {replica} ({})",
+                    e.message
+                ))
+            })?;
+            if ctx != group.ctx.ctx {
+                return Err(Error::invalid(format!(
+                    "cuda_stream: the stream belongs to another context than replica {replica}'s \
+                     device (cuda:{}, primary context)",
+                    group.ctx.ordinal
+                )));
+            }
+        }
+        self.replicas[replica].stream = stream;
+        Ok(())
+    }
+
+    fn begin(&self) -> Result<()> {
+        self.observe(false)?;
+        for r in &self.replicas {
+            let _bound = self.groups[r.group].ctx.bind()?;
+            r.start.record(r.stream as sys::CUstream)?;
+        }
+        for g in &self.groups {
+            for r in &self.replicas {
+                r.start.wait_on(g.stream.0)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn end(&self) -> Result<()> {
+        let mut state = self.state.lock();
+        let mut done = match state.spare.pop() {
+            Some(events) => events,
+            None => {
+                let mut events = Vec::with_capacity(self.groups.len());
+                for g in &self.groups {
+                    let _bound = g.ctx.bind()?;
+                    events.push(Event::new()?);
+                }
+                events
+            }
+        };
+        for (g, ev) in self.groups.iter().zip(&mut done) {
+            let _bound = g.ctx.bind()?;
+            ev.record(g.stream.0)?;
+        }
+        for r in &self.replicas {
+            let _bound = self.groups[r.group].ctx.bind()?;
+            for ev in &done {
+                ev.wait_on(r.stream as sys::CUstream)?;
+            }
+        }
+        state.pending.push_back(Pending {
+            issued: Instant::now(),
+            done,
+        });
+        Ok(())
+    }
+
+    unsafe fn allreduce(
+        &self,
+        bucket: &BucketView<'_>,
+        op: ReduceOp,
+        divisor: usize,
+        steps: &[Step],
+    ) -> Result<()> {
+        let total = bucket.elements();
+        let avg = (op == ReduceOp::Avg && divisor > 1).then_some(divisor);
+        if total == 0 || (self.replicas.len() == 1 && avg.is_none()) {
+            return Ok(());
+        }
+        let dtype = bucket.dtype;
+        if self.groups.len() == 1 {
+            let g = &self.groups[0];
+            let table = self.table(g, bucket)?;
+            let _bound = g.ctx.bind()?;
+            return g.kernels.walk(
+                g.stream.0,
+                dtype,
+                table,
+                bucket.segments.len(),
+                g.local.len(),
+                total,
+                0,
+                Walk::Allreduce,
+                avg,
+            );
+        }
+        let issued = Instant::now();
+        let bytes = Self::element_bytes(dtype, total);
+        let mut fusion = Vec::with_capacity(self.groups.len());
+        let mut tables = Vec::with_capacity(self.groups.len());
+        for g in &self.groups {
+            let fb = self.scratch(g, bytes, false)?;
+            let table = self.table(g, bucket)?;
+            let _bound = g.ctx.bind()?;
+            g.kernels.walk(
+                g.stream.0,
+                dtype,
+                table,
+                bucket.segments.len(),
+                g.local.len(),
+                total,
+                fb,
+                Walk::Pack,
+                None,
+            )?;
+            fusion.push(fb);
+            tables.push(table);
+        }
+        self.exchange(dtype, total, &fusion, steps, issued)?;
+        for (i, g) in self.groups.iter().enumerate() {
+            let _bound = g.ctx.bind()?;
+            g.kernels.walk(
+                g.stream.0,
+                dtype,
+                tables[i],
+                bucket.segments.len(),
+                g.local.len(),
+                total,
+                fusion[i],
+                Walk::Unpack,
+                avg,
+            )?;
+        }
+        Ok(())
+    }
+
+    unsafe fn broadcast(&self, bucket: &BucketView<'_>, root: usize) -> Result<()> {
+        let size = bucket.dtype.size();
+        for (r, replica) in self.replicas.iter().enumerate() {
+            if r == root {
+                continue;
+            }
+            let g = &self.groups[replica.group];
+            let _bound = g.ctx.bind()?;
+            for seg in &bucket.segments {
+                // SAFETY: registered memory of `count` elements on both replicas (UVA copy).
+                driver::check(
+                    unsafe {
+                        sys::cuMemcpyAsync(
+                            seg.ptrs[r] as u64,
+                            seg.ptrs[root] as u64,
+                            seg.count * size,
+                            g.stream.0,
+                        )
+                    },
+                    "cuMemcpyAsync (broadcast)",
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    fn alloc(&self, replica: usize, bytes: usize) -> Result<Allocation> {
+        let g = &self.groups[self.replicas[replica].group];
+        let _bound = g.ctx.bind()?;
+        let mem = DeviceMemory::zeroed(bytes)?;
+        Ok(Allocation::new(mem.ptr as usize, bytes, Box::new(mem)))
+    }
+
+    unsafe fn copy(
+        &self,
+        _src_replica: usize,
+        src: usize,
+        dst_replica: usize,
+        dst: usize,
+        bytes: usize,
+    ) -> Result<()> {
+        let g = &self.groups[self.replicas[dst_replica].group];
+        let _bound = g.ctx.bind()?;
+        // SAFETY: the caller guarantees both ranges; UVA resolves the devices.
+        driver::check(
+            unsafe { sys::cuMemcpyAsync(dst as u64, src as u64, bytes, g.stream.0) },
+            "cuMemcpyAsync (replica copy)",
+        )
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.observe(true)
+    }
+
+    fn describe(&self) -> serde_json::Value {
+        let devices: Vec<serde_json::Value> = self
+            .groups
+            .iter()
+            .map(|g| {
+                serde_json::json!({
+                    "device": format!("cuda:{}", g.ctx.ordinal),
+                    "name": g.ctx.name(),
+                    "replicas": g.local,
+                    "multiprocessors": g.kernels.sm_count,
+                })
+            })
+            .collect();
+        let streams: Vec<String> = self
+            .replicas
+            .iter()
+            .map(|r| {
+                if r.stream == 0 {
+                    "legacy default".to_owned()
+                } else {
+                    format!("{:#x}", r.stream)
+                }
+            })
+            .collect();
+        serde_json::json!({
+            "name": self.name(),
+            "driver_version": self.driver_version,
+            "devices": devices,
+            "caller_streams": streams,
+            "nccl": self.nccl_library,
+            "nccl_communicators": self.comms.lock().as_ref().map(|c| c.ranks()),
+            "timeout_ms": self.timeout.map(|t| t.as_millis() as u64),
+        })
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        let failed = self.state.get_mut().failed.is_some();
+        for g in &self.groups {
+            let Ok(_bound) = g.ctx.bind() else { continue };
+            if failed {
+                // Queued work may never finish: freeing its memory would block. Leak it.
+                let scratch = std::mem::take(&mut *g.scratch.lock());
+                std::mem::forget(scratch);
+            } else {
+                let _ = self.sync_group(g);
+                g.scratch.lock().tables.clear();
+                *g.scratch.lock() = Scratch::default();
+            }
+        }
+        if failed {
+            if let Some(comms) = self.comms.get_mut().take() {
+                comms.abort();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs everywhere: where NCCL is missing (CI) AUTO must fall back and NCCL must refuse.
+    #[test]
+    fn missing_nccl_means_peer_copy_for_auto_and_unavailable_for_nccl() {
+        if nccl::load().is_ok() {
+            eprintln!("missing-NCCL paths: skipped: NCCL is installed here");
+            return;
+        }
+        let (t, reason, lib) = choose_transport(Transport::Auto).unwrap();
+        assert_eq!(t, TransportChoice::PeerCopy);
+        assert!(reason.contains("NCCL unavailable") && reason.contains("libnccl.so.2"));
+        assert!(lib.is_none());
+        let err = choose_transport(Transport::Nccl).err().unwrap();
+        assert_eq!(err.kind, ErrorKind::Unavailable);
+        assert!(
+            err.message.contains("DPSYNC_NCCL_LIBRARY"),
+            "{}",
+            err.message
+        );
+        let (t, _, _) = choose_transport(Transport::PeerCopy).unwrap();
+        assert_eq!(t, TransportChoice::PeerCopy);
+    }
+}

@@ -1,0 +1,459 @@
+//! NCCL, loaded at run time and driven with raw communicator handles.
+//!
+//! cudarc's NCCL bindings look for `libnccl.so` and `libnccl.so.{13,12,..}`, but the pip wheel
+//! `nvidia-nccl-cu13` ships only `libnccl.so.2` — so dpsync loads the library itself
+//! (`DPSYNC_NCCL_LIBRARY`, else `libnccl.so.2`, else `libnccl.so`) and keeps only cudarc's struct
+//! layouts (`ncclUniqueId`, `ncclConfig_t`). Results and enums cross as plain integers, so a
+//! code this build does not know can never become an invalid Rust enum.
+//!
+//! Communicators are non-blocking (so a stuck collective can be timed out and aborted), created
+//! lazily and cached process-wide by the exact device set; contexts over the same devices share
+//! them, and the last one to go destroys them.
+
+use std::collections::HashMap;
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::Instant;
+
+use cudarc::driver::sys::CUstream;
+use cudarc::nccl::sys::{ncclConfig_t, ncclUniqueId};
+use libloading::Library;
+use parking_lot::Mutex;
+
+use super::driver::PrimaryContext;
+use crate::error::{Error, ErrorKind, Result};
+use crate::types::DType;
+
+type Comm = *mut c_void;
+const SUCCESS: u32 = 0;
+const IN_PROGRESS: u32 = 7;
+const SUM: u32 = 0;
+
+struct Api {
+    _lib: Library,
+    path: String,
+    version: c_int,
+    get_unique_id: unsafe extern "C" fn(*mut ncclUniqueId) -> u32,
+    comm_init_rank_config:
+        unsafe extern "C" fn(*mut Comm, c_int, ncclUniqueId, c_int, *mut ncclConfig_t) -> u32,
+    comm_get_async_error: unsafe extern "C" fn(Comm, *mut u32) -> u32,
+    comm_finalize: unsafe extern "C" fn(Comm) -> u32,
+    comm_destroy: unsafe extern "C" fn(Comm) -> u32,
+    comm_abort: unsafe extern "C" fn(Comm) -> u32,
+    all_reduce:
+        unsafe extern "C" fn(*const c_void, *mut c_void, usize, u32, u32, Comm, CUstream) -> u32,
+    group_start: unsafe extern "C" fn() -> u32,
+    group_end: unsafe extern "C" fn() -> u32,
+    get_error_string: unsafe extern "C" fn(u32) -> *const c_char,
+    get_last_error: unsafe extern "C" fn(Comm) -> *const c_char,
+}
+
+/// The library names tried, in order.
+fn candidates() -> Vec<String> {
+    let mut names = Vec::new();
+    if let Ok(path) = std::env::var("DPSYNC_NCCL_LIBRARY") {
+        if !path.trim().is_empty() {
+            names.push(path.trim().to_owned());
+        }
+    }
+    names.push("libnccl.so.2".to_owned());
+    names.push("libnccl.so".to_owned());
+    names
+}
+
+fn load_api() -> Result<Api, String> {
+    let names = candidates();
+    let mut last = String::new();
+    for name in &names {
+        // SAFETY: loading NCCL runs its initialisers, which only register with CUDA.
+        match unsafe { Library::new(name) } {
+            Ok(lib) => return bind(lib, name.clone()),
+            Err(e) => last = e.to_string(),
+        }
+    }
+    Err(format!(
+        "NCCL was not found (tried {}; last error: {last}); set DPSYNC_NCCL_LIBRARY to the \
+         path of libnccl.so.2 (see README)",
+        names.join(", ")
+    ))
+}
+
+fn bind(lib: Library, path: String) -> Result<Api, String> {
+    macro_rules! sym {
+        ($name:literal) => {
+            // SAFETY: the symbol's type is NCCL's documented prototype.
+            *unsafe { lib.get(concat!($name, "\0").as_bytes()) }
+                .map_err(|e| format!("{path} has no {}: {e}", $name))?
+        };
+    }
+    let get_version: unsafe extern "C" fn(*mut c_int) -> u32 = sym!("ncclGetVersion");
+    let mut version = 0;
+    // SAFETY: writes one int.
+    unsafe { get_version(&mut version) };
+    let api = Api {
+        version,
+        get_unique_id: sym!("ncclGetUniqueId"),
+        comm_init_rank_config: sym!("ncclCommInitRankConfig"),
+        comm_get_async_error: sym!("ncclCommGetAsyncError"),
+        comm_finalize: sym!("ncclCommFinalize"),
+        comm_destroy: sym!("ncclCommDestroy"),
+        comm_abort: sym!("ncclCommAbort"),
+        all_reduce: sym!("ncclAllReduce"),
+        group_start: sym!("ncclGroupStart"),
+        group_end: sym!("ncclGroupEnd"),
+        get_error_string: sym!("ncclGetErrorString"),
+        get_last_error: sym!("ncclGetLastError"),
+        path,
+        _lib: lib,
+    };
+    Ok(api)
+}
+
+fn api() -> Result<&'static Api> {
+    static API: OnceLock<Result<Api, String>> = OnceLock::new();
+    API.get_or_init(load_api)
+        .as_ref()
+        .map_err(|e| Error::new(ErrorKind::Unavailable, e.clone()))
+}
+
+/// Loads NCCL; describes it as "libnccl.so.2 (NCCL 2.27.7)".
+pub fn load() -> Result<String> {
+    let api = api()?;
+    let v = api.version;
+    let (major, minor, patch) = if v >= 10000 {
+        (v / 10000, (v / 100) % 100, v % 100)
+    } else {
+        (v / 1000, (v / 100) % 10, v % 100)
+    };
+    Ok(format!("{} (NCCL {major}.{minor}.{patch})", api.path))
+}
+
+fn text(api: &Api, code: u32, comm: Comm) -> String {
+    // SAFETY: NCCL returns static or per-thread NUL-terminated strings.
+    unsafe {
+        let s = CStr::from_ptr((api.get_error_string)(code)).to_string_lossy();
+        let last = if comm.is_null() {
+            String::new()
+        } else {
+            CStr::from_ptr((api.get_last_error)(comm))
+                .to_string_lossy()
+                .into_owned()
+        };
+        if last.is_empty() {
+            format!("{s} (ncclResult {code})")
+        } else {
+            format!("{s} (ncclResult {code}): {last}")
+        }
+    }
+}
+
+fn check(api: &Api, code: u32, what: &str) -> Result<()> {
+    if code == SUCCESS || code == IN_PROGRESS {
+        return Ok(());
+    }
+    Err(Error::new(
+        ErrorKind::Backend,
+        format!("{what} failed: {}", text(api, code, std::ptr::null_mut())),
+    ))
+}
+
+fn nccl_type(dtype: DType) -> u32 {
+    match dtype {
+        DType::I32 => 2,
+        DType::I64 => 4,
+        DType::F16 => 6,
+        DType::F32 => 7,
+        DType::F64 => 8,
+        DType::Bf16 => 9,
+    }
+}
+
+/// One communicator per device of a device set (rank i = i-th device), in one clique.
+pub struct CommSet {
+    ordinals: Vec<i32>,
+    comms: Vec<Comm>,
+    /// Serialises group launches from contexts sharing the set: every rank must see the
+    /// collectives in the same order.
+    launch: Mutex<()>,
+    aborted: Mutex<bool>,
+}
+
+// SAFETY: handles are used under `launch` (or at teardown, when no one else holds the set).
+unsafe impl Send for CommSet {}
+unsafe impl Sync for CommSet {}
+
+/// The cache of live sets by device set.
+fn cache() -> &'static Mutex<HashMap<Vec<i32>, Weak<CommSet>>> {
+    static CACHE: OnceLock<Mutex<HashMap<Vec<i32>, Weak<CommSet>>>> = OnceLock::new();
+    CACHE.get_or_init(Default::default)
+}
+
+impl CommSet {
+    /// The set for `devices` (distinct, in rank order): the cached one, or a new one.
+    pub fn get(devices: &[&PrimaryContext], deadline: Option<Instant>) -> Result<Arc<CommSet>> {
+        let ordinals: Vec<i32> = devices.iter().map(|d| d.ordinal).collect();
+        let mut cache = cache().lock();
+        if let Some(set) = cache.get(&ordinals).and_then(Weak::upgrade) {
+            if !*set.aborted.lock() {
+                return Ok(set);
+            }
+        }
+        let set = Arc::new(CommSet::init(devices, ordinals.clone(), deadline)?);
+        cache.insert(ordinals, Arc::downgrade(&set));
+        Ok(set)
+    }
+
+    fn init(
+        devices: &[&PrimaryContext],
+        ordinals: Vec<i32>,
+        deadline: Option<Instant>,
+    ) -> Result<CommSet> {
+        let api = api()?;
+        // SAFETY: zeroed is a valid bit pattern for these plain C structs.
+        let mut id: ncclUniqueId = unsafe { std::mem::zeroed() };
+        // SAFETY: writes the id.
+        check(
+            api,
+            unsafe { (api.get_unique_id)(&mut id) },
+            "ncclGetUniqueId",
+        )?;
+        let n = devices.len() as c_int;
+        let mut comms: Vec<Comm> = vec![std::ptr::null_mut(); devices.len()];
+        // SAFETY: group calls bracket one init per device, each with its context current.
+        unsafe {
+            check(api, (api.group_start)(), "ncclGroupStart")?;
+            let mut first_error = Ok(());
+            for (rank, dev) in devices.iter().enumerate() {
+                let bound = dev.bind();
+                if let Err(e) = bound {
+                    first_error = first_error.and(Err(e));
+                    continue;
+                }
+                let mut config = config();
+                let code = (api.comm_init_rank_config)(
+                    &mut comms[rank],
+                    n,
+                    id,
+                    rank as c_int,
+                    &mut config,
+                );
+                first_error = first_error.and(check(
+                    api,
+                    code,
+                    &format!("ncclCommInitRankConfig(rank {rank}, cuda:{})", dev.ordinal),
+                ));
+            }
+            let end = check(api, (api.group_end)(), "ncclGroupEnd (communicator init)");
+            let set = CommSet {
+                ordinals,
+                comms,
+                launch: Mutex::new(()),
+                aborted: Mutex::new(false),
+            };
+            if let Err(e) = first_error.and(end).and_then(|_| set.wait_ready(deadline)) {
+                set.abort();
+                return Err(e);
+            }
+            Ok(set)
+        }
+    }
+
+    /// Polls every communicator until its queued operation left the in-progress state.
+    pub fn wait_ready(&self, deadline: Option<Instant>) -> Result<()> {
+        let api = api()?;
+        for (rank, &comm) in self.comms.iter().enumerate() {
+            if comm.is_null() {
+                return Err(Error::new(
+                    ErrorKind::Backend,
+                    format!("NCCL rank {rank} has no communicator"),
+                ));
+            }
+            loop {
+                let mut state = SUCCESS;
+                // SAFETY: a live communicator.
+                unsafe { (api.comm_get_async_error)(comm, &mut state) };
+                match state {
+                    SUCCESS => break,
+                    IN_PROGRESS => {
+                        if deadline.is_some_and(|d| Instant::now() >= d) {
+                            return Err(Error::new(
+                                ErrorKind::Timeout,
+                                format!(
+                                    "NCCL rank {rank} (cuda:{}) did not get ready in time",
+                                    self.ordinals[rank]
+                                ),
+                            ));
+                        }
+                        std::thread::yield_now();
+                    }
+                    code => {
+                        return Err(Error::new(
+                            ErrorKind::Backend,
+                            format!(
+                                "NCCL rank {rank} (cuda:{}): {}",
+                                self.ordinals[rank],
+                                text(api, code, comm)
+                            ),
+                        ))
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// An error a communicator reported after its calls returned, if any.
+    pub fn async_error(&self) -> Result<()> {
+        let api = api()?;
+        for (rank, &comm) in self.comms.iter().enumerate() {
+            let mut state = SUCCESS;
+            // SAFETY: a live communicator.
+            unsafe { (api.comm_get_async_error)(comm, &mut state) };
+            if state != SUCCESS && state != IN_PROGRESS {
+                return Err(Error::new(
+                    ErrorKind::Backend,
+                    format!("NCCL rank {rank}: {}", text(api, state, comm)),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn ranks(&self) -> usize {
+        self.comms.len()
+    }
+
+    /// One in-place allreduce (sum) per rank on `bufs[rank]`, queued on `streams[rank]`, in one
+    /// group. `bind(rank)` makes rank's context current while its call is queued.
+    pub fn allreduce(
+        &self,
+        dtype: DType,
+        count: usize,
+        bufs: &[u64],
+        streams: &[CUstream],
+        bind: &dyn Fn(usize) -> Result<super::driver::Bound>,
+        deadline: Option<Instant>,
+    ) -> Result<()> {
+        let api = api()?;
+        let _order = self.launch.lock();
+        if *self.aborted.lock() {
+            return Err(Error::new(
+                ErrorKind::InvalidState,
+                "the NCCL communicators were aborted after an earlier failure",
+            ));
+        }
+        // SAFETY: live communicators; buffers hold `count` elements on their ranks' devices.
+        unsafe {
+            check(api, (api.group_start)(), "ncclGroupStart")?;
+            let mut queued = Ok(());
+            for (rank, &comm) in self.comms.iter().enumerate() {
+                let _bound = match bind(rank) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        queued = queued.and(Err(e));
+                        continue;
+                    }
+                };
+                let buf = bufs[rank] as *mut c_void;
+                let code =
+                    (api.all_reduce)(buf, buf, count, nccl_type(dtype), SUM, comm, streams[rank]);
+                queued = queued.and(check(api, code, &format!("ncclAllReduce (rank {rank})")));
+            }
+            let end = check(api, (api.group_end)(), "ncclGroupEnd (allreduce)");
+            queued.and(end)?;
+        }
+        self.wait_ready(deadline)
+    }
+
+    /// Cancels everything and frees the communicators (error paths, timeouts).
+    pub fn abort(&self) {
+        let mut aborted = self.aborted.lock();
+        if *aborted {
+            return;
+        }
+        *aborted = true;
+        if let Ok(api) = api() {
+            for &comm in &self.comms {
+                if !comm.is_null() {
+                    // SAFETY: a live communicator, never used again.
+                    unsafe { (api.comm_abort)(comm) };
+                }
+            }
+        }
+        cache().lock().remove(&self.ordinals);
+    }
+}
+
+impl Drop for CommSet {
+    fn drop(&mut self) {
+        if *self.aborted.lock() {
+            return;
+        }
+        let Ok(api) = api() else { return };
+        // SAFETY: the last owner; finalize flushes, then destroy frees.
+        unsafe {
+            (api.group_start)();
+            for &comm in &self.comms {
+                (api.comm_finalize)(comm);
+            }
+            (api.group_end)();
+            if self.wait_ready(None).is_err() {
+                for &comm in &self.comms {
+                    (api.comm_abort)(comm);
+                }
+                return;
+            }
+            for &comm in &self.comms {
+                (api.comm_destroy)(comm);
+            }
+        }
+    }
+}
+
+/// NCCL_CONFIG_INITIALIZER with `blocking = 0`: every field "undefined" (library default)
+/// except the ones the header fixes.
+fn config() -> ncclConfig_t {
+    // SAFETY: a plain C struct; every field is set below or is a null pointer.
+    let mut c: ncclConfig_t = unsafe { std::mem::zeroed() };
+    const UNDEF: c_int = c_int::MIN;
+    c.size = std::mem::size_of::<ncclConfig_t>();
+    c.magic = 0xcafe_beef;
+    c.version = 23000;
+    c.blocking = 0;
+    c.cgaClusterSize = UNDEF;
+    c.minCTAs = UNDEF;
+    c.maxCTAs = UNDEF;
+    c.splitShare = UNDEF;
+    c.trafficClass = UNDEF;
+    c.collnetEnable = UNDEF;
+    c.CTAPolicy = UNDEF;
+    c.shrinkShare = UNDEF;
+    c.nvlsCTAs = UNDEF;
+    c.nChannelsPerNetPeer = UNDEF;
+    c.nvlinkCentricSched = UNDEF;
+    c.graphUsageMode = UNDEF;
+    c.numRmaCtx = UNDEF;
+    c.maxP2pPeers = UNDEF;
+    c
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_library_path_variable_comes_first() {
+        // Only reads the variable; never loads anything.
+        let names = candidates();
+        assert!(names.ends_with(&["libnccl.so.2".to_owned(), "libnccl.so".to_owned()]));
+    }
+
+    #[test]
+    fn config_is_nccl_config_initializer_with_blocking_off() {
+        let c = config();
+        assert_eq!(c.magic, 0xcafe_beef);
+        assert_eq!(c.blocking, 0);
+        assert_eq!(c.minCTAs, c_int::MIN);
+        assert!(c.netName.is_null());
+    }
+}

@@ -1,0 +1,384 @@
+//! CUDA replicas through the C ABI. Every test needs a GPU: without one it prints
+//! "skipped: no CUDA device" and returns. `scripts/gpu-check.sh` runs them on the GPU machine.
+//!
+//! Device memory, streams and the spin kernels come from cudarc's safe layer, as a framework's
+//! would come from its own runtime; dpsync only ever sees the raw pointers and streams.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use dpsync::*;
+use half::{bf16, f16};
+
+fn gpu() -> Arc<CudaContext> {
+    CudaContext::new(0).expect("a context on GPU 0 (dpsync found one)")
+}
+
+const SPIN: &str = r#"
+extern "C" __global__ void spin_then_fill(float* out, unsigned long long n, float value,
+                                          long long cycles) {
+  long long start = clock64();
+  while (clock64() - start < cycles) { }
+  for (unsigned long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (unsigned long long)gridDim.x * blockDim.x) out[i] = value;
+}
+extern "C" __global__ void copy_out(const float* in, float* out, unsigned long long n) {
+  for (unsigned long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (unsigned long long)gridDim.x * blockDim.x) out[i] = in[i];
+}
+"#;
+
+struct Spin {
+    fill: cudarc::driver::CudaFunction,
+    copy: cudarc::driver::CudaFunction,
+}
+
+fn spin_kernels(ctx: &Arc<CudaContext>) -> Spin {
+    let ptx = cudarc::nvrtc::compile_ptx(SPIN).expect("NVRTC compiles the test kernels");
+    let module = ctx.load_module(ptx).expect("load test kernels");
+    Spin {
+        fill: module.load_function("spin_then_fill").unwrap(),
+        copy: module.load_function("copy_out").unwrap(),
+    }
+}
+
+fn dptr<T>(stream: &Arc<CudaStream>, s: &CudaSlice<T>) -> usize {
+    use cudarc::driver::DevicePtr;
+    let (p, _sync) = s.device_ptr(stream);
+    p as usize
+}
+
+fn register_device(
+    ctx: &Context,
+    name: &str,
+    role: u32,
+    replica: usize,
+    ptr: usize,
+    n: usize,
+    dtype: u32,
+) {
+    let st = register_raw(
+        ctx.0,
+        name,
+        role,
+        replica,
+        ptr as *mut std::ffi::c_void,
+        n,
+        dtype,
+    );
+    check(st, &format!("register '{name}' on replica {replica}"));
+}
+
+fn set_stream(ctx: &Context, replica: usize, stream: &Arc<CudaStream>) {
+    // SAFETY: a live context and stream.
+    let st = unsafe { dpsync_set_stream(ctx.0, replica, stream.cu_stream() as *mut _) };
+    check(st, "dpsync_set_stream");
+}
+
+fn synchronize(ctx: &Context) -> dpsync_status {
+    // SAFETY: a live context.
+    unsafe { dpsync_synchronize(ctx.0) }
+}
+
+/// Values replica r holds at element i: small integers, exact in every dtype.
+fn value(r: usize, i: usize) -> f64 {
+    ((i * 7 + r * 3) % 17) as f64 - 8.0
+}
+
+trait Elem: Copy + PartialEq + std::fmt::Debug + cudarc::driver::DeviceRepr + Default + Unpin {
+    const CODE: u32;
+    fn of(v: f64) -> Self;
+}
+macro_rules! elem {
+    ($t:ty, $code:expr, $conv:expr) => {
+        impl Elem for $t {
+            const CODE: u32 = $code;
+            fn of(v: f64) -> Self {
+                $conv(v)
+            }
+        }
+    };
+}
+elem!(f32, F32, |v| v as f32);
+elem!(f64, F64, |v| v);
+/// Local newtypes: cudarc's DeviceRepr cannot be implemented for half's types here.
+#[repr(transparent)]
+#[derive(Clone, Copy, PartialEq, Debug, Default)]
+struct H16(f16);
+#[repr(transparent)]
+#[derive(Clone, Copy, PartialEq, Debug, Default)]
+struct B16(bf16);
+// SAFETY: plain 2-byte values.
+unsafe impl cudarc::driver::DeviceRepr for H16 {}
+// SAFETY: plain 2-byte values.
+unsafe impl cudarc::driver::DeviceRepr for B16 {}
+elem!(H16, F16, |v| H16(f16::from_f64(v)));
+elem!(B16, BF16, |v| B16(bf16::from_f64(v)));
+elem!(i32, I32, |v: f64| v as i32);
+elem!(i64, I64, |v: f64| v as i64);
+
+/// Allreduce of one tensor of `n` elements over `ordinals` with `transport`, SUM and AVG,
+/// checked exactly: the values are small integers, so every dtype and order is exact.
+fn allreduce_case<T: Elem>(ordinals: &[i32], transport: u32, n: usize) -> bool {
+    let Some(ctx) = cuda_context("allreduce_case", ordinals, |o| o.set_transport(transport)) else {
+        return false;
+    };
+    let gpu = gpu();
+    let stream = gpu.default_stream();
+    let reps = ordinals.len();
+    let mut bufs = Vec::new();
+    for r in 0..reps {
+        let host: Vec<T> = (0..n).map(|i| T::of(value(r, i))).collect();
+        let d = stream.clone_htod(&host).unwrap();
+        register_device(&ctx, "g", GRAD, r, dptr(&stream, &d), n, T::CODE);
+        bufs.push(d);
+    }
+    stream.synchronize().unwrap();
+    check(ctx.allreduce("g", SUM), "allreduce SUM");
+    check(synchronize(&ctx), "synchronize");
+    let sum: Vec<f64> = (0..n)
+        .map(|i| (0..reps).map(|r| value(r, i)).sum())
+        .collect();
+    for (r, d) in bufs.iter().enumerate() {
+        let got = stream.clone_dtoh(d).unwrap();
+        for i in 0..n {
+            assert_eq!(
+                got[i],
+                T::of(sum[i]),
+                "SUM replica {r} element {i} of {n}, {ordinals:?}"
+            );
+        }
+    }
+    // AVG of the sums: every element is sum * reps / reps = sum when re-run on equal replicas.
+    check(ctx.allreduce("g", AVG), "allreduce AVG");
+    check(synchronize(&ctx), "synchronize");
+    for (r, d) in bufs.iter().enumerate() {
+        let got = stream.clone_dtoh(d).unwrap();
+        for i in (0..n).step_by((n / 1000).max(1)) {
+            assert_eq!(got[i], T::of(sum[i]), "AVG replica {r} element {i}");
+        }
+    }
+    true
+}
+
+#[test]
+fn allreduce_every_dtype_size_and_transport_on_shared_gpus() {
+    for transport in [T_NCCL, T_PEER_COPY, T_AUTO] {
+        for ordinals in [&[0][..], &[0, 0], &[0, 0, 0, 0]] {
+            for n in [1usize, 7, 1000, 65_537] {
+                if !allreduce_case::<f32>(ordinals, transport, n) {
+                    return;
+                }
+                allreduce_case::<f64>(ordinals, transport, n);
+                allreduce_case::<H16>(ordinals, transport, n);
+                allreduce_case::<B16>(ordinals, transport, n);
+                allreduce_case::<i32>(ordinals, transport, n);
+                allreduce_case::<i64>(ordinals, transport, n);
+            }
+        }
+    }
+    // 64 MiB per replica.
+    allreduce_case::<f32>(&[0, 0], T_AUTO, 16 << 20);
+}
+
+#[test]
+fn fused_gradients_broadcast_and_average() {
+    let Some(ctx) = cuda_context("fused_gradients", &[0, 0, 0], |o| o.set_fusion_bytes(4096))
+    else {
+        return;
+    };
+    let gpu = gpu();
+    let stream = gpu.default_stream();
+    let sizes = [3usize, 1000, 17, 5000, 1];
+    let mut grads = Vec::new();
+    let mut params = Vec::new();
+    for (t, &n) in sizes.iter().enumerate() {
+        for r in 0..3 {
+            let g: Vec<f32> = (0..n).map(|i| value(r, i + t) as f32).collect();
+            let p: Vec<f32> = (0..n).map(|i| (r * 100 + i) as f32).collect();
+            let dg = stream.clone_htod(&g).unwrap();
+            let dp = stream.clone_htod(&p).unwrap();
+            register_device(&ctx, &format!("g{t}"), GRAD, r, dptr(&stream, &dg), n, F32);
+            register_device(&ctx, &format!("p{t}"), PARAM, r, dptr(&stream, &dp), n, F32);
+            grads.push((t, r, dg));
+            params.push((t, r, dp));
+        }
+    }
+    stream.synchronize().unwrap();
+    let json = ctx.describe_json();
+    assert!(
+        json["buckets"].as_array().unwrap().len() >= 2,
+        "fusion made buckets: {json}"
+    );
+    check(ctx.allreduce_grads(AVG), "allreduce_grads");
+    check(ctx.broadcast(PARAM, 2), "broadcast from replica 2");
+    check(synchronize(&ctx), "synchronize");
+    for (t, r, d) in &grads {
+        let got = stream.clone_dtoh(d).unwrap();
+        for (i, g) in got.iter().enumerate() {
+            let want = (0..3).map(|q| value(q, i + t) as f32).sum::<f32>() / 3.0;
+            assert_eq!(*g, want, "grad g{t} replica {r} element {i}");
+        }
+    }
+    for (_, r, d) in &params {
+        let got = stream.clone_dtoh(d).unwrap();
+        for (i, p) in got.iter().enumerate() {
+            assert_eq!(*p, (200 + i) as f32, "param on replica {r} element {i}");
+        }
+    }
+    check(ctx.average(PARAM), "average");
+    check(synchronize(&ctx), "synchronize");
+}
+
+/// Grad writer spins on the caller's stream; allreduce and the reader follow with no host
+/// synchronisation. `tell_dpsync == false` is the negative control: dpsync is given another
+/// stream, so it does not wait for the writer and the reader sees unreduced values.
+fn stream_ordering(tell_dpsync: bool) -> Option<bool> {
+    let ctx = cuda_context("stream_ordering", &[0, 0], |_| {})?;
+    let gpu = gpu();
+    let k = spin_kernels(&gpu);
+    let n = 1 << 20;
+    let caller = gpu.new_stream().unwrap();
+    let other = gpu.new_stream().unwrap();
+    let g0 = caller.alloc_zeros::<f32>(n).unwrap();
+    let g1 = caller.alloc_zeros::<f32>(n).unwrap();
+    let out = caller.alloc_zeros::<f32>(n).unwrap();
+    caller.synchronize().unwrap();
+    register_device(&ctx, "g", GRAD, 0, dptr(&caller, &g0), n, F32);
+    register_device(&ctx, "g", GRAD, 1, dptr(&caller, &g1), n, F32);
+    let told = if tell_dpsync { &caller } else { &other };
+    set_stream(&ctx, 0, told);
+    set_stream(&ctx, 1, told);
+    let cfg = LaunchConfig::for_num_elems(n as u32);
+    let cycles: i64 = 200_000_000; // ~0.1 s at ~2 GHz
+    for (buf, v) in [(&g0, 1.0f32), (&g1, 2.0f32)] {
+        let mut b = caller.launch_builder(&k.fill);
+        let (nn, vv, cc) = (n as u64, v, cycles);
+        b.arg(buf).arg(&nn).arg(&vv).arg(&cc);
+        // SAFETY: arguments match the kernel.
+        unsafe { b.launch(cfg) }.unwrap();
+    }
+    check(ctx.allreduce_grads(SUM), "allreduce_grads");
+    {
+        let mut b = caller.launch_builder(&k.copy);
+        let nn = n as u64;
+        b.arg(&g1).arg(&out).arg(&nn);
+        // SAFETY: arguments match the kernel.
+        unsafe { b.launch(cfg) }.unwrap();
+    }
+    let got = caller.clone_dtoh(&out).unwrap();
+    check(synchronize(&ctx), "synchronize");
+    Some(got.iter().all(|&v| v == 3.0))
+}
+
+#[test]
+fn collectives_are_ordered_by_the_callers_stream_without_host_sync() {
+    let Some(ordered) = stream_ordering(true) else {
+        return;
+    };
+    assert!(
+        ordered,
+        "the reader after allreduce saw unreduced gradients"
+    );
+    let control = stream_ordering(false).unwrap();
+    assert!(
+        !control,
+        "negative control: without the caller's stream dpsync should not have waited"
+    );
+}
+
+#[test]
+fn host_tensors_on_cuda_replicas_are_reduced_on_the_host() {
+    let Some(ctx) = cuda_context("host_tensors", &[0, 0], |_| {}) else {
+        return;
+    };
+    let mut a = vec![1.0f32; 10];
+    let mut b = vec![2.0f32; 10];
+    ctx.reg("cpu_stat", COMPUTED, 0, &mut a, F32);
+    ctx.reg("cpu_stat", COMPUTED, 1, &mut b, F32);
+    let json = ctx.describe_json();
+    check(ctx.average(COMPUTED), "average");
+    check(synchronize(&ctx), "synchronize");
+    assert_eq!(a, vec![1.5f32; 10]);
+    assert_eq!(b, vec![1.5f32; 10]);
+    let backend = &json["backend"];
+    assert_eq!(backend["name"], "cuda", "{json}");
+    assert!(backend["host_memory"].is_object(), "{json}");
+}
+
+#[test]
+fn a_stuck_collective_times_out_and_poisons_only_its_context() {
+    let Some(ctx) = cuda_context("timeout", &[0, 0], |o| {
+        // SAFETY: valid options.
+        check(
+            unsafe { dpsync_options_set_timeout_ms(o.0, 50) },
+            "set_timeout_ms",
+        );
+    }) else {
+        return;
+    };
+    let gpu = gpu();
+    let k = spin_kernels(&gpu);
+    let caller = gpu.new_stream().unwrap();
+    let n = 1024;
+    let g0 = caller.alloc_zeros::<f32>(n).unwrap();
+    let g1 = caller.alloc_zeros::<f32>(n).unwrap();
+    caller.synchronize().unwrap();
+    register_device(&ctx, "g", GRAD, 0, dptr(&caller, &g0), n, F32);
+    register_device(&ctx, "g", GRAD, 1, dptr(&caller, &g1), n, F32);
+    set_stream(&ctx, 0, &caller);
+    set_stream(&ctx, 1, &caller);
+    let mut b = caller.launch_builder(&k.fill);
+    let (nn, vv, cc) = (n as u64, 1.0f32, 2_000_000_000i64); // ~1 s
+    b.arg(&g0).arg(&nn).arg(&vv).arg(&cc);
+    // SAFETY: arguments match the kernel.
+    unsafe { b.launch(LaunchConfig::for_num_elems(n as u32)) }.unwrap();
+    check(ctx.allreduce_grads(SUM), "allreduce_grads (queued)");
+    expect_err(synchronize(&ctx), TIMEOUT, &["timeout"]);
+    expect_err(ctx.allreduce_grads(SUM), INVALID_STATE, &["destroy"]);
+    caller.synchronize().unwrap();
+    // Another context is unaffected.
+    let other = cuda_context("timeout", &[0], |_| {}).unwrap();
+    check(synchronize(&other), "synchronize on a fresh context");
+}
+
+#[test]
+fn describe_of_a_live_context_matches_the_dry_run() {
+    for transport in [T_NCCL, T_PEER_COPY] {
+        let Some(ctx) = cuda_context("describe", &[0, 0, 0, 0], |o| o.set_transport(transport))
+        else {
+            return;
+        };
+        let live = ctx.describe_json();
+        let o = Options::new();
+        o.set_cuda_replicas(&[0, 0, 0, 0]);
+        o.set_transport(transport);
+        let dry = o.plan_json();
+        assert_eq!(live["steps"], dry["steps"], "live {live}\ndry {dry}");
+        assert_eq!(live["peer_access"], dry["peer_access"]);
+        assert_eq!(live["peer_access_source"], "detected");
+        assert_eq!(live["backend"]["name"], "cuda");
+    }
+}
+
+#[test]
+fn set_stream_checks_its_arguments() {
+    let Some(ctx) = cuda_context("set_stream", &[0], |_| {}) else {
+        return;
+    };
+    // SAFETY: a live context; the stream values are never dereferenced on failure.
+    unsafe {
+        expect_err(
+            dpsync_set_stream(ctx.0, 1, std::ptr::null_mut()),
+            INVALID_ARGUMENT,
+            &["replica"],
+        );
+        check(
+            dpsync_set_stream(ctx.0, 0, std::ptr::null_mut()),
+            "legacy stream",
+        );
+    }
+}
