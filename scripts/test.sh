@@ -22,6 +22,8 @@ python3 tests/contract/check_contract.py
 
 step "benchmark smoke run (figures: cargo bench --bench host_allreduce)"
 cargo bench --bench host_allreduce -- --quick
+step "GPU benchmark smoke run (prints 'skipped: no CUDA device' without a GPU)"
+cargo bench --bench cuda_allreduce -- --quick
 
 build_examples
 step "ctest: C examples"

@@ -187,7 +187,20 @@ fn slot(dtype: DType) -> usize {
 }
 
 /// NVRTC must be present to build the kernels; cudarc panics without it, so probe first.
+/// `DPSYNC_NVRTC_LIBRARY` names the file when it is not on the loader path (pip's
+/// `nvidia-cuda-nvrtc`): loaded globally, it then satisfies cudarc's lookup by soname.
 pub fn nvrtc_present() -> bool {
+    static PRELOADED: OnceLock<()> = OnceLock::new();
+    PRELOADED.get_or_init(|| {
+        if let Ok(path) = std::env::var("DPSYNC_NVRTC_LIBRARY") {
+            use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW};
+            // SAFETY: loading NVRTC runs no code beyond its initialisers.
+            if let Ok(lib) = unsafe { Library::open(Some(path.trim()), RTLD_NOW | RTLD_GLOBAL) } {
+                // Kept for the process: cudarc will resolve symbols from it.
+                std::mem::forget(lib);
+            }
+        }
+    });
     // SAFETY: probes for the library only.
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }

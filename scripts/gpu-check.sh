@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# GPU validation: every test (the CUDA ones included), the C examples and the GPU benchmarks,
+# written into one report. The GPU machine has CUDA but no Rust toolchain, so this runs in two
+# halves:
+#
+#   bash scripts/gpu-check.sh --bundle        # here: build everything into gpu-bundle/
+#   bash scripts/gpu-check.sh --run [DIR]     # there: run the bundle, report to DIR/REPORT.md
+#
+# Without arguments both halves run on this machine (a GPU machine with Rust).
+# NCCL and NVRTC from pip wheels are found under /opt and /usr and pointed at with
+# DPSYNC_NCCL_LIBRARY / DPSYNC_NVRTC_LIBRARY / LD_LIBRARY_PATH, as the README tells users.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BUNDLE=gpu-bundle
+
+bundle() {
+  set -e
+  source scripts/common.sh
+  ensure_tools
+  build_library
+  step "test and bench binaries"
+  rm -rf "$BUNDLE" && mkdir -p "$BUNDLE/tests" "$BUNDLE/benches"
+  cargo test --release --no-run --message-format=json 2>/dev/null |
+    python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        print(m["executable"])' | while read -r exe; do cp "$exe" "$BUNDLE/tests/"; done
+  cargo bench --no-run --message-format=json 2>/dev/null |
+    python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["bench"]:
+        print(m["executable"])' | while read -r exe; do cp "$exe" "$BUNDLE/benches/"; done
+  build_examples
+  cp target/release/libdpsync.so "$BUNDLE/"
+  cp build/examples/cuda_train build/examples/train_dense build/examples/checkpoint_sync "$BUNDLE/"
+  cp -r benches/data "$BUNDLE/data"
+  cp -r tests/python "$BUNDLE/python"
+  # Only what the GPU run uses, without debug info: the device tool carries at most 64 MiB.
+  rm -f "$BUNDLE"/tests/{checkpoint,equivalence,header,host_threads}-* "$BUNDLE"/benches/host_allreduce-*
+  strip "$BUNDLE"/tests/* "$BUNDLE"/benches/* "$BUNDLE"/libdpsync.so "$BUNDLE"/cuda_train \
+    "$BUNDLE"/train_dense "$BUNDLE"/checkpoint_sync
+  du -sh "$BUNDLE"; ls -la "$BUNDLE" "$BUNDLE/tests" "$BUNDLE/benches"
+}
+
+find_lib() { find / -xdev \( -name "$1" -o -name "$1.*" \) -not -path '*/proc/*' 2>/dev/null | head -1; }
+
+run() {
+  local dir=${1:-$BUNDLE}
+  local report="$dir/REPORT.md"
+  local nccl nvrtc
+  nccl=$(find_lib libnccl.so.2)
+  nvrtc=$(find_lib libnvrtc.so.13)
+  [ -n "${DPSYNC_NCCL_LIBRARY:-}" ] || export DPSYNC_NCCL_LIBRARY="$nccl"
+  [ -n "${DPSYNC_NVRTC_LIBRARY:-}" ] || export DPSYNC_NVRTC_LIBRARY="$nvrtc"
+  [ -n "$nvrtc" ] && export LD_LIBRARY_PATH="$(dirname "$nvrtc"):${LD_LIBRARY_PATH:-}"
+  export LD_LIBRARY_PATH="$BUNDLE:${LD_LIBRARY_PATH:-}"
+  local failures=0
+  {
+    echo "# dpsync GPU check, $(date -u +%Y-%m-%dT%H:%MZ)"
+    echo
+    echo '```'
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
+    echo "NCCL library: ${DPSYNC_NCCL_LIBRARY:-none}"
+    echo "NVRTC library: ${DPSYNC_NVRTC_LIBRARY:-none}"
+    echo '```'
+  } >"$report"
+  section() { printf '\n## %s\n\n```\n' "$1" >>"$report"; }
+  endsection() { printf '```\n' >>"$report"; }
+  # The GPU tests, the library's unit tests and the host collectives (tests that read source
+  # files by their build-time path are left to CI).
+  for t in "$BUNDLE"/tests/cuda-* "$BUNDLE"/tests/dpsync-* "$BUNDLE"/tests/collectives-* \
+           "$BUNDLE"/tests/bad_input-*; do
+    section "test binary $(basename "$t")"
+    if ! (cd "$(pwd)" && "$t" --test-threads=1 --nocapture) >>"$report" 2>&1; then
+      failures=$((failures + 1)); echo "FAILED" >>"$report"
+    fi
+    endsection
+  done
+  for args in "--gpus 0,0,0,0" "--gpus 0,0 --transport peer_copy" "--gpus 0 --transport nccl"; do
+    section "cuda_train $args"
+    # shellcheck disable=SC2086
+    "$BUNDLE/cuda_train" $args >>"$report" 2>&1; rc=$?
+    echo "exit $rc" >>"$report"; [ $rc = 0 ] || failures=$((failures + 1))
+    endsection
+  done
+  section "python smoke test"
+  python3 "$BUNDLE/python/smoke_test.py" "$BUNDLE/libdpsync.so" >>"$report" 2>&1 || failures=$((failures + 1))
+  endsection
+  for b in "$BUNDLE"/benches/cuda_allreduce-*; do
+    section "benchmark $(basename "$b")"
+    "$b" >>"$report" 2>&1 || failures=$((failures + 1))
+    endsection
+  done
+  printf '\n%d failing sections\n' "$failures" >>"$report"
+  [ -n "${OUT:-}" ] && cp "$report" "$OUT/" 2>/dev/null
+  cat "$report"
+  [ "$failures" = 0 ]
+}
+
+case "${1:-}" in
+  --bundle) bundle ;;
+  --run) shift; run "${1:-$BUNDLE}" ;;
+  "") bundle && run "$BUNDLE" ;;
+  *) echo "usage: $0 [--bundle | --run [DIR]]" >&2; exit 2 ;;
+esac
