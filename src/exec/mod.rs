@@ -1,6 +1,8 @@
 //! Algorithms, written once over the [`Backend`] primitives: dense allreduce by buckets,
-//! broadcast, average. Inputs are validated before they get here (registry and plan); the
+//! broadcast, average; BMUF in [`bmuf`]. Inputs are validated before they get here (registry and plan); the
 //! executor only turns plan data into backend calls.
+
+pub mod bmuf;
 
 use crate::backend::{Backend, BucketView, Segment};
 use crate::error::Result;
