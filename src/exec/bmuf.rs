@@ -265,6 +265,72 @@ impl Executor {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::host::HostBackend;
+    use crate::backend::{Backend, BucketView};
+
+    /// A backend with every primitive but the BMUF ones (their trait defaults), as a new GPU
+    /// backend starts out.
+    struct NoBmuf(HostBackend);
+
+    impl Backend for NoBmuf {
+        fn name(&self) -> &'static str {
+            "test"
+        }
+        unsafe fn allreduce(
+            &self,
+            bucket: &BucketView<'_>,
+            op: ReduceOp,
+            divisor: usize,
+            steps: &[Step],
+        ) -> Result<()> {
+            self.0.allreduce(bucket, op, divisor, steps)
+        }
+        unsafe fn broadcast(&self, bucket: &BucketView<'_>, root: usize) -> Result<()> {
+            self.0.broadcast(bucket, root)
+        }
+        fn alloc(&self, replica: usize, bytes: usize) -> Result<Allocation> {
+            self.0.alloc(replica, bytes)
+        }
+        unsafe fn copy(&self, a: usize, src: usize, b: usize, dst: usize, n: usize) -> Result<()> {
+            self.0.copy(a, src, b, dst, n)
+        }
+        fn synchronize(&self) -> Result<()> {
+            Ok(())
+        }
+        fn describe(&self) -> serde_json::Value {
+            json!({"name": "test"})
+        }
+    }
+
+    #[test]
+    fn a_backend_without_the_primitives_is_unavailable_before_any_byte_changes() {
+        let executor = Executor::new(Box::new(NoBmuf(HostBackend::new())));
+        let mut replicas = [vec![1.0f32; 8], vec![2.0f32; 8]];
+        let view = TensorView {
+            name: "w".into(),
+            role: Role::Param,
+            dtype: crate::types::DType::F32,
+            count: 8,
+            ptrs: replicas
+                .iter_mut()
+                .map(|r| r.as_mut_ptr() as usize)
+                .collect(),
+        };
+        let f = filter(1.0, -1.0, false, 2).unwrap();
+        let err = unsafe { executor.bmuf_init(f, &[&view], 0, 1 << 20) }
+            .err()
+            .unwrap();
+        assert_eq!(err.kind, ErrorKind::Unavailable);
+        assert_eq!(
+            err.message,
+            "BMUF is not implemented on the test backend yet"
+        );
+        assert_eq!(
+            replicas,
+            [vec![1.0f32; 8], vec![2.0f32; 8]],
+            "nothing broadcast"
+        );
+    }
 
     #[test]
     fn negative_momentum_selects_one_minus_one_over_n() {
