@@ -9,3 +9,5 @@ step "train_dense on 1 host replica (reference)"
 build/examples/train_dense --replicas 1 --save build/examples/weights_1.bin | tail -n 3
 step "train_dense on 4 host replicas, compared with the reference"
 build/examples/train_dense --replicas 4 --expect build/examples/weights_1.bin --tol 1e-5
+step "bmuf_train: local SGD on 4 host replicas merged by BMUF every 8 steps, beside synchronous SGD"
+build/examples/bmuf_train --replicas 4 --local-steps 8

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
+use crate::exec::bmuf::{self, BmufState};
 use crate::exec::Executor;
 use crate::options::Options;
 use crate::plan::{self, Plan, Topology};
@@ -19,6 +20,8 @@ pub struct Context {
     /// Registry checked and planned at one generation; rebuilt lazily after (un)registration.
     prepared: Option<(Arc<Snapshot>, Arc<Plan>)>,
     executor: Executor,
+    /// The BMUF filter since the last dpsync_bmuf_init.
+    bmuf: Option<BmufState>,
 }
 
 /// The description of the options' topology with no tensors and no device: a dry run.
@@ -48,6 +51,7 @@ impl Context {
             topology,
             prepared: None,
             executor: Executor::new(device),
+            bmuf: None,
         })
     }
 
@@ -135,6 +139,9 @@ impl Context {
         let (snapshot, plan) = self.prepare();
         let mut json = plan::describe(&self.topology, &plan, &snapshot, self.options.fusion_bytes);
         json["backend"] = self.executor.describe_backend();
+        if let Some(state) = &self.bmuf {
+            json["bmuf"] = state.describe();
+        }
         json.to_string()
     }
 
@@ -192,5 +199,38 @@ impl Context {
                 self.options.fusion_bytes,
             )
         }
+    }
+
+    /// Starts (or restarts) BMUF over the PARAM tensors. Everything is checked before replica
+    /// 0's params are broadcast, and the previous filter is kept when anything fails.
+    pub fn bmuf_init(&mut self, block_lr: f64, block_momentum: f64, nesterov: bool) -> Result<()> {
+        let filter = bmuf::filter(
+            block_lr,
+            block_momentum,
+            nesterov,
+            self.topology.world_replicas(),
+        )?;
+        let (snapshot, _) = self.prepare();
+        let params = bmuf::params_to_filter(&snapshot)?;
+        // SAFETY: as in allreduce_grads.
+        let state = unsafe {
+            self.executor.bmuf_init(
+                filter,
+                &params,
+                snapshot.generation,
+                self.options.fusion_bytes,
+            )?
+        };
+        self.bmuf = Some(state);
+        Ok(())
+    }
+
+    pub fn bmuf_step(&mut self) -> Result<()> {
+        let (snapshot, plan) = self.prepare();
+        let divisor = self.divisor();
+        let state = self.bmuf.as_mut().ok_or_else(bmuf::not_started)?;
+        state.check_params(&snapshot)?;
+        // SAFETY: as in allreduce_grads; check_params vouches for the state's pointers.
+        unsafe { self.executor.bmuf_step(state, divisor, &plan) }
     }
 }

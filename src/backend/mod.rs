@@ -2,10 +2,13 @@
 //! the plan validated it) and return only errors a caller cannot foresee: a missing runtime, a
 //! failing device call, a timeout. Algorithms over them live in [`crate::exec`].
 
+mod bmuf;
 pub mod cuda;
 pub mod host;
 
-use crate::error::{Error, Result};
+pub use bmuf::{bmuf_state_dtype, BmufFilter, BmufSpan};
+
+use crate::error::{Error, ErrorKind, Result};
 use crate::plan::Step;
 use crate::types::{DType, Memory, ReduceOp};
 
@@ -125,9 +128,59 @@ pub trait Backend: Send {
         bytes: usize,
     ) -> Result<()>;
 
+    /// BMUF: loads the filter state of one bucket on `replica`. For every span and element i:
+    /// `w[i] = params[i]` widened exactly to [`bmuf_state_dtype`]`(dtype)`, and `d[i] = 0`.
+    /// `params` is only read.
+    ///
+    /// # Safety
+    /// Every span is valid on `replica` as [`BmufSpan`] describes; spans do not overlap.
+    unsafe fn bmuf_load(&self, replica: usize, dtype: DType, spans: &[BmufSpan]) -> Result<()> {
+        let _ = (replica, dtype, spans);
+        Err(bmuf_unavailable(self.name()))
+    }
+
+    /// BMUF: one filter step over one bucket on `replica`, after the averaging collective has
+    /// left the mean over all replicas, `A`, in `params`. Per element, in the state type `S`
+    /// ([`bmuf_state_dtype`]) with `mu = block_momentum as S`, `eta = block_lr as S`, each
+    /// operation rounded as written (no fused multiply-add, so that every backend gives the same
+    /// bytes):
+    ///
+    /// ```text
+    /// a  = params[i] as S                      (exact)
+    /// wg = nesterov ? w[i] + mu * d[i] : w[i]
+    /// g  = a - wg
+    /// d' = mu * d[i] + eta * g                 -> d[i]
+    /// w' = w[i] + d'                           -> w[i]
+    /// params[i] = round(nesterov ? w' + mu * d' : w')   (round to nearest even, once)
+    /// ```
+    ///
+    /// Every replica runs it on identical `A`, `W` and `D`, so every replica ends with identical
+    /// bytes without a broadcast.
+    ///
+    /// # Safety
+    /// As for [`Backend::bmuf_load`].
+    unsafe fn bmuf_update(
+        &self,
+        replica: usize,
+        dtype: DType,
+        spans: &[BmufSpan],
+        filter: &BmufFilter,
+    ) -> Result<()> {
+        let _ = (replica, dtype, spans, filter);
+        Err(bmuf_unavailable(self.name()))
+    }
+
     /// Waits for every operation issued so far.
     fn synchronize(&self) -> Result<()>;
 
     /// What `dpsync_describe` shows of this backend under "backend".
     fn describe(&self) -> serde_json::Value;
+}
+
+/// What a backend without the BMUF primitives answers.
+fn bmuf_unavailable(backend: &str) -> Error {
+    Error::new(
+        ErrorKind::Unavailable,
+        format!("BMUF is not implemented on the {backend} backend yet"),
+    )
 }

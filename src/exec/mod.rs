@@ -1,9 +1,11 @@
 //! Algorithms, written once over the [`Backend`] primitives: dense allreduce by buckets,
-//! broadcast, average. Inputs are validated before they get here (registry and plan); the
+//! broadcast, average; BMUF in [`bmuf`]. Inputs are validated before they get here (registry and plan); the
 //! executor only turns plan data into backend calls.
 //!
 //! A context has one backend for its replicas' memory (host threads, or CUDA) and, on CUDA
 //! replicas, a host backend for tensors that live in host memory (CPU ops in a GPU model).
+
+pub mod bmuf;
 
 use crate::backend::host::HostBackend;
 use crate::backend::{Backend, BucketView, Segment};

@@ -141,6 +141,18 @@ pub(super) fn try_enum<T>(
         .ok_or_else(|| Error::invalid(format!("{argument} is {code}, not one of {expected}")))
 }
 
+/// A floating-point argument that must be finite: NaN and infinities are INVALID_ARGUMENT
+/// naming `argument`.
+pub(super) fn try_finite(value: f64, argument: &str) -> Result<f64> {
+    if value.is_finite() {
+        Ok(value)
+    } else {
+        Err(Error::invalid(format!(
+            "{argument} is {value}: it must be a finite number"
+        )))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

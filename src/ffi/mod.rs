@@ -6,6 +6,7 @@
 //! (valid pointers or NULL, NUL-terminated strings, registered memory valid while registered).
 #![allow(clippy::missing_safety_doc, non_camel_case_types)]
 
+mod bmuf;
 mod boundary;
 mod collectives;
 mod context;
@@ -14,6 +15,7 @@ mod options;
 mod register;
 mod status;
 
+pub use bmuf::*;
 pub use boundary::dpsync_context;
 pub use collectives::*;
 pub use context::*;

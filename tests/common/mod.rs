@@ -15,6 +15,7 @@ pub const NOT_FOUND: dpsync_status = dpsync_status::DPSYNC_STATUS_NOT_FOUND;
 pub const CONFLICT: dpsync_status = dpsync_status::DPSYNC_STATUS_CONFLICT;
 pub const INCONSISTENT: dpsync_status = dpsync_status::DPSYNC_STATUS_INCONSISTENT;
 pub const UNAVAILABLE: dpsync_status = dpsync_status::DPSYNC_STATUS_UNAVAILABLE;
+pub const INVALID_STATE: dpsync_status = dpsync_status::DPSYNC_STATUS_INVALID_STATE;
 
 pub const PARAM: u32 = dpsync_role::DPSYNC_ROLE_PARAM as u32;
 pub const GRAD: u32 = dpsync_role::DPSYNC_ROLE_GRAD as u32;
@@ -292,6 +293,16 @@ impl Context {
     pub fn average(&self, roles: u32) -> dpsync_status {
         // SAFETY: valid handle.
         unsafe { dpsync_average(self.0, roles) }
+    }
+
+    pub fn bmuf_init(&self, block_lr: f64, block_momentum: f64, nesterov: bool) -> dpsync_status {
+        // SAFETY: valid handle.
+        unsafe { dpsync_bmuf_init(self.0, block_lr, block_momentum, nesterov) }
+    }
+
+    pub fn bmuf_step(&self) -> dpsync_status {
+        // SAFETY: valid handle.
+        unsafe { dpsync_bmuf_step(self.0) }
     }
 
     pub fn describe(&self) -> String {
@@ -852,7 +863,6 @@ pub fn assert_allclose(a: &[f32], b: &[f32], rtol: f32, atol: f32, what: &str) {
     }
 }
 
-pub const INVALID_STATE: dpsync_status = dpsync_status::DPSYNC_STATUS_INVALID_STATE;
 pub const TIMEOUT: dpsync_status = dpsync_status::DPSYNC_STATUS_TIMEOUT;
 
 /// A context over CUDA `ordinals`, or `None` (after printing the skip line a GPU test owes its

@@ -33,8 +33,6 @@ NOT_YET_EXPORTED = {
     "dpsync_register_sparse",
     "dpsync_sparse_set",
     "dpsync_sparse_get",
-    "dpsync_bmuf_init",
-    "dpsync_bmuf_step",
     "dpsync_options_set_sparse_coalesce",
 }
 

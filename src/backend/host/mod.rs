@@ -7,13 +7,14 @@
 //! A bucket is split into contiguous element ranges across threads ("virtual fusion": tensors
 //! are not packed into a staging buffer, which on the host would only add traffic).
 
+mod bmuf;
 mod kernels;
 
 use std::sync::OnceLock;
 
 use half::{bf16, f16};
 
-use super::{Allocation, Backend, BucketView, Segment};
+use super::{Allocation, Backend, BmufFilter, BmufSpan, BucketView, Segment};
 use crate::error::Result;
 use crate::plan::{Step, StepOp, Via};
 use crate::types::{DType, ReduceOp};
@@ -188,6 +189,22 @@ impl Backend for HostBackend {
     ) -> Result<()> {
         // SAFETY: the caller guarantees both ranges are valid and disjoint.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes) };
+        Ok(())
+    }
+
+    unsafe fn bmuf_load(&self, _replica: usize, dtype: DType, spans: &[BmufSpan]) -> Result<()> {
+        self.host_bmuf_load(dtype, spans);
+        Ok(())
+    }
+
+    unsafe fn bmuf_update(
+        &self,
+        _replica: usize,
+        dtype: DType,
+        spans: &[BmufSpan],
+        filter: &BmufFilter,
+    ) -> Result<()> {
+        self.host_bmuf_update(dtype, spans, filter);
         Ok(())
     }
 

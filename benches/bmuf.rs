@@ -1,0 +1,250 @@
+//! BMUF on host replicas, each figure measured side by side with its baseline in the same run
+//! (ratios, not absolute times, are the claim). Run: `cargo bench --bench bmuf` (`-- --quick`
+//! for a short smoke run). Figures go to docs/PERFORMANCE.md.
+//!
+//! 1. The update alone — what `dpsync_bmuf_step` does after the averaging collective — on the
+//!    ResNet-50 parameter set (25.6 M f32) on 4 replicas: the host backend's `bmuf_update`
+//!    primitive over the buckets the library makes, against one memcpy of the bytes the update
+//!    touches (params, W and D of every replica: 12 bytes per element per replica).
+//! 2. The whole `dpsync_bmuf_step` through the C ABI against `dpsync_average(PARAM)`, the
+//!    averaging collective it starts with.
+
+use std::ffi::{c_void, CString};
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use dpsync::backend::host::HostBackend;
+use dpsync::backend::{bmuf_state_dtype, Allocation, Backend, BmufFilter, BmufSpan};
+use dpsync::plan::plan_buckets;
+use dpsync::types::{DType, Memory};
+use dpsync::*;
+
+const PARAM: u32 = dpsync_role::DPSYNC_ROLE_PARAM as u32;
+const F32: u32 = dpsync_dtype::DPSYNC_DTYPE_F32 as u32;
+const REPLICAS: usize = 4;
+const FUSION_BYTES: usize = 25 << 20;
+
+fn check(status: dpsync_status) {
+    if status != dpsync_status::DPSYNC_STATUS_OK {
+        let msg = unsafe { std::ffi::CStr::from_ptr(dpsync_last_error()) };
+        panic!("{status:?}: {}", msg.to_string_lossy());
+    }
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+/// Runs `a` and `b` alternately `reps` times; returns their median times.
+fn side_by_side(reps: usize, mut a: impl FnMut(), mut b: impl FnMut()) -> (Duration, Duration) {
+    a();
+    b();
+    let (mut ta, mut tb) = (Vec::new(), Vec::new());
+    for _ in 0..reps {
+        let t = Instant::now();
+        a();
+        ta.push(t.elapsed());
+        let t = Instant::now();
+        b();
+        tb.push(t.elapsed());
+    }
+    (median(ta), median(tb))
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn filled(n: usize, seed: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((i * 7 + seed * 13) % 1000) as f32 * 1e-3 - 0.5)
+        .collect()
+}
+
+fn load_param_set(path: &str) -> Vec<(String, usize)> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| {
+            let cols: Vec<&str> = l.split('\t').collect();
+            (
+                cols[0].to_owned(),
+                cols[2].trim().parse().expect("element count"),
+            )
+        })
+        .collect()
+}
+
+/// One replica's params, tensor by tensor, as a framework allocates them.
+fn replica_params(params: &[(String, usize)], replica: usize) -> Vec<Vec<f32>> {
+    params.iter().map(|(_, n)| filled(*n, replica)).collect()
+}
+
+/// Part 1: the update primitive over the library's buckets vs a memcpy of the touched bytes.
+fn update_vs_memcpy(params: &[(String, usize)], reps: usize, threads: Option<usize>) {
+    // Read by HostBackend::new; nothing else runs concurrently here.
+    match threads {
+        Some(n) => std::env::set_var("DPSYNC_HOST_THREADS", n.to_string()),
+        None => std::env::remove_var("DPSYNC_HOST_THREADS"),
+    }
+    let backend = HostBackend::new();
+    std::env::remove_var("DPSYNC_HOST_THREADS");
+    let mut replicas: Vec<Vec<Vec<f32>>> =
+        (0..REPLICAS).map(|r| replica_params(params, r)).collect();
+    // The buckets dpsync_bmuf_init makes (PARAMs in registration order, 25 MiB, per dtype).
+    let buckets = plan_buckets(
+        params
+            .iter()
+            .enumerate()
+            .map(|(i, (_, n))| (i, DType::F32, Memory::Host, *n)),
+        FUSION_BYTES,
+    );
+    let state_size = bmuf_state_dtype(DType::F32).unwrap().size();
+    let mut state: Vec<Vec<(Allocation, Allocation)>> = Vec::new();
+    let mut spans: Vec<Vec<Vec<BmufSpan>>> = Vec::new();
+    for bucket in &buckets {
+        let bytes = bucket.elements * state_size;
+        let per_replica: Vec<(Allocation, Allocation)> = (0..REPLICAS)
+            .map(|r| {
+                (
+                    backend.alloc(r, bytes).unwrap(),
+                    backend.alloc(r, bytes).unwrap(),
+                )
+            })
+            .collect();
+        let bucket_spans = (0..REPLICAS)
+            .map(|r| {
+                let mut offset = 0;
+                bucket
+                    .tensors
+                    .iter()
+                    .map(|&t| {
+                        let (w, d) = &per_replica[r];
+                        let span = BmufSpan {
+                            params: replicas[r][t].as_mut_ptr() as usize,
+                            w: w.ptr() + offset * state_size,
+                            d: d.ptr() + offset * state_size,
+                            count: params[t].1,
+                        };
+                        offset += params[t].1;
+                        span
+                    })
+                    .collect()
+            })
+            .collect();
+        state.push(per_replica);
+        spans.push(bucket_spans);
+    }
+    for (b, bucket) in buckets.iter().enumerate() {
+        for (r, s) in spans[b].iter().enumerate() {
+            unsafe { backend.bmuf_load(r, bucket.dtype, s).unwrap() };
+        }
+    }
+    // Local training moved the params: D becomes non-zero (and decays by mu each rep, far from
+    // subnormal over the few reps run here).
+    for rep in replicas.iter_mut() {
+        for t in rep.iter_mut() {
+            t.iter_mut().for_each(|x| *x += 0.01);
+        }
+    }
+    let filter = BmufFilter {
+        block_lr: 1.0,
+        block_momentum: 0.75,
+        nesterov: true,
+    };
+    let elements: usize = params.iter().map(|(_, n)| n).sum();
+    let touched = elements * REPLICAS * (4 + 2 * state_size);
+    let src = vec![1u8; touched];
+    let mut dst = vec![0u8; touched];
+    let (t_update, t_copy) = side_by_side(
+        reps,
+        || {
+            for (b, bucket) in buckets.iter().enumerate() {
+                for (r, s) in spans[b].iter().enumerate() {
+                    unsafe { backend.bmuf_update(r, bucket.dtype, s, &filter).unwrap() };
+                }
+            }
+        },
+        || {
+            dst.copy_from_slice(black_box(&src));
+            black_box(&dst);
+        },
+    );
+    let mib = touched as f64 / (1 << 20) as f64;
+    let threads = threads.map_or("all threads".to_owned(), |n| format!("{n} thread(s)"));
+    println!(
+        "bmuf update only, ResNet-50 ({} tensors, {:.1} M f32, {} buckets) x {REPLICAS} replicas, Nesterov ({threads}): \
+         {:.2} ms | memcpy of the {mib:.0} MiB it touches: {:.2} ms | ratio {:.2} (target <= 1.5)",
+        params.len(),
+        elements as f64 / 1e6,
+        buckets.len(),
+        ms(t_update),
+        ms(t_copy),
+        t_update.as_secs_f64() / t_copy.as_secs_f64()
+    );
+    drop(state);
+}
+
+/// Part 2: the whole step through the C ABI vs the averaging collective alone.
+fn step_vs_collective(params: &[(String, usize)], reps: usize) {
+    let mut replicas: Vec<Vec<Vec<f32>>> =
+        (0..REPLICAS).map(|r| replica_params(params, r)).collect();
+    let ctx = unsafe {
+        let mut o = std::ptr::null_mut();
+        check(dpsync_options_new(&mut o));
+        check(dpsync_options_set_host_replicas(o, REPLICAS));
+        check(dpsync_options_set_fusion_bytes(o, FUSION_BYTES));
+        let mut c = std::ptr::null_mut();
+        check(dpsync_context_create(o, &mut c));
+        dpsync_options_free(o);
+        c
+    };
+    for (r, tensors) in replicas.iter_mut().enumerate() {
+        for ((name, _), data) in params.iter().zip(tensors.iter_mut()) {
+            let name = CString::new(name.as_str()).unwrap();
+            let ptr = data.as_mut_ptr() as *mut c_void;
+            unsafe {
+                check(dpsync_register(
+                    ctx,
+                    name.as_ptr(),
+                    PARAM,
+                    r,
+                    ptr,
+                    data.len(),
+                    F32,
+                ))
+            };
+        }
+    }
+    unsafe { check(dpsync_bmuf_init(ctx, 1.0, -1.0, true)) };
+    let (t_step, t_avg) = side_by_side(
+        reps,
+        || unsafe { check(dpsync_bmuf_step(ctx)) },
+        || unsafe { check(dpsync_average(ctx, PARAM)) },
+    );
+    println!(
+        "dpsync_bmuf_step, ResNet-50 x {REPLICAS} replicas: {:.2} ms | its averaging collective \
+         (dpsync_average PARAM): {:.2} ms | difference (the update) {:.2} ms",
+        ms(t_step),
+        ms(t_avg),
+        ms(t_step) - ms(t_avg)
+    );
+    unsafe { check(dpsync_context_destroy(ctx)) };
+}
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let reps = if quick { 3 } else { 9 };
+    let data = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/data");
+    println!(
+        "dpsync {} host BMUF benchmarks, {} hardware threads{}",
+        env!("CARGO_PKG_VERSION"),
+        std::thread::available_parallelism().map_or(1, |n| n.get()),
+        if quick { " (quick)" } else { "" }
+    );
+    let params = load_param_set(&format!("{data}/resnet50_params.tsv"));
+    update_vs_memcpy(&params, reps, None);
+    update_vs_memcpy(&params, reps, Some(1));
+    step_vs_collective(&params, reps);
+}
