@@ -8,12 +8,13 @@
 //! are not packed into a staging buffer, which on the host would only add traffic).
 
 mod kernels;
+mod sparse;
 
 use std::sync::OnceLock;
 
 use half::{bf16, f16};
 
-use super::{Allocation, Backend, BucketView, Segment};
+use super::{Allocation, Backend, BucketView, Coalesced, Segment, SliceRef};
 use crate::error::Result;
 use crate::plan::{Step, StepOp, Via};
 use crate::types::{DType, ReduceOp};
@@ -188,6 +189,33 @@ impl Backend for HostBackend {
     ) -> Result<()> {
         // SAFETY: the caller guarantees both ranges are valid and disjoint.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes) };
+        Ok(())
+    }
+
+    unsafe fn find_index_out_of_range(
+        &self,
+        _replica: usize,
+        dtype: DType,
+        indices: usize,
+        rows: usize,
+        bound: u64,
+    ) -> Result<Option<(usize, i64)>> {
+        Ok(sparse::find_index_out_of_range(dtype, indices, rows, bound))
+    }
+
+    unsafe fn coalesce(&self, replica: usize, slice: &SliceRef<'_>) -> Result<Coalesced> {
+        sparse::coalesce(|bytes| self.alloc(replica, bytes), slice)
+    }
+
+    unsafe fn divide(
+        &self,
+        _replica: usize,
+        dtype: DType,
+        ptr: usize,
+        count: usize,
+        divisor: usize,
+    ) -> Result<()> {
+        sparse::divide(dtype, ptr, count, divisor);
         Ok(())
     }
 
