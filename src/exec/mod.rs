@@ -2,6 +2,10 @@
 //! broadcast, average. Inputs are validated before they get here (registry and plan); the
 //! executor only turns plan data into backend calls.
 
+mod sparse;
+
+pub use sparse::{GradientStats, SparseOutputs, SparseStats};
+
 use crate::backend::{Backend, BucketView, Segment};
 use crate::error::Result;
 use crate::plan::{plan_buckets, Bucket, Step};

@@ -12,6 +12,7 @@ mod context;
 mod describe;
 mod options;
 mod register;
+mod sparse;
 mod status;
 
 pub use boundary::dpsync_context;
@@ -20,4 +21,5 @@ pub use context::*;
 pub use describe::*;
 pub use options::*;
 pub use register::*;
+pub use sparse::*;
 pub use status::*;
