@@ -20,8 +20,9 @@ python3 tests/python/smoke_test.py target/release/libdpsync.so
 step "contract check: include/dpsync.h against ../shared/api/dpsync.h"
 python3 tests/contract/check_contract.py
 
-step "benchmark smoke run (figures: cargo bench --bench host_allreduce)"
+step "benchmark smoke runs (figures: cargo bench --bench host_allreduce / sparse_gather)"
 cargo bench --bench host_allreduce -- --quick
+cargo bench --bench sparse_gather -- --quick
 
 build_examples
 step "ctest: C examples"
