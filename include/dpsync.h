@@ -319,7 +319,8 @@ enum dpsync_status dpsync_register(struct dpsync_context *context,
                                    uint32_t dtype);
 
 /**
- * Remove tensor `name` from every replica. NOT_FOUND if it is not registered.
+ * Remove tensor `name` (a dense tensor or a sparse gradient) from every replica. NOT_FOUND if it
+ * is not registered.
  */
 enum dpsync_status dpsync_unregister(struct dpsync_context *context, const char *name);
 
