@@ -178,7 +178,10 @@ enum dpsync_status dpsync_bmuf_step(struct dpsync_context *context);
 
 /**
  * Reduce every GRAD tensor across all replicas (and ranks), fused into buckets, last
- * registered first. Every replica ends with identical bytes.
+ * registered first, and gather the sparse gradients set for this step (see
+ * dpsync_sparse_set / dpsync_sparse_get). Every replica ends with identical bytes. Everything
+ * is checked first (dense registrations, every sparse slice set on every replica, sparse index
+ * ranges): a failed call changes no tensor, dense or sparse, and consumes no slice.
  */
 enum dpsync_status dpsync_allreduce_grads(struct dpsync_context *context, uint32_t op);
 
@@ -315,6 +318,16 @@ enum dpsync_status dpsync_options_set_peer_access(struct dpsync_options *options
                                                   size_t n);
 
 /**
+ * Sparse gradients: coalesce duplicate indices (each replica's slice before the gather and the
+ * gathered result after), so gathered slices hold unique, sorted indices with summed rows
+ * (f16/bf16 summed in f32). Default false: the gathered slice is the plain concatenation in
+ * world order. Either way, scatter-adding the gathered slice gives the same model up to
+ * rounding; coalescing moves fewer bytes when indices repeat (skewed, Zipf-like streams).
+ */
+enum dpsync_status dpsync_options_set_sparse_coalesce(struct dpsync_options *options,
+                                                      bool coalesce);
+
+/**
  * Register `count` elements at `data` as tensor `name` of `role` (exactly one DPSYNC_ROLE_*
  * value) on `replica`.
  * Registering the identical (name, role, replica, data, count, dtype) again is a no-op
@@ -334,9 +347,64 @@ enum dpsync_status dpsync_register(struct dpsync_context *context,
                                    uint32_t dtype);
 
 /**
- * Remove tensor `name` from every replica. NOT_FOUND if it is not registered.
+ * Remove tensor `name` (a dense tensor or a sparse gradient) from every replica. NOT_FOUND if it
+ * is not registered.
  */
 enum dpsync_status dpsync_unregister(struct dpsync_context *context, const char *name);
+
+/**
+ * A sparse gradient: per step, each replica supplies `rows` indices and rows x row_len values.
+ * value_dtype is DPSYNC_DTYPE_F32, F64, F16 or BF16; index_dtype is DPSYNC_DTYPE_I32 or
+ * DPSYNC_DTYPE_I64 (others are INVALID_ARGUMENT). num_embeddings > 0 enables index range checks
+ * (0 <= index < num_embeddings, checked by dpsync_allreduce_grads). Re-registration follows
+ * dpsync_register's rules: identical is a no-op, different is CONFLICT; a name used by a dense
+ * tensor is CONFLICT too. Replicas that disagree (row_len, dtypes, num_embeddings, or a replica
+ * without it) make dpsync_allreduce_grads return INCONSISTENT naming it and the replica.
+ * Every registered sparse gradient must be set on every replica before each
+ * dpsync_allreduce_grads (rows may be 0, then indices/values may be NULL).
+ * dpsync_unregister removes it.
+ */
+enum dpsync_status dpsync_register_sparse(struct dpsync_context *context,
+                                          const char *name,
+                                          size_t replica,
+                                          size_t row_len,
+                                          uint32_t value_dtype,
+                                          uint32_t index_dtype,
+                                          size_t num_embeddings);
+
+/**
+ * This step's slice on `replica`: `rows` indices and rows x row_len values. The buffers must
+ * stay valid until dpsync_allreduce_grads returns; they are read by it (not by this call), so
+ * they may be filled after this call. Setting a slice again before the step replaces it.
+ * A successful dpsync_allreduce_grads consumes every slice: set them again for the next step.
+ * NULL indices or values with rows > 0, or buffers not aligned to their dtype, are
+ * INVALID_ARGUMENT; a name registered on other replicas but not this one is INCONSISTENT.
+ */
+enum dpsync_status dpsync_sparse_set(struct dpsync_context *context,
+                                     const char *name,
+                                     size_t replica,
+                                     const void *indices,
+                                     const void *values,
+                                     size_t rows);
+
+/**
+ * After dpsync_allreduce_grads: the gathered slice on `replica`: every replica's rows in world
+ * order (rank 0 replica 0, rank 0 replica 1, ..., rank 1 replica 0, ...), or coalesced (unique
+ * ascending indices, rows summed) when dpsync_options_set_sparse_coalesce is set. Under
+ * DPSYNC_REDUCE_AVG the values are divided by the replicas in the world. The buffers belong
+ * to the library, live in the replica's memory, and stay valid until the next
+ * dpsync_allreduce_grads or destroy. Slices set with the same indices buffer on every replica
+ * share one index gather (the same *indices), and *rows always equals the number of gathered
+ * value rows. When *rows is 0, *indices and *values are NULL.
+ * INVALID_STATE before the first dpsync_allreduce_grads that included `name`. The outputs are
+ * written only on success.
+ */
+enum dpsync_status dpsync_sparse_get(struct dpsync_context *context,
+                                     const char *name,
+                                     size_t replica,
+                                     const void **indices,
+                                     const void **values,
+                                     size_t *rows);
 
 /**
  * Library version, e.g. "0.1.0". Static string.

@@ -20,9 +20,10 @@ python3 tests/python/smoke_test.py target/release/libdpsync.so
 step "contract check: include/dpsync.h against ../shared/api/dpsync.h"
 python3 tests/contract/check_contract.py
 
-step "benchmark smoke runs (figures: cargo bench --bench host_allreduce / --bench bmuf)"
+step "benchmark smoke runs (figures: cargo bench --bench host_allreduce / bmuf / sparse_gather)"
 cargo bench --bench host_allreduce -- --quick
 cargo bench --bench bmuf -- --quick
+cargo bench --bench sparse_gather -- --quick
 step "GPU benchmark smoke run (prints 'skipped: no CUDA device' without a GPU)"
 cargo bench --bench cuda_allreduce -- --quick
 

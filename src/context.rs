@@ -1,15 +1,18 @@
 //! A context: the options it was made with, the topology, the registry, the cached plan and the
 //! executor. This is the whole library seen from Rust; `ffi` only translates C calls into it.
 
+mod sparse;
+
 use std::sync::Arc;
 
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::exec::bmuf::{self, BmufState};
-use crate::exec::Executor;
+use crate::exec::{Executor, SparseOutputs};
 use crate::options::Options;
 use crate::plan::{self, Plan, Topology};
+use crate::registry::sparse::SparseRegistry;
 use crate::registry::{Registration, Registry, Snapshot, TensorView};
 use crate::types::{DType, Device, Memory, ReduceOp, Role, RoleMask};
 
@@ -22,6 +25,10 @@ pub struct Context {
     executor: Executor,
     /// The BMUF filter since the last dpsync_bmuf_init.
     bmuf: Option<BmufState>,
+    /// Sparse gradients and their slices for the coming step (context/sparse.rs).
+    sparse: SparseRegistry,
+    /// The last successful step's gathered sparse slices.
+    sparse_out: SparseOutputs,
 }
 
 /// The description of the options' topology with no tensors and no device: a dry run.
@@ -29,7 +36,13 @@ pub fn plan_describe(options: &Options) -> Result<String> {
     let topology = Topology::from_options(options, None)?;
     let snapshot = Registry::new(topology.replicas()).snapshot();
     let plan = Plan::new(&topology, &snapshot, options.fusion_bytes);
-    Ok(plan::describe(&topology, &plan, &snapshot, options.fusion_bytes).to_string())
+    let mut json = plan::describe(&topology, &plan, &snapshot, options.fusion_bytes);
+    sparse::describe_into(
+        &mut json,
+        &SparseRegistry::new(topology.replicas()),
+        options,
+    );
+    Ok(json.to_string())
 }
 
 impl Context {
@@ -48,6 +61,8 @@ impl Context {
         Ok(Context {
             options: options.clone(),
             registry: Registry::new(topology.replicas()),
+            sparse: SparseRegistry::new(topology.replicas()),
+            sparse_out: SparseOutputs::default(),
             topology,
             prepared: None,
             executor: Executor::new(device),
@@ -100,6 +115,7 @@ impl Context {
                 .memory_of(replica, ptr)
                 .map_err(|e| Error::new(e.kind, format!("tensor '{name}': {}", e.message)))?,
         };
+        self.check_not_sparse(name)?;
         self.registry.register(
             name,
             replica,
@@ -114,6 +130,9 @@ impl Context {
     }
 
     pub fn unregister(&mut self, name: &str) -> Result<()> {
+        if self.unregister_sparse(name) {
+            return Ok(());
+        }
         self.registry.unregister(name)
     }
 
@@ -138,6 +157,8 @@ impl Context {
     pub fn describe(&mut self) -> String {
         let (snapshot, plan) = self.prepare();
         let mut json = plan::describe(&self.topology, &plan, &snapshot, self.options.fusion_bytes);
+        sparse::describe_into(&mut json, &self.sparse, &self.options);
+        json["sparse_last_step"] = sparse::describe_stats(&self.sparse_out.stats);
         json["backend"] = self.executor.describe_backend();
         if let Some(state) = &self.bmuf {
             json["bmuf"] = state.describe();
@@ -152,12 +173,17 @@ impl Context {
     pub fn allreduce_grads(&mut self, op: ReduceOp) -> Result<()> {
         let (snapshot, plan) = self.prepare();
         snapshot.select(Role::Grad.into())?;
+        // Sparse slices are checked and gathered into new library-owned outputs first: a bad
+        // slice then fails the call before any dense gradient is written.
+        let sparse = self.gather_sparse(op)?;
         let tensors: Vec<&TensorView> = snapshot.tensors.iter().collect();
         // SAFETY: registered memory stays valid while registered (the C contract).
         unsafe {
             self.executor
-                .allreduce_buckets(&plan.buckets, &tensors, op, self.divisor(), &plan)
+                .allreduce_buckets(&plan.buckets, &tensors, op, self.divisor(), &plan)?;
         }
+        self.install_sparse(sparse);
+        Ok(())
     }
 
     pub fn allreduce(&mut self, name: &str, op: ReduceOp) -> Result<()> {

@@ -23,6 +23,8 @@ pub struct Options {
     pub timeout_ms: u64,
     /// Row-major n x n override of the peer-access matrix, n = replica count.
     pub peer_access: Option<Vec<u8>>,
+    /// Coalesce sparse gradients (each replica's slice before the gather, the result after).
+    pub sparse_coalesce: bool,
 }
 
 impl Default for Options {
@@ -33,6 +35,7 @@ impl Default for Options {
             fusion_bytes: DEFAULT_FUSION_BYTES,
             timeout_ms: 0,
             peer_access: None,
+            sparse_coalesce: false,
         }
     }
 }

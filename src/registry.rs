@@ -3,6 +3,8 @@
 //! registration on the same replica, and reports disagreements between replicas through a
 //! [`Snapshot`], so that the first collective touching a tensor can name it.
 
+pub mod sparse;
+
 use std::collections::HashMap;
 
 use crate::error::{Error, ErrorKind, Result};
@@ -61,6 +63,11 @@ impl Registry {
     /// Changes whenever the set of registrations changes; plans are cached against it.
     pub fn generation(&self) -> u64 {
         self.generation
+    }
+
+    /// Whether any replica registered `name`.
+    pub fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
     }
 
     pub fn register(&mut self, name: &str, replica: usize, reg: Registration) -> Result<()> {

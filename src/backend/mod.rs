@@ -5,12 +5,15 @@
 mod bmuf;
 pub mod cuda;
 pub mod host;
+pub mod sparse;
 
 pub use bmuf::{bmuf_state_dtype, BmufFilter, BmufSpan};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::plan::Step;
 use crate::types::{DType, Memory, ReduceOp};
+
+pub use sparse::{Coalesced, SliceRef, ValuesRef};
 
 /// One tensor's elements on every replica: `ptrs[r]` is replica r's first element.
 #[derive(Clone, Copy, Debug)]
@@ -168,6 +171,72 @@ pub trait Backend: Send {
     ) -> Result<()> {
         let _ = (replica, dtype, spans, filter);
         Err(bmuf_unavailable(self.name()))
+    }
+
+    /// Sparse gradients: the first row `i` of `rows` indices of `dtype` (I32 or I64) at `indices`
+    /// on `replica` whose value is outside `[0, bound)`, as `(i, value)`; `None` if all are in
+    /// range. Reads only. A device backend may run a kernel and read back the answer.
+    ///
+    /// # Safety
+    /// `indices` is valid for `rows` aligned elements of `dtype` on `replica`.
+    unsafe fn find_index_out_of_range(
+        &self,
+        replica: usize,
+        dtype: DType,
+        indices: usize,
+        rows: usize,
+        bound: u64,
+    ) -> Result<Option<(usize, i64)>> {
+        let _ = (replica, dtype, indices, rows, bound);
+        Err(Error::new(
+            ErrorKind::Unavailable,
+            format!(
+                "sparse index range checks are not implemented on the {} backend yet",
+                self.name()
+            ),
+        ))
+    }
+
+    /// Sparse gradients: coalesces `slice` on `replica` into new allocations on that replica:
+    /// its indices sorted ascending without duplicates, and for each values array the rows of
+    /// equal indices summed in input order (f16/bf16 accumulated in f32, every output element
+    /// rounded once). Deterministic: the same input gives the same bytes on any replica. The
+    /// result's row count depends on the data (a device backend has to read it back).
+    ///
+    /// # Safety
+    /// The slice's pointers are valid on `replica` for `rows` aligned indices and rows.
+    unsafe fn coalesce(&self, replica: usize, slice: &SliceRef<'_>) -> Result<Coalesced> {
+        let _ = (replica, slice);
+        Err(Error::new(
+            ErrorKind::Unavailable,
+            format!(
+                "sparse coalescing is not implemented on the {} backend yet",
+                self.name()
+            ),
+        ))
+    }
+
+    /// `x := x / divisor` for `count` elements of the float `dtype` at `ptr` on `replica`
+    /// (f16/bf16 computed in f32 and rounded once): sparse gradients under DPSYNC_REDUCE_AVG.
+    ///
+    /// # Safety
+    /// `ptr` is valid for `count` aligned elements of `dtype` on `replica`.
+    unsafe fn divide(
+        &self,
+        replica: usize,
+        dtype: DType,
+        ptr: usize,
+        count: usize,
+        divisor: usize,
+    ) -> Result<()> {
+        let _ = (replica, dtype, ptr, count, divisor);
+        Err(Error::new(
+            ErrorKind::Unavailable,
+            format!(
+                "sparse averaging is not implemented on the {} backend yet",
+                self.name()
+            ),
+        ))
     }
 
     /// Waits for every operation issued so far.

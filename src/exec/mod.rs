@@ -6,6 +6,9 @@
 //! replicas, a host backend for tensors that live in host memory (CPU ops in a GPU model).
 
 pub mod bmuf;
+mod sparse;
+
+pub use sparse::{GradientStats, SparseOutputs, SparseStats};
 
 use crate::backend::host::HostBackend;
 use crate::backend::{Backend, BucketView, Segment};

@@ -26,7 +26,10 @@ fn role_mask(roles: u32) -> Result<RoleMask> {
 }
 
 /// Reduce every GRAD tensor across all replicas (and ranks), fused into buckets, last
-/// registered first. Every replica ends with identical bytes.
+/// registered first, and gather the sparse gradients set for this step (see
+/// dpsync_sparse_set / dpsync_sparse_get). Every replica ends with identical bytes. Everything
+/// is checked first (dense registrations, every sparse slice set on every replica, sparse index
+/// ranges): a failed call changes no tensor, dense or sparse, and consumes no slice.
 #[no_mangle]
 pub unsafe extern "C" fn dpsync_allreduce_grads(
     context: *mut dpsync_context,

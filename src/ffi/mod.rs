@@ -13,6 +13,7 @@ mod context;
 mod describe;
 mod options;
 mod register;
+mod sparse;
 mod status;
 
 pub use bmuf::*;
@@ -22,4 +23,5 @@ pub use context::*;
 pub use describe::*;
 pub use options::*;
 pub use register::*;
+pub use sparse::*;
 pub use status::*;

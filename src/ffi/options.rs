@@ -133,3 +133,19 @@ pub unsafe extern "C" fn dpsync_options_set_peer_access(
         o.set_peer_access(std::slice::from_raw_parts(matrix, n * n), n)
     })
 }
+
+/// Sparse gradients: coalesce duplicate indices (each replica's slice before the gather and the
+/// gathered result after), so gathered slices hold unique, sorted indices with summed rows
+/// (f16/bf16 summed in f32). Default false: the gathered slice is the plain concatenation in
+/// world order. Either way, scatter-adding the gathered slice gives the same model up to
+/// rounding; coalescing moves fewer bytes when indices repeat (skewed, Zipf-like streams).
+#[no_mangle]
+pub unsafe extern "C" fn dpsync_options_set_sparse_coalesce(
+    options: *mut dpsync_options,
+    coalesce: bool,
+) -> dpsync_status {
+    with_options(options, |o| {
+        o.sparse_coalesce = coalesce;
+        Ok(())
+    })
+}

@@ -54,7 +54,8 @@ pub unsafe extern "C" fn dpsync_register(
     })
 }
 
-/// Remove tensor `name` from every replica. NOT_FOUND if it is not registered.
+/// Remove tensor `name` (a dense tensor or a sparse gradient) from every replica. NOT_FOUND if it
+/// is not registered.
 #[no_mangle]
 pub unsafe extern "C" fn dpsync_unregister(
     context: *mut dpsync_context,

@@ -5,6 +5,7 @@
 
 mod buckets;
 mod describe;
+pub mod sparse;
 mod steps;
 mod topology;
 

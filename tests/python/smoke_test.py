@@ -30,7 +30,7 @@ STATUS_NAMES = [
     "DPSYNC_STATUS_TIMEOUT",
     "DPSYNC_STATUS_PANIC",
 ]
-F32, F64 = 0, 1
+F32, F64, I64 = 0, 1, 5
 PARAM, GRAD, COMPUTED, STATE = 1, 2, 4, 8
 SUM, AVG = 0, 1
 TRANSPORT_NCCL = 1
@@ -77,6 +77,10 @@ def load(path):
         "dpsync_allreduce": (status, [c_void_p, c_char_p, c_uint32]),
         "dpsync_broadcast": (status, [c_void_p, c_uint32, c_size_t]),
         "dpsync_average": (status, [c_void_p, c_uint32]),
+        "dpsync_register_sparse": (status, [c_void_p, c_char_p, c_size_t, c_size_t, c_uint32, c_uint32, c_size_t]),
+        "dpsync_sparse_set": (status, [c_void_p, c_char_p, c_size_t, c_void_p, c_void_p, c_size_t]),
+        "dpsync_sparse_get": (status, [c_void_p, c_char_p, c_size_t, POINTER(c_void_p), POINTER(c_void_p),
+                                       POINTER(c_size_t)]),
     }
     for name, (restype, argtypes) in sigs.items():
         fn = getattr(lib, name)
@@ -328,6 +332,34 @@ class Smoke:
         self.call("dpsync_allreduce_grads", self.ctx, SUM)  # the context stays usable
         return "INCONSISTENT (%s / %s), data untouched" % (msg, msg2)
 
+    def check_sparse(self):
+        # Replica r sets r rows (replica 0 none) of row_len 2 with i64 indices; every replica
+        # then reads all rows in world order.
+        for r in range(NREP):
+            self.call("dpsync_register_sparse", self.ctx, b"emb", r, 2, F32, I64, 100)
+        keep = []
+        want_idx, want_val = [], []
+        for r in range(NREP):
+            idx = (ctypes.c_int64 * max(r, 1))(*[10 * r + k for k in range(r)])
+            val = (ctypes.c_float * max(2 * r, 1))(*[float(100 * r + k) for k in range(2 * r)])
+            keep += [idx, val]
+            want_idx += list(idx)[:r]
+            want_val += list(val)[: 2 * r]
+            self.call("dpsync_sparse_set", self.ctx, b"emb", r, ctypes.cast(idx, c_void_p),
+                      ctypes.cast(val, c_void_p), r)
+        self.call("dpsync_allreduce_grads", self.ctx, SUM)
+        for r in range(NREP):
+            pi, pv, rows = c_void_p(), c_void_p(), c_size_t(0)
+            self.call("dpsync_sparse_get", self.ctx, b"emb", r, byref(pi), byref(pv), byref(rows))
+            got_idx = list(ctypes.cast(pi, POINTER(ctypes.c_int64))[: rows.value])
+            got_val = list(ctypes.cast(pv, POINTER(ctypes.c_float))[: 2 * rows.value])
+            assert (got_idx, got_val) == (want_idx, want_val), "replica %d: %r %r" % (r, got_idx, got_val)
+        # The slices were consumed: a step without them names the gradient and a replica.
+        msg = self.expect_status(INCONSISTENT, "dpsync_allreduce_grads", self.ctx, SUM)
+        assert "'emb'" in msg and "replica 0" in msg, "message %r" % msg
+        self.call("dpsync_unregister", self.ctx, b"emb")
+        return "%d rows gathered in world order on every replica; unset slice -> INCONSISTENT" % len(want_idx)
+
     def run(self):
         self.check("version string", self.check_version)
         self.check("status names", self.check_status_names)
@@ -343,6 +375,7 @@ class Smoke:
             self.check("describe JSON", self.check_describe)
             self.check("unknown name -> NOT_FOUND", self.check_not_found)
             self.check("count mismatch -> INCONSISTENT", self.check_inconsistent)
+            self.check("sparse gradient gather", self.check_sparse)
         self.check("plan_describe CUDA + NCCL", self.check_plan_describe_nccl)
         self.check("context_create with CUDA replicas -> UNAVAILABLE", self.check_cuda_unavailable)
         if self.ctx.value:

@@ -9,12 +9,13 @@
 
 mod bmuf;
 mod kernels;
+mod sparse;
 
 use std::sync::OnceLock;
 
 use half::{bf16, f16};
 
-use super::{Allocation, Backend, BmufFilter, BmufSpan, BucketView, Segment};
+use super::{Allocation, Backend, BmufFilter, BmufSpan, BucketView, Coalesced, Segment, SliceRef};
 use crate::error::Result;
 use crate::plan::{Step, StepOp, Via};
 use crate::types::{DType, ReduceOp};
@@ -205,6 +206,33 @@ impl Backend for HostBackend {
         filter: &BmufFilter,
     ) -> Result<()> {
         self.host_bmuf_update(dtype, spans, filter);
+        Ok(())
+    }
+
+    unsafe fn find_index_out_of_range(
+        &self,
+        _replica: usize,
+        dtype: DType,
+        indices: usize,
+        rows: usize,
+        bound: u64,
+    ) -> Result<Option<(usize, i64)>> {
+        Ok(sparse::find_index_out_of_range(dtype, indices, rows, bound))
+    }
+
+    unsafe fn coalesce(&self, replica: usize, slice: &SliceRef<'_>) -> Result<Coalesced> {
+        sparse::coalesce(|bytes| self.alloc(replica, bytes), slice)
+    }
+
+    unsafe fn divide(
+        &self,
+        _replica: usize,
+        dtype: DType,
+        ptr: usize,
+        count: usize,
+        divisor: usize,
+    ) -> Result<()> {
+        sparse::divide(dtype, ptr, count, divisor);
         Ok(())
     }
 

@@ -1,0 +1,255 @@
+//! Sparse-gradient primitives on host memory: index range scan, coalescing (sort, dedupe, sum
+//! rows) and division for AVG. Row sums reuse the dense kernels' accumulate-and-round-once rules,
+//! so a coalesced f16 row is rounded exactly as a dense f16 sum would be.
+
+use half::{bf16, f16};
+
+use super::kernels::{Reducible, BLOCK};
+use crate::backend::{Allocation, Coalesced, SliceRef};
+use crate::error::Result;
+use crate::types::{DType, ReduceOp};
+
+/// The indices of a slice widened to i64 (the registry allows only I32 and I64).
+unsafe fn read_indices(dtype: DType, ptr: usize, rows: usize) -> Vec<i64> {
+    if rows == 0 {
+        return Vec::new();
+    }
+    match dtype {
+        DType::I32 => std::slice::from_raw_parts(ptr as *const i32, rows)
+            .iter()
+            .map(|&i| i64::from(i))
+            .collect(),
+        DType::I64 => std::slice::from_raw_parts(ptr as *const i64, rows).to_vec(),
+        other => unreachable!("the registry admits only i32/i64 indices, got {other}"),
+    }
+}
+
+pub(super) unsafe fn find_index_out_of_range(
+    dtype: DType,
+    ptr: usize,
+    rows: usize,
+    bound: u64,
+) -> Option<(usize, i64)> {
+    if rows == 0 {
+        return None;
+    }
+    // Compare as u64: a negative index wraps to a huge value, so one comparison covers both ends.
+    fn scan<T: Copy + Into<i64>>(v: &[T], bound: u64) -> Option<(usize, i64)> {
+        v.iter()
+            .position(|&i| (i.into() as u64) >= bound)
+            .map(|p| (p, v[p].into()))
+    }
+    match dtype {
+        DType::I32 => scan(std::slice::from_raw_parts(ptr as *const i32, rows), bound),
+        DType::I64 => scan(std::slice::from_raw_parts(ptr as *const i64, rows), bound),
+        other => unreachable!("the registry admits only i32/i64 indices, got {other}"),
+    }
+}
+
+/// `out` = the sum of the rows `rows` of `src`, added in that order, `row_len` elements each.
+unsafe fn sum_rows<T: Reducible>(src: *const T, rows: &[usize], row_len: usize, out: *mut T) {
+    let mut acc = [T::Acc::default(); BLOCK];
+    let mut done = 0;
+    while done < row_len {
+        let n = BLOCK.min(row_len - done);
+        let row = |r: usize| std::slice::from_raw_parts(src.add(r * row_len + done), n);
+        T::load(row(rows[0]), &mut acc[..n]);
+        for &r in &rows[1..] {
+            T::accumulate(row(r), &mut acc[..n]);
+        }
+        let out = std::slice::from_raw_parts_mut(out.add(done), n);
+        T::store(&acc[..n], ReduceOp::Sum, 1, out);
+        done += n;
+    }
+}
+
+/// Sums each run of equal indices into consecutive output rows: run `k` is
+/// `positions[bounds[k]..bounds[k + 1]]`, positions of input rows in input order.
+unsafe fn sum_runs<T: Reducible>(
+    src: usize,
+    positions: &[usize],
+    bounds: &[usize],
+    row_len: usize,
+    dst: usize,
+) {
+    let (src, dst) = (src as *const T, dst as *mut T);
+    for (k, run) in bounds.windows(2).enumerate() {
+        sum_rows(
+            src,
+            &positions[run[0]..run[1]],
+            row_len,
+            dst.add(k * row_len),
+        );
+    }
+}
+
+pub(super) unsafe fn coalesce(
+    alloc: impl Fn(usize) -> Result<Allocation>,
+    slice: &SliceRef<'_>,
+) -> Result<Coalesced> {
+    let keys = read_indices(slice.index_dtype, slice.indices, slice.rows);
+    // (index, position): sorting the pairs keeps equal indices in input order, so every run is
+    // summed in world order and the result does not depend on the sort algorithm.
+    let mut order: Vec<(i64, usize)> = keys.iter().copied().zip(0..).collect();
+    order.sort_unstable();
+    let positions: Vec<usize> = order.iter().map(|&(_, p)| p).collect();
+    let mut unique: Vec<i64> = Vec::new();
+    let mut bounds: Vec<usize> = Vec::new();
+    for (k, &(key, _)) in order.iter().enumerate() {
+        if unique.last() != Some(&key) {
+            unique.push(key);
+            bounds.push(k);
+        }
+    }
+    bounds.push(order.len());
+    let rows = unique.len();
+    let indices = alloc(rows * slice.index_dtype.size())?;
+    match slice.index_dtype {
+        DType::I32 => {
+            let out = std::slice::from_raw_parts_mut(indices.ptr() as *mut i32, rows);
+            // Every key came from an i32, so the narrowing is exact.
+            out.iter_mut()
+                .zip(&unique)
+                .for_each(|(o, &k)| *o = k as i32);
+        }
+        _ => {
+            std::slice::from_raw_parts_mut(indices.ptr() as *mut i64, rows).copy_from_slice(&unique)
+        }
+    }
+    let mut values = Vec::with_capacity(slice.values.len());
+    for v in slice.values {
+        let out = alloc(rows * v.row_bytes())?;
+        if rows > 0 {
+            match v.dtype {
+                DType::F32 => sum_runs::<f32>(v.ptr, &positions, &bounds, v.row_len, out.ptr()),
+                DType::F64 => sum_runs::<f64>(v.ptr, &positions, &bounds, v.row_len, out.ptr()),
+                DType::F16 => sum_runs::<f16>(v.ptr, &positions, &bounds, v.row_len, out.ptr()),
+                DType::Bf16 => sum_runs::<bf16>(v.ptr, &positions, &bounds, v.row_len, out.ptr()),
+                DType::I32 => sum_runs::<i32>(v.ptr, &positions, &bounds, v.row_len, out.ptr()),
+                DType::I64 => sum_runs::<i64>(v.ptr, &positions, &bounds, v.row_len, out.ptr()),
+            }
+        }
+        values.push(out);
+    }
+    Ok(Coalesced {
+        rows,
+        indices,
+        values,
+    })
+}
+
+unsafe fn divide_span<T: Reducible>(ptr: usize, count: usize, divisor: usize) {
+    let ptr = ptr as *mut T;
+    let mut acc = [T::Acc::default(); BLOCK];
+    let mut done = 0;
+    while done < count {
+        let n = BLOCK.min(count - done);
+        let span = std::slice::from_raw_parts_mut(ptr.add(done), n);
+        T::load(span, &mut acc[..n]);
+        T::store(&acc[..n], ReduceOp::Avg, divisor, span);
+        done += n;
+    }
+}
+
+pub(super) unsafe fn divide(dtype: DType, ptr: usize, count: usize, divisor: usize) {
+    if count == 0 {
+        return;
+    }
+    match dtype {
+        DType::F32 => divide_span::<f32>(ptr, count, divisor),
+        DType::F64 => divide_span::<f64>(ptr, count, divisor),
+        DType::F16 => divide_span::<f16>(ptr, count, divisor),
+        DType::Bf16 => divide_span::<bf16>(ptr, count, divisor),
+        DType::I32 => divide_span::<i32>(ptr, count, divisor),
+        DType::I64 => divide_span::<i64>(ptr, count, divisor),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::host::HostBackend;
+    use crate::backend::{Backend, ValuesRef};
+
+    fn coalesce_host<I: Copy, V: Copy>(
+        index_dtype: DType,
+        indices: &[I],
+        value_dtype: DType,
+        values: &[V],
+        row_len: usize,
+    ) -> (Vec<I>, Vec<V>) {
+        let b = HostBackend::new();
+        let vref = [ValuesRef {
+            ptr: values.as_ptr() as usize,
+            dtype: value_dtype,
+            row_len,
+        }];
+        let slice = SliceRef {
+            index_dtype,
+            indices: indices.as_ptr() as usize,
+            rows: indices.len(),
+            values: &vref,
+        };
+        let c = unsafe { b.coalesce(0, &slice) }.unwrap();
+        let idx = unsafe { std::slice::from_raw_parts(c.indices.ptr() as *const I, c.rows) };
+        let val =
+            unsafe { std::slice::from_raw_parts(c.values[0].ptr() as *const V, c.rows * row_len) };
+        (idx.to_vec(), val.to_vec())
+    }
+
+    #[test]
+    fn coalesce_sorts_dedupes_and_sums_in_input_order() {
+        let (idx, val) = coalesce_host(
+            DType::I64,
+            &[7i64, 2, 7, -1, 2],
+            DType::F32,
+            &[1f32, 10., 2., 20., 3., 30., 4., 40., 5., 50.],
+            2,
+        );
+        assert_eq!(idx, vec![-1, 2, 7]);
+        assert_eq!(val, vec![4., 40., 7., 70., 4., 40.]);
+    }
+
+    #[test]
+    fn coalesce_accumulates_halves_in_f32_and_keeps_i32_indices() {
+        // 2048 + 1 + 1 rounds back to 2048 twice in f16 arithmetic; in f32 it is 2050.
+        let v = [2048f32, 1.0, 1.0, 5.0].map(f16::from_f32);
+        let (idx, val) = coalesce_host(DType::I32, &[3i32, 3, 3, 0], DType::F16, &v, 1);
+        assert_eq!(idx, vec![0, 3]);
+        assert_eq!(val, vec![f16::from_f32(5.0), f16::from_f32(2050.0)]);
+    }
+
+    #[test]
+    fn coalesce_handles_rows_longer_than_a_block_and_empty_slices() {
+        let row_len = BLOCK + 3;
+        let values: Vec<f64> = (0..3 * row_len).map(|i| i as f64).collect();
+        let (idx, val) = coalesce_host(DType::I64, &[5i64, 5, 5], DType::F64, &values, row_len);
+        assert_eq!(idx, vec![5]);
+        for (j, x) in val.iter().enumerate() {
+            assert_eq!(*x, (3 * j + 3 * row_len) as f64, "element {j}");
+        }
+        let (idx, val) = coalesce_host::<i32, f32>(DType::I32, &[], DType::F32, &[], 4);
+        assert!(idx.is_empty() && val.is_empty());
+    }
+
+    #[test]
+    fn range_scan_reports_the_first_negative_or_too_large_index() {
+        let v = [0i32, 9, -3, 10];
+        let f = |b| unsafe { find_index_out_of_range(DType::I32, v.as_ptr() as usize, 4, b) };
+        assert_eq!(f(10), Some((2, -3)));
+        let w = [0i64, 9, 10];
+        let g = |b| unsafe { find_index_out_of_range(DType::I64, w.as_ptr() as usize, 3, b) };
+        assert_eq!(g(10), Some((2, 10)));
+        assert_eq!(g(11), None);
+    }
+
+    #[test]
+    fn divide_rounds_halves_once() {
+        let mut v = [bf16::from_f32(3.0), bf16::from_f32(-7.0)];
+        unsafe { divide(DType::Bf16, v.as_mut_ptr() as usize, 2, 2) };
+        assert_eq!(v, [bf16::from_f32(1.5), bf16::from_f32(-3.5)]);
+        let mut w = [1f32, 2., 3.];
+        unsafe { divide(DType::F32, w.as_mut_ptr() as usize, 3, 4) };
+        assert_eq!(w, [0.25, 0.5, 0.75]);
+    }
+}

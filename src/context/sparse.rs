@@ -1,0 +1,162 @@
+//! Sparse gradients seen from the context: registration (names shared with dense tensors are
+//! refused), this step's slices, the check-and-gather phase of `dpsync_allreduce_grads`, the
+//! gathered outputs, and their part of `describe`.
+
+use serde_json::{json, Value};
+
+use super::Context;
+use crate::error::{Error, ErrorKind, Result};
+use crate::exec::{SparseOutputs, SparseStats};
+use crate::options::Options;
+use crate::plan::sparse::{describe_gather, describe_sparse, index_groups};
+use crate::registry::sparse::{SparseRegistry, SparseSlice, SparseSpec};
+use crate::types::{Device, ReduceOp};
+
+impl Context {
+    /// A dense registration may not take a sparse gradient's name (unregister would not know
+    /// which one is meant).
+    pub(super) fn check_not_sparse(&self, name: &str) -> Result<()> {
+        if self.sparse.contains(name) {
+            return Err(Error::new(
+                ErrorKind::Conflict,
+                format!("tensor '{name}' is already registered as a sparse gradient"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// NOT_FOUND for a name that is not a sparse gradient, saying so when it is a dense tensor.
+    fn check_sparse_name(&self, name: &str) -> Result<()> {
+        if self.sparse.contains(name) {
+            return Ok(());
+        }
+        let hint = if self.registry.contains(name) {
+            " (it is a dense tensor, registered with dpsync_register)"
+        } else {
+            ""
+        };
+        Err(Error::new(
+            ErrorKind::NotFound,
+            format!("sparse gradient '{name}' is not registered{hint}"),
+        ))
+    }
+
+    pub fn register_sparse(&mut self, name: &str, replica: usize, spec: SparseSpec) -> Result<()> {
+        self.check_replica(replica, "replica")?;
+        if let Device::Cuda(ordinal) = self.topology.devices[replica] {
+            // The gather primitives have no stream-ordered CUDA implementation yet.
+            return Err(Error::new(
+                ErrorKind::Unavailable,
+                format!(
+                    "sparse gradient '{name}': replica {replica} is on cuda:{ordinal}, and sparse \
+                     gradients on CUDA replicas are not implemented yet (host replicas only)"
+                ),
+            ));
+        }
+        if self.registry.contains(name) {
+            return Err(Error::new(
+                ErrorKind::Conflict,
+                format!(
+                    "tensor '{name}' is already registered as a dense tensor; a sparse gradient \
+                     needs a name of its own"
+                ),
+            ));
+        }
+        self.sparse.register(name, replica, spec)
+    }
+
+    pub fn sparse_set(&mut self, name: &str, replica: usize, slice: SparseSlice) -> Result<()> {
+        self.check_replica(replica, "replica")?;
+        self.check_sparse_name(name)?;
+        self.sparse.set(name, replica, slice)
+    }
+
+    /// `(indices, values, rows)` of the last gather of `name` on `replica` (addresses 0 when
+    /// `rows` is 0).
+    pub fn sparse_get(&self, name: &str, replica: usize) -> Result<(usize, usize, usize)> {
+        self.check_replica(replica, "replica")?;
+        self.check_sparse_name(name)?;
+        self.sparse_out.get(name, replica).ok_or_else(|| {
+            Error::new(
+                ErrorKind::InvalidState,
+                format!(
+                    "sparse gradient '{name}' has not been gathered yet: its gathered slice \
+                     exists after a successful dpsync_allreduce_grads that included it"
+                ),
+            )
+        })
+    }
+
+    /// Removes the sparse gradient `name`; false when it is not one. Its last outputs stay
+    /// valid until the next step, as the contract promises, but are no longer reachable.
+    pub(super) fn unregister_sparse(&mut self, name: &str) -> bool {
+        let found = self.sparse.unregister(name);
+        if found {
+            self.sparse_out.forget(name);
+        }
+        found
+    }
+
+    /// Checks this step's slices (all set, registrations consistent, indices in range) and
+    /// gathers them into new outputs; nothing visible changes until [`Self::install_sparse`].
+    pub(super) fn gather_sparse(&self, op: ReduceOp) -> Result<SparseOutputs> {
+        if self.sparse.is_empty() {
+            return Ok(SparseOutputs::default());
+        }
+        let inputs = self.sparse.step()?;
+        let groups = index_groups(&inputs);
+        // SAFETY: slice memory stays valid until dpsync_allreduce_grads returns (the C contract).
+        unsafe {
+            self.executor.check_sparse_indices(&inputs, &groups)?;
+            self.executor.gather_sparse(
+                &inputs,
+                &groups,
+                self.options.sparse_coalesce,
+                op,
+                self.divisor(),
+            )
+        }
+    }
+
+    /// The step succeeded: its outputs replace the previous ones and its slices are consumed.
+    pub(super) fn install_sparse(&mut self, outputs: SparseOutputs) {
+        self.sparse_out = outputs;
+        self.sparse.consume_slices();
+    }
+}
+
+/// Adds the sparse gradients to a describe object: `"sparse"` (consistent registrations),
+/// `"sparse_gather"` (how they are gathered) and their registration problems under `"problems"`.
+pub(super) fn describe_into(json: &mut Value, sparse: &SparseRegistry, options: &Options) {
+    let mut gradients = Vec::new();
+    let mut problems = Vec::new();
+    for (name, spec) in sparse.checked() {
+        match spec {
+            Ok(spec) => gradients.push(describe_sparse(name, &spec, options.sparse_coalesce)),
+            Err(err) => problems.push(Value::from(err.message)),
+        }
+    }
+    json["sparse"] = Value::from(gradients);
+    json["sparse_gather"] = describe_gather(options.replicas.len(), options.sparse_coalesce);
+    if let Some(list) = json["problems"].as_array_mut() {
+        list.extend(problems);
+    }
+}
+
+/// What the last successful gather did; `null` before the first one with sparse gradients.
+pub(super) fn describe_stats(stats: &SparseStats) -> Value {
+    if stats.gradients.is_empty() {
+        return Value::Null;
+    }
+    let gradients: Vec<Value> = stats
+        .gradients
+        .iter()
+        .map(|g| json!({"name": g.name, "rows_set": g.rows_set, "rows_sent": g.rows_sent, "rows": g.rows}))
+        .collect();
+    json!({
+        "coalesce": stats.coalesce,
+        "index_gathers": stats.index_gathers,
+        "bytes_copied": stats.bytes_copied,
+        "gradients": gradients,
+    })
+}

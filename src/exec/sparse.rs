@@ -1,0 +1,386 @@
+//! The sparse gather, written once over [`Backend`](crate::backend::Backend) primitives (`alloc`,
+//! `copy`, and for coalescing, range checks and AVG the sparse primitives), so a device backend
+//! runs the same algorithm.
+//!
+//! - Plain: every replica's rows are copied, in world order, into a new allocation on every
+//!   replica; slices sharing an index buffer (plan's [`IndexGroup`]) gather their indices once.
+//! - Coalesced: each replica coalesces its slice locally, the coalesced slices are gathered onto
+//!   the root (replica 0) in world order and coalesced again there, and the result is copied to
+//!   every other replica. That moves `Σ unique_r + (N - 1) · unique` rows instead of
+//!   `N · Σ rows_r`, and every replica ends with the root's bytes.
+//!
+//! The outputs are built in fresh allocations and only replace the previous step's outputs when
+//! the whole `dpsync_allreduce_grads` succeeded (the context installs them).
+
+use std::collections::HashMap;
+
+use super::Executor;
+use crate::backend::{Allocation, Coalesced, SliceRef, ValuesRef};
+use crate::error::{Error, Result};
+use crate::plan::sparse::{world_offsets, IndexGroup};
+use crate::registry::sparse::SparseInput;
+use crate::types::ReduceOp;
+
+/// The root of the coalesced gather.
+const ROOT: usize = 0;
+
+/// One replica's part of a gathered slice; `None` when it has no rows (C sees NULL).
+type PerReplica = Vec<Option<Allocation>>;
+
+/// What the last successful gather did, for `dpsync_describe`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SparseStats {
+    pub coalesce: bool,
+    /// Index gathers run (one per [`IndexGroup`]).
+    pub index_gathers: usize,
+    /// Bytes moved by `copy` (between replicas and within one).
+    pub bytes_copied: usize,
+    pub gradients: Vec<GradientStats>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GradientStats {
+    pub name: String,
+    /// Rows each replica set.
+    pub rows_set: Vec<usize>,
+    /// Rows each replica contributed to the gather (after local coalescing).
+    pub rows_sent: Vec<usize>,
+    /// Rows of the gathered slice.
+    pub rows: usize,
+}
+
+struct GroupOutput {
+    rows: usize,
+    indices: PerReplica,
+}
+
+struct NameOutput {
+    group: usize,
+    values: PerReplica,
+}
+
+/// The gathered slices of one step, in library-owned memory on each replica.
+#[derive(Default)]
+pub struct SparseOutputs {
+    groups: Vec<GroupOutput>,
+    by_name: HashMap<String, NameOutput>,
+    /// Outputs of unregistered names: no longer reachable by name, but still valid memory until
+    /// the next step replaces everything (the contract's lifetime).
+    retired: Vec<NameOutput>,
+    pub stats: SparseStats,
+}
+
+impl SparseOutputs {
+    /// `(indices, values, rows)` of `name` on `replica`; addresses are 0 when `rows` is 0.
+    pub fn get(&self, name: &str, replica: usize) -> Option<(usize, usize, usize)> {
+        let out = self.by_name.get(name)?;
+        let group = &self.groups[out.group];
+        let ptr = |a: &PerReplica| a.get(replica)?.as_ref().map(Allocation::ptr);
+        Some((
+            ptr(&group.indices).unwrap_or(0),
+            ptr(&out.values).unwrap_or(0),
+            group.rows,
+        ))
+    }
+
+    /// Hides `name` (it was unregistered) while keeping its memory valid until the next step.
+    pub fn forget(&mut self, name: &str) {
+        if let Some(out) = self.by_name.remove(name) {
+            self.retired.push(out);
+        }
+    }
+}
+
+/// The gathered indices and each member's gathered values of one group.
+struct Gathered {
+    rows: usize,
+    indices: PerReplica,
+    values: Vec<PerReplica>,
+}
+
+/// The values arrays of `members` at `ptrs` (one per member), as the coalesce primitive takes them.
+fn values_refs(members: &[&SparseInput], ptrs: impl Iterator<Item = usize>) -> Vec<ValuesRef> {
+    members
+        .iter()
+        .zip(ptrs)
+        .map(|(m, ptr)| ValuesRef {
+            ptr,
+            dtype: m.spec.value_dtype,
+            row_len: m.spec.row_len,
+        })
+        .collect()
+}
+
+impl Executor {
+    /// Copies `bytes` (skipping empty copies, which need no valid pointer) and counts them.
+    unsafe fn copy_counted(
+        &self,
+        moved: &mut usize,
+        (src_replica, src): (usize, usize),
+        (dst_replica, dst): (usize, usize),
+        bytes: usize,
+    ) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        *moved += bytes;
+        self.backend.copy(src_replica, src, dst_replica, dst, bytes)
+    }
+
+    /// The validation that needs the replicas' memory: every index of a gradient registered
+    /// with `num_embeddings > 0` lies in `[0, num_embeddings)`. Reads only; runs before any
+    /// tensor is written. A group's shared indices are read once, against its tightest bound.
+    ///
+    /// # Safety
+    /// Every slice's indices are valid for its rows (the C contract).
+    pub unsafe fn check_sparse_indices(
+        &self,
+        inputs: &[SparseInput],
+        groups: &[IndexGroup],
+    ) -> Result<()> {
+        for group in groups {
+            let Some(tightest) = group
+                .members
+                .iter()
+                .map(|&m| &inputs[m])
+                .filter(|i| i.spec.num_embeddings > 0)
+                .min_by_key(|i| i.spec.num_embeddings)
+            else {
+                continue;
+            };
+            let bound = tightest.spec.num_embeddings as u64;
+            for (replica, slice) in tightest.slices.iter().enumerate() {
+                if slice.rows == 0 {
+                    continue;
+                }
+                let found = self.backend.find_index_out_of_range(
+                    replica,
+                    tightest.spec.index_dtype,
+                    slice.indices,
+                    slice.rows,
+                    bound,
+                )?;
+                if let Some((row, value)) = found {
+                    return Err(Error::inconsistent(format!(
+                        "sparse gradient '{}': index {value} at row {row} on replica {replica} \
+                         is outside [0, {bound}) (num_embeddings)",
+                        tightest.name
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Gathers every input (validated, index-checked) into new outputs; with `ReduceOp::Avg`
+    /// the gathered values are divided by `divisor`, so that scatter-adding them gives the mean.
+    ///
+    /// # Safety
+    /// Every slice's pointers are valid for its rows (the C contract).
+    pub unsafe fn gather_sparse(
+        &self,
+        inputs: &[SparseInput],
+        groups: &[IndexGroup],
+        coalesce: bool,
+        op: ReduceOp,
+        divisor: usize,
+    ) -> Result<SparseOutputs> {
+        let mut out = SparseOutputs {
+            stats: SparseStats {
+                coalesce,
+                index_gathers: groups.len(),
+                ..SparseStats::default()
+            },
+            ..SparseOutputs::default()
+        };
+        let mut gradient_stats: Vec<Option<GradientStats>> = vec![None; inputs.len()];
+        for group in groups {
+            let members: Vec<&SparseInput> = group.members.iter().map(|&m| &inputs[m]).collect();
+            let (gathered, rows_sent) = if coalesce {
+                self.gather_coalesced(&members, &mut out.stats.bytes_copied)?
+            } else {
+                let sent = members[0].slices.iter().map(|s| s.rows).collect();
+                (
+                    self.gather_plain(&members, &mut out.stats.bytes_copied)?,
+                    sent,
+                )
+            };
+            if op == ReduceOp::Avg && divisor > 1 {
+                for (input, values) in members.iter().zip(&gathered.values) {
+                    let count = gathered.rows * input.spec.row_len;
+                    for (replica, a) in values.iter().enumerate() {
+                        if let Some(a) = a {
+                            self.backend.divide(
+                                replica,
+                                input.spec.value_dtype,
+                                a.ptr(),
+                                count,
+                                divisor,
+                            )?;
+                        }
+                    }
+                }
+            }
+            let g = out.groups.len();
+            for ((&m, input), values) in group.members.iter().zip(&members).zip(gathered.values) {
+                out.by_name
+                    .insert(input.name.clone(), NameOutput { group: g, values });
+                gradient_stats[m] = Some(GradientStats {
+                    name: input.name.clone(),
+                    rows_set: input.slices.iter().map(|s| s.rows).collect(),
+                    rows_sent: rows_sent.clone(),
+                    rows: gathered.rows,
+                });
+            }
+            out.groups.push(GroupOutput {
+                rows: gathered.rows,
+                indices: gathered.indices,
+            });
+        }
+        out.stats.gradients = gradient_stats.into_iter().flatten().collect();
+        Ok(out)
+    }
+
+    /// Every replica's rows onto every replica, in world order.
+    unsafe fn gather_plain(&self, members: &[&SparseInput], moved: &mut usize) -> Result<Gathered> {
+        let first = members[0];
+        let rows: Vec<usize> = first.slices.iter().map(|s| s.rows).collect();
+        let (offsets, total) = world_offsets(rows.iter().copied());
+        let replicas = rows.len();
+        // Allocates `total` rows of `row_bytes` on every replica and copies each replica's part in.
+        let mut gather = |row_bytes: usize, src: &dyn Fn(usize) -> usize| -> Result<PerReplica> {
+            let mut outs = Vec::with_capacity(replicas);
+            for dst in 0..replicas {
+                if total == 0 {
+                    outs.push(None);
+                    continue;
+                }
+                let a = self.backend.alloc(dst, total * row_bytes)?;
+                for (r, (&n, &at)) in rows.iter().zip(&offsets).enumerate() {
+                    let to = a.ptr() + at * row_bytes;
+                    self.copy_counted(moved, (r, src(r)), (dst, to), n * row_bytes)?;
+                }
+                outs.push(Some(a));
+            }
+            Ok(outs)
+        };
+        let index_bytes = first.spec.index_dtype.size();
+        let indices = gather(index_bytes, &|r| first.slices[r].indices)?;
+        let mut values = Vec::with_capacity(members.len());
+        for m in members {
+            values.push(gather(m.spec.row_bytes(), &|r| m.slices[r].values)?);
+        }
+        Ok(Gathered {
+            rows: total,
+            indices,
+            values,
+        })
+    }
+
+    /// Coalesce locally, gather onto the root, coalesce there, copy the result to every replica.
+    /// Returns the rows each replica contributed as well.
+    unsafe fn gather_coalesced(
+        &self,
+        members: &[&SparseInput],
+        moved: &mut usize,
+    ) -> Result<(Gathered, Vec<usize>)> {
+        let first = members[0];
+        let index_dtype = first.spec.index_dtype;
+        let replicas = first.slices.len();
+        // Each replica's slice coalesced where it lives (None: no rows).
+        let mut local: Vec<Option<Coalesced>> = Vec::with_capacity(replicas);
+        for (r, slice) in first.slices.iter().enumerate() {
+            if slice.rows == 0 {
+                local.push(None);
+                continue;
+            }
+            let values = values_refs(members, members.iter().map(|m| m.slices[r].values));
+            let slice = SliceRef {
+                index_dtype,
+                indices: slice.indices,
+                rows: slice.rows,
+                values: &values,
+            };
+            local.push(Some(self.backend.coalesce(r, &slice)?));
+        }
+        let sent: Vec<usize> = local
+            .iter()
+            .map(|c| c.as_ref().map_or(0, |c| c.rows))
+            .collect();
+        let (offsets, total) = world_offsets(sent.iter().copied());
+        // One replica: its coalesced slice is the result. Otherwise gather onto the root.
+        let result: Option<Coalesced> = if replicas == 1 || total == 0 {
+            local.swap_remove(ROOT)
+        } else {
+            let index_bytes = index_dtype.size();
+            let indices = self.backend.alloc(ROOT, total * index_bytes)?;
+            let mut values = Vec::with_capacity(members.len());
+            for m in members {
+                values.push(self.backend.alloc(ROOT, total * m.spec.row_bytes())?);
+            }
+            for (r, part) in local.iter().enumerate() {
+                let Some(part) = part else { continue };
+                let at = offsets[r];
+                let to = indices.ptr() + at * index_bytes;
+                self.copy_counted(
+                    moved,
+                    (r, part.indices.ptr()),
+                    (ROOT, to),
+                    part.rows * index_bytes,
+                )?;
+                for ((m, src), dst) in members.iter().zip(&part.values).zip(&values) {
+                    let row = m.spec.row_bytes();
+                    let to = dst.ptr() + at * row;
+                    self.copy_counted(moved, (r, src.ptr()), (ROOT, to), part.rows * row)?;
+                }
+            }
+            drop(local);
+            let refs = values_refs(members, values.iter().map(Allocation::ptr));
+            let gathered = SliceRef {
+                index_dtype,
+                indices: indices.ptr(),
+                rows: total,
+                values: &refs,
+            };
+            Some(self.backend.coalesce(ROOT, &gathered)?)
+        };
+        let Some(result) = result.filter(|c| c.rows > 0) else {
+            let none = || (0..replicas).map(|_| None).collect::<PerReplica>();
+            let gathered = Gathered {
+                rows: 0,
+                indices: none(),
+                values: members.iter().map(|_| none()).collect(),
+            };
+            return Ok((gathered, sent));
+        };
+        // Copies of the root's result on every other replica.
+        let rows = result.rows;
+        let mut broadcast = |a: Allocation, bytes: usize| -> Result<PerReplica> {
+            let mut outs = Vec::with_capacity(replicas);
+            for dst in 0..replicas {
+                if dst == ROOT {
+                    outs.push(None);
+                    continue;
+                }
+                let copy = self.backend.alloc(dst, bytes)?;
+                self.copy_counted(moved, (ROOT, a.ptr()), (dst, copy.ptr()), bytes)?;
+                outs.push(Some(copy));
+            }
+            outs[ROOT] = Some(a);
+            Ok(outs)
+        };
+        let indices = broadcast(result.indices, rows * index_dtype.size())?;
+        let mut values = Vec::with_capacity(members.len());
+        for (m, a) in members.iter().zip(result.values) {
+            values.push(broadcast(a, rows * m.spec.row_bytes())?);
+        }
+        Ok((
+            Gathered {
+                rows,
+                indices,
+                values,
+            },
+            sent,
+        ))
+    }
+}

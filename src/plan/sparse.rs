@@ -1,0 +1,130 @@
+//! The sparse gather of one step as pure data: which slices share one index gather, where each
+//! replica's rows land in the gathered slice, and the JSON `describe` shows for sparse gradients.
+
+use std::collections::HashMap;
+
+use serde_json::{json, Value};
+
+use crate::registry::sparse::{SparseInput, SparseSpec};
+use crate::types::DType;
+
+/// Slices gathered together: the first member's indices are gathered once for all of them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IndexGroup {
+    /// Indices into the step's inputs, in registration order.
+    pub members: Vec<usize>,
+}
+
+/// Groups the step's inputs by index buffer: slices whose indices are the same buffer with the
+/// same row count on every replica (and the same index dtype) share one index gather, so the
+/// gathered indices are exactly as long as each member's gathered values. A buffer shared with
+/// different row counts on some replica is not the same indices and is gathered separately.
+pub fn index_groups(inputs: &[SparseInput]) -> Vec<IndexGroup> {
+    type Key = (DType, Vec<(usize, usize)>);
+    let mut groups: Vec<IndexGroup> = Vec::new();
+    let mut by_key: HashMap<Key, usize> = HashMap::new();
+    for (i, input) in inputs.iter().enumerate() {
+        let key = (
+            input.spec.index_dtype,
+            input.slices.iter().map(|s| (s.indices, s.rows)).collect(),
+        );
+        match by_key.get(&key) {
+            Some(&g) => groups[g].members.push(i),
+            None => {
+                by_key.insert(key, groups.len());
+                groups.push(IndexGroup { members: vec![i] });
+            }
+        }
+    }
+    groups
+}
+
+/// Row offsets of each replica's rows in the gathered slice (world order), and the total.
+pub fn world_offsets(rows: impl IntoIterator<Item = usize>) -> (Vec<usize>, usize) {
+    let mut total = 0;
+    let offsets = rows
+        .into_iter()
+        .map(|r| {
+            let at = total;
+            total += r;
+            at
+        })
+        .collect();
+    (offsets, total)
+}
+
+/// `describe`'s entry for one consistently registered sparse gradient.
+pub fn describe_sparse(name: &str, spec: &SparseSpec, coalesce: bool) -> Value {
+    json!({
+        "name": name,
+        "row_len": spec.row_len,
+        "value_dtype": spec.value_dtype.name(),
+        "index_dtype": spec.index_dtype.name(),
+        "num_embeddings": spec.num_embeddings,
+        "coalesce": coalesce,
+    })
+}
+
+/// `describe`'s summary of how sparse gradients are gathered on `replicas` replicas.
+pub fn describe_gather(replicas: usize, coalesce: bool) -> Value {
+    let order: Vec<usize> = (0..replicas).collect();
+    if coalesce {
+        json!({"coalesce": true, "order": order, "root": 0,
+               "program": "coalesce on every replica, gather to the root in world order, \
+                           coalesce there, copy the result to every replica"})
+    } else {
+        json!({"coalesce": false, "order": order,
+               "program": "copy every replica's rows to every replica in world order"})
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::sparse::SparseSlice;
+
+    fn input(name: &str, index_dtype: DType, slices: &[(usize, usize)]) -> SparseInput {
+        SparseInput {
+            name: name.to_owned(),
+            spec: SparseSpec {
+                row_len: 4,
+                value_dtype: DType::F32,
+                index_dtype,
+                num_embeddings: 0,
+            },
+            slices: slices
+                .iter()
+                .enumerate()
+                .map(|(r, &(indices, rows))| SparseSlice {
+                    indices,
+                    values: 0x10_0000 * (r + 1),
+                    rows,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn slices_sharing_an_index_buffer_on_every_replica_share_one_gather() {
+        let shared = [(0x100, 3), (0x200, 5)];
+        let inputs = [
+            input("a", DType::I64, &shared),
+            input("b", DType::I64, &[(0x100, 3), (0x300, 5)]),
+            input("c", DType::I64, &shared),
+            input("d", DType::I64, &[(0x100, 3), (0x200, 4)]), // same buffer, other length
+            input("e", DType::I32, &shared),
+            input("f", DType::I64, &shared),
+        ];
+        let groups: Vec<Vec<usize>> = index_groups(&inputs)
+            .into_iter()
+            .map(|g| g.members)
+            .collect();
+        assert_eq!(groups, vec![vec![0, 2, 5], vec![1], vec![3], vec![4]]);
+    }
+
+    #[test]
+    fn offsets_follow_world_order() {
+        assert_eq!(world_offsets([3, 0, 5, 1]), (vec![0, 3, 3, 8], 9));
+        assert_eq!(world_offsets([]), (vec![], 0));
+    }
+}
