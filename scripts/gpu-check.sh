@@ -75,7 +75,7 @@ run() {
   for t in "$BUNDLE"/tests/cuda-* "$BUNDLE"/tests/dpsync-* "$BUNDLE"/tests/collectives-* \
            "$BUNDLE"/tests/bad_input-*; do
     section "test binary $(basename "$t")"
-    if ! (cd "$(pwd)" && "$t" --test-threads=1 --nocapture) >>"$report" 2>&1; then
+    if ! "$t" --test-threads=1 --nocapture >>"$report" 2>&1; then
       failures=$((failures + 1)); echo "FAILED" >>"$report"
     fi
     endsection

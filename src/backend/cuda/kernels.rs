@@ -319,26 +319,12 @@ impl Kernels {
             (&mut avg as *mut i32).cast(),
             (&mut div as *mut f64).cast(),
         ];
-        let grid = self.grid(total, CHUNK);
-        // SAFETY: the parameters match the kernel's signature; the table and buffers are live
-        // device memory ordered on `stream`.
-        check(
-            unsafe {
-                sys::cuLaunchKernel(
-                    self.walk[slot(dtype)],
-                    grid,
-                    1,
-                    1,
-                    THREADS,
-                    1,
-                    1,
-                    0,
-                    stream,
-                    params.as_mut_ptr(),
-                    std::ptr::null_mut(),
-                )
-            },
-            "cuLaunchKernel(walk)",
+        self.launch(
+            self.walk[slot(dtype)],
+            self.grid(total, CHUNK),
+            stream,
+            &mut params,
+            "walk",
         )
     }
 
@@ -357,26 +343,41 @@ impl Kernels {
             (&mut src as *mut u64).cast(),
             (&mut n64 as *mut u64).cast(),
         ];
-        let grid = self.grid(n, THREADS as usize * ITEMS as usize);
-        // SAFETY: as in walk.
-        check(
-            unsafe {
-                sys::cuLaunchKernel(
-                    self.add[slot(dtype)],
-                    grid,
-                    1,
-                    1,
-                    THREADS,
-                    1,
-                    1,
-                    0,
-                    stream,
-                    params.as_mut_ptr(),
-                    std::ptr::null_mut(),
-                )
-            },
-            "cuLaunchKernel(add)",
-        )
+        let grid = self.grid(n, CHUNK);
+        self.launch(self.add[slot(dtype)], grid, stream, &mut params, "add")
+    }
+
+    /// One launch of `THREADS`-thread blocks on `stream` (the context is current).
+    fn launch(
+        &self,
+        f: sys::CUfunction,
+        grid: u32,
+        stream: sys::CUstream,
+        params: &mut [*mut std::ffi::c_void],
+        name: &str,
+    ) -> Result<()> {
+        // SAFETY: the callers build `params` to match the kernel's signature; the buffers they
+        // point at are live device memory ordered on `stream`.
+        let result = unsafe {
+            sys::cuLaunchKernel(
+                f,
+                grid,
+                1,
+                1,
+                THREADS,
+                1,
+                1,
+                0,
+                stream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        };
+        // The message is only formatted on failure: launches are on the hot path.
+        if result == sys::CUresult::CUDA_SUCCESS {
+            return Ok(());
+        }
+        check(result, &format!("cuLaunchKernel({name})"))
     }
 }
 

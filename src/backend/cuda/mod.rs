@@ -405,10 +405,6 @@ impl CudaBackend {
         }
     }
 
-    fn element_bytes(dtype: DType, n: usize) -> usize {
-        dtype.size() * n
-    }
-
     /// The cross-device part of a bucket on the fusion buffers.
     fn exchange(
         &self,
@@ -418,7 +414,7 @@ impl CudaBackend {
         steps: &[Step],
         issued: Instant,
     ) -> Result<()> {
-        let bytes = Self::element_bytes(dtype, total);
+        let bytes = dtype.size() * total;
         if self.transport == TransportChoice::Nccl {
             let comms = self.comms(issued)?;
             let streams: Vec<sys::CUstream> = self.groups.iter().map(|g| g.stream.0).collect();
@@ -657,7 +653,7 @@ impl Backend for CudaBackend {
             );
         }
         let issued = Instant::now();
-        let bytes = Self::element_bytes(dtype, total);
+        let bytes = dtype.size() * total;
         let mut fusion = Vec::with_capacity(self.groups.len());
         let mut tables = Vec::with_capacity(self.groups.len());
         for g in &self.groups {
@@ -797,7 +793,6 @@ impl Drop for CudaBackend {
                 std::mem::forget(scratch);
             } else {
                 let _ = self.sync_group(g);
-                g.scratch.lock().tables.clear();
                 *g.scratch.lock() = Scratch::default();
             }
         }
