@@ -32,3 +32,36 @@ build_examples() {
   cmake -S examples_c -B build/examples -DCMAKE_BUILD_TYPE=Release >/dev/null
   cmake --build build/examples -j "$(nproc)"
 }
+
+# NVRTC and ptxas from NVIDIA's pip wheels (CUDA 13.0, the GPU machine's driver level), for the
+# offline kernel compile check: the CUDA kernels are compiled and assembled on every run, GPU or
+# not. Cached in target/cuda-tools; without network the check prints "skipped".
+cuda_tools() {
+  local dir=target/cuda-tools
+  local lib=$dir/nvidia/cu13/lib/libnvrtc.so.13 ptxas=$dir/nvidia/cu13/bin/ptxas
+  if [ ! -f "$lib" ] || [ ! -x "$ptxas" ]; then
+    step "fetching NVRTC and ptxas (pip wheels nvidia-cuda-nvrtc, nvidia-cuda-nvcc 13.0)"
+    rm -rf "$dir" && mkdir -p "$dir/wheels"
+    if python3 -m pip download -q --no-deps --dest "$dir/wheels" \
+      "nvidia-cuda-nvrtc==13.0.*" "nvidia-cuda-nvcc==13.0.*"; then
+      python3 - "$dir" <<'PY'
+import pathlib, sys, zipfile
+out = pathlib.Path(sys.argv[1])
+for wheel in (out / "wheels").glob("*.whl"):
+    with zipfile.ZipFile(wheel) as z:
+        for name in z.namelist():
+            if name.startswith("nvidia/cu13/lib/libnvrtc") or name == "nvidia/cu13/bin/ptxas":
+                z.extract(name, out)
+PY
+      chmod +x "$ptxas"
+    else
+      echo "warning: could not fetch the wheels; the offline kernel compile check will be skipped"
+    fi
+    rm -rf "$dir/wheels"
+  fi
+  if [ -f "$lib" ]; then
+    export DPSYNC_NVRTC_LIBRARY="$PWD/$lib"
+    export LD_LIBRARY_PATH="$PWD/$(dirname "$lib")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  fi
+  if [ -x "$ptxas" ]; then export DPSYNC_PTXAS="$PWD/$ptxas"; fi
+}

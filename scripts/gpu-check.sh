@@ -40,7 +40,7 @@ for line in sys.stdin:
   cp -r benches/data "$BUNDLE/data"
   cp -r tests/python "$BUNDLE/python"
   # Only what the GPU run uses, without debug info: the device tool carries at most 64 MiB.
-  rm -f "$BUNDLE"/tests/{checkpoint,equivalence,header,host_threads}-* "$BUNDLE"/benches/host_allreduce-*
+  rm -f "$BUNDLE"/tests/{checkpoint,equivalence,header,host_threads,bmuf,sparse}-* "$BUNDLE"/benches/host_allreduce-*
   strip "$BUNDLE"/tests/* "$BUNDLE"/benches/* "$BUNDLE"/libdpsync.so "$BUNDLE"/cuda_train \
     "$BUNDLE"/train_dense "$BUNDLE"/checkpoint_sync
   du -sh "$BUNDLE"; ls -la "$BUNDLE" "$BUNDLE/tests" "$BUNDLE/benches"
@@ -57,7 +57,7 @@ run() {
   [ -n "${DPSYNC_NCCL_LIBRARY:-}" ] || export DPSYNC_NCCL_LIBRARY="$nccl"
   [ -n "${DPSYNC_NVRTC_LIBRARY:-}" ] || export DPSYNC_NVRTC_LIBRARY="$nvrtc"
   [ -n "$nvrtc" ] && export LD_LIBRARY_PATH="$(dirname "$nvrtc"):${LD_LIBRARY_PATH:-}"
-  export LD_LIBRARY_PATH="$BUNDLE:${LD_LIBRARY_PATH:-}"
+  export LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}"
   local failures=0
   {
     echo "# dpsync GPU check, $(date -u +%Y-%m-%dT%H:%MZ)"
@@ -66,20 +66,28 @@ run() {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
     echo "NCCL library: ${DPSYNC_NCCL_LIBRARY:-none}"
     echo "NVRTC library: ${DPSYNC_NVRTC_LIBRARY:-none}"
+    python3 -c 'import ctypes, os; l = ctypes.CDLL(os.environ["DPSYNC_NCCL_LIBRARY"]); v = ctypes.c_int(); l.ncclGetVersion(ctypes.byref(v)); print("NCCL version code:", v.value)' 2>&1 || true
     echo '```'
   } >"$report"
   section() { printf '\n## %s\n\n```\n' "$1" >>"$report"; }
   endsection() { printf '```\n' >>"$report"; }
   # The GPU tests, the library's unit tests and the host collectives (tests that read source
   # files by their build-time path are left to CI).
-  for t in "$BUNDLE"/tests/cuda-* "$BUNDLE"/tests/dpsync-* "$BUNDLE"/tests/collectives-* \
-           "$BUNDLE"/tests/bad_input-*; do
+  for t in "$BUNDLE"/tests/cuda-* "$BUNDLE"/tests/cuda_bmuf-* "$BUNDLE"/tests/cuda_sparse-* \
+           "$BUNDLE"/tests/dpsync-* "$BUNDLE"/tests/collectives-* "$BUNDLE"/tests/bad_input-*; do
     section "test binary $(basename "$t")"
     if ! "$t" --test-threads=1 --nocapture >>"$report" 2>&1; then
       failures=$((failures + 1)); echo "FAILED" >>"$report"
     fi
     endsection
   done
+  # Two NCCL ranks on the one GPU: informative (needs NCCL >= 2.30), not counted as a failure.
+  section "two NCCL ranks on one GPU (DPSYNC_NCCL_RANK_PER_REPLICA=1 NCCL_MULTI_RANK_GPU_ENABLE=1)"
+  for t in "$BUNDLE"/tests/cuda-*; do
+    DPSYNC_NCCL_RANK_PER_REPLICA=1 NCCL_MULTI_RANK_GPU_ENABLE=1 \
+      "$t" two_nccl_ranks --test-threads=1 --nocapture >>"$report" 2>&1 || echo "FAILED (informative)" >>"$report"
+  done
+  endsection
   for args in "--gpus 0,0,0,0" "--gpus 0,0 --transport peer_copy" "--gpus 0 --transport nccl"; do
     section "cuda_train $args"
     # shellcheck disable=SC2086
@@ -93,6 +101,9 @@ run() {
   for b in "$BUNDLE"/benches/cuda_allreduce-*; do
     section "benchmark $(basename "$b")"
     "$b" >>"$report" 2>&1 || failures=$((failures + 1))
+    endsection
+    section "benchmark $(basename "$b"), raw NCCL baseline with two ranks on one GPU"
+    NCCL_MULTI_RANK_GPU_ENABLE=1 "$b" >>"$report" 2>&1 || echo "FAILED (informative)" >>"$report"
     endsection
   done
   printf '\n%d failing sections\n' "$failures" >>"$report"

@@ -11,7 +11,8 @@ cargo clippy --release --all-targets -- -D warnings
 
 build_library
 
-step "cargo test (unit, FFI integration, header freshness)"
+cuda_tools
+step "cargo test (unit, FFI integration, header freshness, offline CUDA kernel compile)"
 cargo test --release
 
 step "Python ctypes smoke test"

@@ -175,13 +175,22 @@ impl Context {
         snapshot.select(Role::Grad.into())?;
         // Sparse slices are checked and gathered into new library-owned outputs first: a bad
         // slice then fails the call before any dense gradient is written.
-        let sparse = self.gather_sparse(op)?;
+        // On CUDA replicas both run as one collective, in stream order.
         let tensors: Vec<&TensorView> = snapshot.tensors.iter().collect();
-        // SAFETY: registered memory stays valid while registered (the C contract).
-        unsafe {
-            self.executor
-                .allreduce_buckets(&plan.buckets, &tensors, op, self.divisor(), &plan)?;
-        }
+        let sparse = self.executor.bracket(|| {
+            let sparse = self.gather_sparse(op)?;
+            // SAFETY: registered memory stays valid while registered (the C contract).
+            unsafe {
+                self.executor.allreduce_buckets(
+                    &plan.buckets,
+                    &tensors,
+                    op,
+                    self.divisor(),
+                    &plan,
+                )?;
+            }
+            Ok(sparse)
+        })?;
         self.install_sparse(sparse);
         Ok(())
     }

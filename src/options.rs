@@ -25,6 +25,12 @@ pub struct Options {
     pub peer_access: Option<Vec<u8>>,
     /// Coalesce sparse gradients (each replica's slice before the gather, the result after).
     pub sparse_coalesce: bool,
+    /// With transport NCCL: one NCCL rank per replica even where replicas share a GPU, instead
+    /// of summing them on the GPU first. Only an NCCL that allows several ranks per GPU accepts
+    /// it (`NCCL_MULTI_RANK_GPU_ENABLE=1`, NCCL >= 2.30); it exists to exercise multi-rank
+    /// communicators on a one-GPU machine. From `DPSYNC_NCCL_RANK_PER_REPLICA=1` when the
+    /// options are created.
+    pub nccl_rank_per_replica: bool,
 }
 
 impl Default for Options {
@@ -36,6 +42,8 @@ impl Default for Options {
             timeout_ms: 0,
             peer_access: None,
             sparse_coalesce: false,
+            nccl_rank_per_replica: std::env::var("DPSYNC_NCCL_RANK_PER_REPLICA")
+                .is_ok_and(|v| matches!(v.trim(), "1" | "true" | "yes")),
         }
     }
 }

@@ -37,6 +37,11 @@ impl DType {
         }
     }
 
+    /// Floating-point (f32, f64, f16, bf16), as opposed to the integer types.
+    pub fn is_float(self) -> bool {
+        !matches!(self, DType::I32 | DType::I64)
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             DType::F32 => "f32",

@@ -6,82 +6,11 @@
 
 mod common;
 
-use std::sync::Arc;
-
+use common::gpu::*;
 use common::*;
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
 use dpsync::*;
 use half::{bf16, f16};
-
-fn gpu() -> Arc<CudaContext> {
-    CudaContext::new(0).expect("a context on GPU 0 (dpsync found one)")
-}
-
-const SPIN: &str = r#"
-extern "C" __global__ void spin_then_fill(float* out, unsigned long long n, float value,
-                                          long long cycles) {
-  long long start = clock64();
-  while (clock64() - start < cycles) { }
-  for (unsigned long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
-       i += (unsigned long long)gridDim.x * blockDim.x) out[i] = value;
-}
-extern "C" __global__ void copy_out(const float* in, float* out, unsigned long long n) {
-  for (unsigned long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
-       i += (unsigned long long)gridDim.x * blockDim.x) out[i] = in[i];
-}
-"#;
-
-struct Spin {
-    fill: cudarc::driver::CudaFunction,
-    copy: cudarc::driver::CudaFunction,
-}
-
-fn spin_kernels(ctx: &Arc<CudaContext>) -> Spin {
-    let ptx = cudarc::nvrtc::compile_ptx(SPIN).expect("NVRTC compiles the test kernels");
-    let module = ctx.load_module(ptx).expect("load test kernels");
-    Spin {
-        fill: module.load_function("spin_then_fill").unwrap(),
-        copy: module.load_function("copy_out").unwrap(),
-    }
-}
-
-fn dptr<T>(stream: &Arc<CudaStream>, s: &CudaSlice<T>) -> usize {
-    use cudarc::driver::DevicePtr;
-    let (p, _sync) = s.device_ptr(stream);
-    p as usize
-}
-
-fn register_device(
-    ctx: &Context,
-    name: &str,
-    role: u32,
-    replica: usize,
-    ptr: usize,
-    n: usize,
-    dtype: u32,
-) {
-    let st = register_raw(
-        ctx.0,
-        name,
-        role,
-        replica,
-        ptr as *mut std::ffi::c_void,
-        n,
-        dtype,
-    );
-    check(st, &format!("register '{name}' on replica {replica}"));
-}
-
-fn set_stream(ctx: &Context, replica: usize, stream: &Arc<CudaStream>) {
-    // SAFETY: a live context and stream.
-    let st = unsafe { dpsync_set_stream(ctx.0, replica, stream.cu_stream() as *mut _) };
-    check(st, "dpsync_set_stream");
-}
-
-fn synchronize(ctx: &Context) -> dpsync_status {
-    // SAFETY: a live context.
-    unsafe { dpsync_synchronize(ctx.0) }
-}
 
 /// Values replica r holds at element i: small integers, exact in every dtype.
 fn value(r: usize, i: usize) -> f64 {
@@ -381,4 +310,32 @@ fn set_stream_checks_its_arguments() {
             "legacy stream",
         );
     }
+}
+
+/// Two NCCL ranks on the one GPU: runs only with DPSYNC_NCCL_RANK_PER_REPLICA=1 (read when
+/// options are created), which needs an NCCL that allows several ranks per GPU
+/// (NCCL_MULTI_RANK_GPU_ENABLE=1, NCCL >= 2.30). scripts/gpu-check.sh runs it that way.
+#[test]
+fn two_nccl_ranks_on_one_gpu_when_enabled() {
+    if std::env::var("DPSYNC_NCCL_RANK_PER_REPLICA").as_deref() != Ok("1") {
+        eprintln!(
+            "two_nccl_ranks_on_one_gpu_when_enabled: skipped: set DPSYNC_NCCL_RANK_PER_REPLICA=1 \
+             (and NCCL_MULTI_RANK_GPU_ENABLE=1 on NCCL >= 2.30) to run it"
+        );
+        return;
+    }
+    let Some(ctx) = cuda_context("two NCCL ranks", &[0, 0], |o| o.set_transport(T_NCCL)) else {
+        return;
+    };
+    let plan = ctx.describe_json();
+    let ranks = plan["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["op"] == "nccl_allreduce")
+        .count();
+    assert_eq!(ranks, 2, "one NCCL rank per replica: {plan}");
+    // Its contexts get the same two-rank plan (the variable is read per options).
+    assert!(allreduce_case::<f32>(&[0, 0], T_NCCL, 1 << 20));
+    assert!(allreduce_case::<B16>(&[0, 0], T_NCCL, 12345));
 }

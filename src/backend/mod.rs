@@ -13,7 +13,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::plan::Step;
 use crate::types::{DType, Memory, ReduceOp};
 
-pub use sparse::{Coalesced, SliceRef, ValuesRef};
+pub use sparse::{coalescing_order, Coalesced, IndexCheck, SliceRef, ValuesRef};
 
 /// One tensor's elements on every replica: `ptrs[r]` is replica r's first element.
 #[derive(Clone, Copy, Debug)]
@@ -118,6 +118,12 @@ pub trait Backend: Send {
     /// `bytes` zero-filled bytes of library-owned memory on `replica`.
     fn alloc(&self, replica: usize, bytes: usize) -> Result<Allocation>;
 
+    /// Frees library memory that work already issued may still read: a stream-ordered backend
+    /// keeps it until that work has completed. The host backend frees it now.
+    fn retire(&self, allocation: Allocation) {
+        drop(allocation);
+    }
+
     /// Copies `bytes` from `src` on replica `src_replica` to `dst` on replica `dst_replica`.
     ///
     /// # Safety
@@ -173,21 +179,15 @@ pub trait Backend: Send {
         Err(bmuf_unavailable(self.name()))
     }
 
-    /// Sparse gradients: the first row `i` of `rows` indices of `dtype` (I32 or I64) at `indices`
-    /// on `replica` whose value is outside `[0, bound)`, as `(i, value)`; `None` if all are in
-    /// range. Reads only. A device backend may run a kernel and read back the answer.
+    /// Sparse gradients: checks that every index of `check` is in `[0, bound)`; reads only.
+    /// A host backend answers now, with [`IndexCheck::error`] for the first index out of range.
+    /// A stream-ordered backend may instead run the check on the device inside the current
+    /// collective and report that same error from [`Backend::synchronize`].
     ///
     /// # Safety
-    /// `indices` is valid for `rows` aligned elements of `dtype` on `replica`.
-    unsafe fn find_index_out_of_range(
-        &self,
-        replica: usize,
-        dtype: DType,
-        indices: usize,
-        rows: usize,
-        bound: u64,
-    ) -> Result<Option<(usize, i64)>> {
-        let _ = (replica, dtype, indices, rows, bound);
+    /// `check.indices` is valid for `rows` aligned elements of its dtype on its replica.
+    unsafe fn check_indices(&self, check: &IndexCheck<'_>) -> Result<()> {
+        let _ = check;
         Err(Error::new(
             ErrorKind::Unavailable,
             format!(

@@ -1,8 +1,53 @@
 //! Argument and result types of the sparse-gradient primitives ([`super::Backend::coalesce`],
-//! [`super::Backend::find_index_out_of_range`], [`super::Backend::divide`]).
+//! [`super::Backend::check_indices`], [`super::Backend::divide`]), and the coalescing order
+//! that every backend shares.
 
 use super::Allocation;
+use crate::error::Error;
 use crate::types::DType;
+
+/// One range check: every one of `rows` indices of `dtype` (I32 or I64) at `indices` on
+/// `replica` must lie in `[0, bound)`. `tensor` names the sparse gradient in the error.
+#[derive(Clone, Copy, Debug)]
+pub struct IndexCheck<'a> {
+    pub tensor: &'a str,
+    pub replica: usize,
+    pub dtype: DType,
+    pub indices: usize,
+    pub rows: usize,
+    pub bound: u64,
+}
+
+impl IndexCheck<'_> {
+    /// INCONSISTENT: index `value` at `row` is out of range (the same text on every backend).
+    pub fn error(&self, row: usize, value: i64) -> Error {
+        Error::inconsistent(format!(
+            "sparse gradient '{}': index {value} at row {row} on replica {} is outside [0, {}) \
+             (num_embeddings)",
+            self.tensor, self.replica, self.bound
+        ))
+    }
+}
+
+/// How to coalesce `keys` (a slice's indices, widened): the unique keys ascending; `positions`,
+/// the input rows sorted by (key, position); and `bounds`, where run k of equal keys is
+/// `positions[bounds[k]..bounds[k + 1]]`. Equal keys keep input order, so every run is summed
+/// in world order whatever the sort algorithm, and every backend gives the same bytes.
+pub fn coalescing_order(keys: &[i64]) -> (Vec<i64>, Vec<usize>, Vec<usize>) {
+    let mut order: Vec<(i64, usize)> = keys.iter().copied().zip(0..).collect();
+    order.sort_unstable();
+    let positions: Vec<usize> = order.iter().map(|&(_, p)| p).collect();
+    let mut unique: Vec<i64> = Vec::new();
+    let mut bounds: Vec<usize> = Vec::new();
+    for (k, &(key, _)) in order.iter().enumerate() {
+        if unique.last() != Some(&key) {
+            unique.push(key);
+            bounds.push(k);
+        }
+    }
+    bounds.push(order.len());
+    (unique, positions, bounds)
+}
 
 /// One values array of a sparse slice: `rows × row_len` elements of `dtype` at `ptr`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -10,7 +10,7 @@ use crate::exec::{SparseOutputs, SparseStats};
 use crate::options::Options;
 use crate::plan::sparse::{describe_gather, describe_sparse, index_groups};
 use crate::registry::sparse::{SparseRegistry, SparseSlice, SparseSpec};
-use crate::types::{Device, ReduceOp};
+use crate::types::{Device, Memory, ReduceOp};
 
 impl Context {
     /// A dense registration may not take a sparse gradient's name (unregister would not know
@@ -43,16 +43,6 @@ impl Context {
 
     pub fn register_sparse(&mut self, name: &str, replica: usize, spec: SparseSpec) -> Result<()> {
         self.check_replica(replica, "replica")?;
-        if let Device::Cuda(ordinal) = self.topology.devices[replica] {
-            // The gather primitives have no stream-ordered CUDA implementation yet.
-            return Err(Error::new(
-                ErrorKind::Unavailable,
-                format!(
-                    "sparse gradient '{name}': replica {replica} is on cuda:{ordinal}, and sparse \
-                     gradients on CUDA replicas are not implemented yet (host replicas only)"
-                ),
-            ));
-        }
         if self.registry.contains(name) {
             return Err(Error::new(
                 ErrorKind::Conflict,
@@ -68,6 +58,24 @@ impl Context {
     pub fn sparse_set(&mut self, name: &str, replica: usize, slice: SparseSlice) -> Result<()> {
         self.check_replica(replica, "replica")?;
         self.check_sparse_name(name)?;
+        if let Device::Cuda(ordinal) = self.topology.devices[replica] {
+            // The gather, range check and coalescing run on the device, in stream order.
+            for (what, ptr) in [("indices", slice.indices), ("values", slice.values)] {
+                if slice.rows == 0 || ptr == 0 {
+                    continue; // the registry reports NULL with rows > 0
+                }
+                let memory = self.executor.memory_of(replica, ptr).map_err(|e| {
+                    Error::new(e.kind, format!("sparse gradient '{name}': {}", e.message))
+                })?;
+                if memory != Memory::Device {
+                    return Err(Error::invalid(format!(
+                        "sparse gradient '{name}': {what} on replica {replica} are in host \
+                         memory; slices of a CUDA replica must be in its device's memory \
+                         (cuda:{ordinal})"
+                    )));
+                }
+            }
+        }
         self.sparse.set(name, replica, slice)
     }
 
@@ -120,7 +128,8 @@ impl Context {
 
     /// The step succeeded: its outputs replace the previous ones and its slices are consumed.
     pub(super) fn install_sparse(&mut self, outputs: SparseOutputs) {
-        self.sparse_out = outputs;
+        let old = std::mem::replace(&mut self.sparse_out, outputs);
+        self.executor.retire_outputs(old);
         self.sparse.consume_slices();
     }
 }

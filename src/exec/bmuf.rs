@@ -202,11 +202,13 @@ impl Executor {
         for bucket in &buckets {
             let size = bmuf_state_dtype(bucket.dtype).map_or(0, |s| s.size());
             let bytes = bucket.elements * size;
+            // The state lives where the params do (host params of a CUDA replica: host memory).
+            let backend = self.backend_for(bucket.memory);
             let per_replica = (0..replicas)
                 .map(|r| {
                     Ok(ReplicaState {
-                        w: self.backend.alloc(r, bytes)?,
-                        d: self.backend.alloc(r, bytes)?,
+                        w: backend.alloc(r, bytes)?,
+                        d: backend.alloc(r, bytes)?,
                     })
                 })
                 .collect::<Result<Vec<_>>>()?;
@@ -219,20 +221,27 @@ impl Executor {
             buckets,
             state,
         };
-        // Replica 0 first: the broadcast does not change its params, and a backend without the
-        // BMUF primitives fails here, before any PARAM byte has changed.
-        self.bmuf_load(&bmuf, 0)?;
-        self.broadcast(params, 0, fusion_bytes)?;
-        for r in 1..replicas {
-            self.bmuf_load(&bmuf, r)?;
-        }
+        // One collective in stream order. Replica 0 first: the broadcast does not change its
+        // params, and a backend without the BMUF primitives fails here, before any PARAM byte
+        // has changed.
+        self.bracket(|| {
+            self.bmuf_load(&bmuf, 0)?;
+            self.broadcast(params, 0, fusion_bytes)?;
+            for r in 1..replicas {
+                self.bmuf_load(&bmuf, r)?;
+            }
+            Ok(())
+        })?;
         Ok(bmuf)
     }
 
     unsafe fn bmuf_load(&self, bmuf: &BmufState, replica: usize) -> Result<()> {
         for (b, bucket) in bmuf.buckets.iter().enumerate() {
-            self.backend
-                .bmuf_load(replica, bucket.dtype, &bmuf.spans(b, replica))?;
+            self.backend_for(bucket.memory).bmuf_load(
+                replica,
+                bucket.dtype,
+                &bmuf.spans(b, replica),
+            )?;
         }
         Ok(())
     }
@@ -245,20 +254,24 @@ impl Executor {
     /// ([`BmufState::check_params`]).
     pub unsafe fn bmuf_step(&self, bmuf: &BmufState, divisor: usize, plan: &Plan) -> Result<()> {
         let tensors: Vec<&TensorView> = bmuf.params.iter().collect();
-        for (b, bucket) in bmuf.buckets.iter().enumerate() {
-            self.allreduce_buckets(
-                std::slice::from_ref(bucket),
-                &tensors,
-                ReduceOp::Avg,
-                divisor,
-                plan,
-            )?;
-            for r in 0..bmuf.replicas() {
-                self.backend
-                    .bmuf_update(r, bucket.dtype, &bmuf.spans(b, r), &bmuf.filter)?;
+        // One collective: on CUDA each bucket's update kernels follow its averaging in stream
+        // order, and the callers' streams wait for the last of them.
+        self.bracket(|| {
+            for (b, bucket) in bmuf.buckets.iter().enumerate() {
+                self.allreduce_buckets(
+                    std::slice::from_ref(bucket),
+                    &tensors,
+                    ReduceOp::Avg,
+                    divisor,
+                    plan,
+                )?;
+                let backend = self.backend_for(bucket.memory);
+                for r in 0..bmuf.replicas() {
+                    backend.bmuf_update(r, bucket.dtype, &bmuf.spans(b, r), &bmuf.filter)?;
+                }
             }
-        }
-        Ok(())
+            Ok(())
+        })
     }
 }
 
@@ -312,7 +325,8 @@ mod tests {
             role: Role::Param,
             dtype: crate::types::DType::F32,
             count: 8,
-            memory: crate::types::Memory::Host,
+            // "Device" memory of the test backend (host memory would go to the host backend).
+            memory: crate::types::Memory::Device,
             ptrs: replicas
                 .iter_mut()
                 .map(|r| r.as_mut_ptr() as usize)

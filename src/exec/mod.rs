@@ -17,11 +17,24 @@ use crate::plan::{plan_buckets, Bucket, Plan};
 use crate::registry::TensorView;
 use crate::types::{Memory, ReduceOp};
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 pub struct Executor {
     /// The backend of the replicas' own memory.
     backend: Box<dyn Backend>,
     /// Host-memory tensors on device replicas; `None` when `backend` is already the host's.
     host: Option<HostBackend>,
+    /// Open `begin`/`end` brackets (0 or 1): work inside an open one needs no bracket of its own.
+    depth: AtomicUsize,
+}
+
+/// Closes the depth count of a bracket even if its work unwinds.
+struct Depth<'a>(&'a AtomicUsize);
+
+impl Drop for Depth<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 fn view<'a>(bucket: &Bucket, tensors: &[&'a TensorView]) -> BucketView<'a> {
@@ -54,10 +67,12 @@ impl Executor {
             Some(backend) => Executor {
                 backend,
                 host: Some(HostBackend::new()),
+                depth: AtomicUsize::new(0),
             },
             None => Executor {
                 backend: Box::new(HostBackend::new()),
                 host: None,
+                depth: AtomicUsize::new(0),
             },
         }
     }
@@ -78,25 +93,42 @@ impl Executor {
         self.backend.set_stream(replica, stream)
     }
 
-    fn backend_for(&self, memory: Memory) -> &dyn Backend {
-        match (memory, &self.host) {
-            (Memory::Host, Some(host)) => host,
-            _ => self.backend.as_ref(),
-        }
-    }
-
     /// Runs `work` between the backend's `begin` and `end` when it touches device memory, so
-    /// that it is ordered with the callers' streams; host work needs no bracket.
+    /// that it is ordered with the callers' streams; host work needs no bracket, and neither
+    /// does work inside an open one ([`Executor::bracket`]).
     fn collective(&self, buckets: &[Bucket], work: impl FnOnce() -> Result<()>) -> Result<()> {
         let device = self.host.is_some() && buckets.iter().any(|b| b.memory == Memory::Device);
         if !device {
             return work();
         }
+        self.bracket(work)
+    }
+
+    /// Runs `work` as one collective of a device context: the backend's `begin` before it,
+    /// `end` after it (even after a failure: the callers' streams must not wait forever). The
+    /// collectives `work` issues join this bracket. Host contexts run `work` as it is.
+    pub fn bracket<T>(&self, work: impl FnOnce() -> Result<T>) -> Result<T> {
+        if self.host.is_none() || self.depth.load(Ordering::Relaxed) > 0 {
+            return work();
+        }
         self.backend.begin()?;
-        let result = work();
-        // Close the bracket even after a failure: the callers' streams must not wait forever.
+        self.depth.fetch_add(1, Ordering::Relaxed);
+        let result = {
+            let _depth = Depth(&self.depth);
+            work()
+        };
         let closed = self.backend.end();
-        result.and(closed)
+        let value = result?;
+        closed?;
+        Ok(value)
+    }
+
+    /// The backend for memory of `memory`'s kind.
+    fn backend_for(&self, memory: Memory) -> &dyn Backend {
+        match (memory, &self.host) {
+            (Memory::Host, Some(host)) => host,
+            _ => self.backend.as_ref(),
+        }
     }
 
     /// Reduces `buckets` (indices into `tensors`) in order, by the plan's programs.

@@ -15,8 +15,8 @@
 use std::collections::HashMap;
 
 use super::Executor;
-use crate::backend::{Allocation, Coalesced, SliceRef, ValuesRef};
-use crate::error::{Error, Result};
+use crate::backend::{Allocation, Coalesced, IndexCheck, SliceRef, ValuesRef};
+use crate::error::Result;
 use crate::plan::sparse::{world_offsets, IndexGroup};
 use crate::registry::sparse::SparseInput;
 use crate::types::ReduceOp;
@@ -83,6 +83,17 @@ impl SparseOutputs {
         ))
     }
 
+    fn into_allocations(self) -> Vec<Allocation> {
+        let mut out = Vec::new();
+        for g in self.groups {
+            out.extend(g.indices.into_iter().flatten());
+        }
+        for n in self.by_name.into_values().chain(self.retired) {
+            out.extend(n.values.into_iter().flatten());
+        }
+        out
+    }
+
     /// Hides `name` (it was unregistered) while keeping its memory valid until the next step.
     pub fn forget(&mut self, name: &str) {
         if let Some(out) = self.by_name.remove(name) {
@@ -112,6 +123,19 @@ fn values_refs(members: &[&SparseInput], ptrs: impl Iterator<Item = usize>) -> V
 }
 
 impl Executor {
+    fn retire_coalesced(&self, c: Coalesced) {
+        self.backend.retire(c.indices);
+        c.values.into_iter().for_each(|v| self.backend.retire(v));
+    }
+
+    /// Hands every allocation of `outputs` to the backend to free once the work issued so far
+    /// (a framework's kernels reading last step's slices, on its stream) has completed.
+    pub fn retire_outputs(&self, outputs: SparseOutputs) {
+        for a in outputs.into_allocations() {
+            self.backend.retire(a);
+        }
+    }
+
     /// Copies `bytes` (skipping empty copies, which need no valid pointer) and counts them.
     unsafe fn copy_counted(
         &self,
@@ -130,6 +154,7 @@ impl Executor {
     /// The validation that needs the replicas' memory: every index of a gradient registered
     /// with `num_embeddings > 0` lies in `[0, num_embeddings)`. Reads only; runs before any
     /// tensor is written. A group's shared indices are read once, against its tightest bound.
+    /// (A device backend may defer the answer to `synchronize`: `Backend::check_indices`.)
     ///
     /// # Safety
     /// Every slice's indices are valid for its rows (the C contract).
@@ -153,20 +178,14 @@ impl Executor {
                 if slice.rows == 0 {
                     continue;
                 }
-                let found = self.backend.find_index_out_of_range(
+                self.backend.check_indices(&IndexCheck {
+                    tensor: &tightest.name,
                     replica,
-                    tightest.spec.index_dtype,
-                    slice.indices,
-                    slice.rows,
+                    dtype: tightest.spec.index_dtype,
+                    indices: slice.indices,
+                    rows: slice.rows,
                     bound,
-                )?;
-                if let Some((row, value)) = found {
-                    return Err(Error::inconsistent(format!(
-                        "sparse gradient '{}': index {value} at row {row} on replica {replica} \
-                         is outside [0, {bound}) (num_embeddings)",
-                        tightest.name
-                    )));
-                }
+                })?;
             }
         }
         Ok(())
@@ -334,7 +353,10 @@ impl Executor {
                     self.copy_counted(moved, (r, src.ptr()), (ROOT, to), part.rows * row)?;
                 }
             }
-            drop(local);
+            // Copies to the root may still be reading the local slices (stream order).
+            for part in local.into_iter().flatten() {
+                self.retire_coalesced(part);
+            }
             let refs = values_refs(members, values.iter().map(Allocation::ptr));
             let gathered = SliceRef {
                 index_dtype,
@@ -342,7 +364,10 @@ impl Executor {
                 rows: total,
                 values: &refs,
             };
-            Some(self.backend.coalesce(ROOT, &gathered)?)
+            let result = self.backend.coalesce(ROOT, &gathered)?;
+            self.backend.retire(indices);
+            values.into_iter().for_each(|v| self.backend.retire(v));
+            Some(result)
         };
         let Some(result) = result.filter(|c| c.rows > 0) else {
             let none = || (0..replicas).map(|_| None).collect::<PerReplica>();

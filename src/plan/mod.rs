@@ -11,7 +11,7 @@ mod topology;
 
 pub use buckets::{plan_buckets, Bucket};
 pub use describe::describe;
-pub use steps::{allreduce_steps, Step, StepOp, Via};
+pub use steps::{allreduce_steps, device_groups, Step, StepOp, Via};
 pub use topology::{PeerSource, Topology, TransportChoice};
 
 use crate::registry::Snapshot;

@@ -118,8 +118,12 @@ pub fn allreduce_steps(topology: &Topology) -> Vec<Step> {
     b.steps
 }
 
-/// Replicas grouped by device, groups in order of their first replica.
-fn device_groups(topology: &Topology) -> Vec<Vec<usize>> {
+/// Replicas grouped by device, groups in order of their first replica (one replica per group
+/// when every replica is its own NCCL rank).
+pub fn device_groups(topology: &Topology) -> Vec<Vec<usize>> {
+    if topology.rank_per_replica {
+        return (0..topology.replicas()).map(|r| vec![r]).collect();
+    }
     let mut groups: Vec<Vec<usize>> = Vec::new();
     for (replica, device) in topology.devices.iter().enumerate() {
         match groups
@@ -233,6 +237,37 @@ mod tests {
             o.set_peer_access(m, ordinals.len()).unwrap();
         }
         Topology::from_options(&o, None).unwrap()
+    }
+
+    #[test]
+    fn rank_per_replica_gives_shared_gpus_one_nccl_rank_each_with_nccl_only() {
+        for transport in [Transport::Nccl, Transport::Auto, Transport::PeerCopy] {
+            let mut o = Options::default();
+            o.set_cuda_replicas(&[0, 0, 1]).unwrap();
+            o.transport = transport;
+            o.nccl_rank_per_replica = true;
+            let t = Topology::from_options(&o, None).unwrap();
+            let steps = allreduce_steps(&t);
+            let ranks: Vec<usize> = steps
+                .iter()
+                .filter(|s| s.op == StepOp::NcclAllreduce)
+                .map(|s| s.src)
+                .collect();
+            if transport == Transport::Nccl {
+                assert_eq!(device_groups(&t), vec![vec![0], vec![1], vec![2]]);
+                assert_eq!(ranks, vec![0, 1, 2], "one rank per replica");
+                assert!(steps.iter().all(|s| s.op == StepOp::NcclAllreduce));
+                assert!(t.transport_reason.contains("DPSYNC_NCCL_RANK_PER_REPLICA"));
+            } else {
+                // AUTO may fall back to peer copies, which cannot use it: ignored there.
+                assert_eq!(
+                    device_groups(&t),
+                    vec![vec![0, 1], vec![2]],
+                    "{transport:?}"
+                );
+            }
+            simulate(&steps, 3);
+        }
     }
 
     fn sums_by_round(steps: &[Step]) -> Vec<Vec<(usize, usize)>> {

@@ -58,6 +58,9 @@ pub struct Topology {
     /// This process's rank and the number of processes (always 0 and 1 until multi-process).
     pub rank: usize,
     pub world_size: usize,
+    /// One NCCL rank per replica, not per distinct GPU (`Options::nccl_rank_per_replica`,
+    /// honoured with transport NCCL only).
+    pub rank_per_replica: bool,
 }
 
 impl Topology {
@@ -98,6 +101,13 @@ impl Topology {
                     .to_owned(),
             ),
         };
+        let rank_per_replica =
+            cuda && options.transport == Transport::Nccl && options.nccl_rank_per_replica;
+        let transport_reason = if rank_per_replica {
+            transport_reason + "; one NCCL rank per replica (DPSYNC_NCCL_RANK_PER_REPLICA)"
+        } else {
+            transport_reason
+        };
         Ok(Topology {
             devices,
             peer,
@@ -106,6 +116,7 @@ impl Topology {
             transport_reason,
             rank: 0,
             world_size: 1,
+            rank_per_replica,
         })
     }
 

@@ -5,6 +5,8 @@
 //! tests/collectives.rs).
 #![allow(dead_code)]
 
+pub mod gpu;
+
 use dpsync::*;
 use std::ffi::{c_void, CStr, CString};
 use std::ptr;

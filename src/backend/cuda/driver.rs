@@ -5,7 +5,7 @@
 //! `is_culib_present()` before any other call.
 
 use std::ffi::CStr;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::sys;
 
@@ -263,11 +263,20 @@ impl Drop for Event {
 pub struct DeviceMemory {
     pub ptr: sys::CUdeviceptr,
     pub bytes: usize,
+    /// Bound to free it (and kept retained until then).
+    ctx: Arc<PrimaryContext>,
 }
 
 impl DeviceMemory {
-    /// Zero-filled; needs the owning context current.
-    pub fn zeroed(bytes: usize) -> Result<DeviceMemory> {
+    /// `bytes` on `ctx`'s device, zero-filled in order on `stream` (a stream of that device):
+    /// a plain cuMemsetD8 would go to the legacy stream, which dpsync's non-blocking streams do
+    /// not wait for, so work queued on `stream` could run before the fill.
+    pub fn zeroed(
+        ctx: &Arc<PrimaryContext>,
+        bytes: usize,
+        stream: sys::CUstream,
+    ) -> Result<DeviceMemory> {
+        let _bound = ctx.bind()?;
         let mut ptr = 0;
         // SAFETY: plain driver calls; at least one byte so the pointer is distinct.
         unsafe {
@@ -275,26 +284,85 @@ impl DeviceMemory {
                 sys::cuMemAlloc_v2(&mut ptr, bytes.max(1)),
                 "cuMemAlloc (library memory on a CUDA replica)",
             )?;
-            let zeroed = check(sys::cuMemsetD8_v2(ptr, 0, bytes.max(1)), "cuMemsetD8");
+            let zeroed = check(
+                sys::cuMemsetD8Async(ptr, 0, bytes.max(1), stream),
+                "cuMemsetD8Async",
+            );
             if let Err(e) = zeroed {
                 sys::cuMemFree_v2(ptr);
                 return Err(e);
             }
         }
-        Ok(DeviceMemory { ptr, bytes })
+        Ok(DeviceMemory {
+            ptr,
+            bytes,
+            ctx: ctx.clone(),
+        })
     }
 }
 
 impl Drop for DeviceMemory {
     fn drop(&mut self) {
-        // SAFETY: ours; cuMemFree waits for work using it to finish.
+        let Ok(_bound) = self.ctx.bind() else { return };
+        // SAFETY: ours; cuMemFree waits for the device's work using it to finish.
         unsafe { sys::cuMemFree_v2(self.ptr) };
     }
 }
 
+/// Copies `bytes` from host memory to `dst` in order on `stream` (the current context's). The
+/// driver stages a pageable source before returning, so `bytes` may be dropped afterwards; a
+/// synchronous cuMemcpyHtoD would use the legacy stream, unordered with dpsync's streams.
+pub fn upload(dst: sys::CUdeviceptr, bytes: &[u8], stream: sys::CUstream) -> Result<()> {
+    if bytes.is_empty() {
+        return Ok(());
+    }
+    // SAFETY: `dst` holds at least `bytes.len()` bytes on the current context's device.
+    check(
+        unsafe { sys::cuMemcpyHtoDAsync_v2(dst, bytes.as_ptr().cast(), bytes.len(), stream) },
+        "cuMemcpyHtoDAsync",
+    )
+}
+
+/// Page-locked host memory from `cuMemAllocHost`: the target of asynchronous device-to-host
+/// copies that the host reads later (a pageable target would make the copy block the host).
+pub struct PinnedMemory {
+    pub ptr: *mut std::ffi::c_void,
+    ctx: Arc<PrimaryContext>,
+}
+
+// SAFETY: plain host memory, read only after the copies into it completed.
+unsafe impl Send for PinnedMemory {}
+unsafe impl Sync for PinnedMemory {}
+
+impl PinnedMemory {
+    pub fn new(ctx: &Arc<PrimaryContext>, bytes: usize) -> Result<PinnedMemory> {
+        let _bound = ctx.bind()?;
+        let mut ptr = std::ptr::null_mut();
+        // SAFETY: plain driver call.
+        check(
+            unsafe { sys::cuMemAllocHost_v2(&mut ptr, bytes.max(1)) },
+            "cuMemAllocHost",
+        )?;
+        Ok(PinnedMemory {
+            ptr,
+            ctx: ctx.clone(),
+        })
+    }
+}
+
+impl Drop for PinnedMemory {
+    fn drop(&mut self) {
+        let Ok(_bound) = self.ctx.bind() else { return };
+        // SAFETY: ours.
+        unsafe { sys::cuMemFreeHost(self.ptr) };
+    }
+}
+
 /// Where a pointer lives, from its attributes: `None` for memory CUDA does not know (pageable
-/// host memory), else (is device memory, device ordinal, is managed).
-pub fn pointer_memory(ptr: usize) -> Option<(bool, i32, bool)> {
+/// host memory: the driver answers CUDA_ERROR_INVALID_VALUE), else (is device memory, device
+/// ordinal, is managed). Any other failure is an error, not "host": treating device memory as
+/// host memory would make host threads dereference it. Needs a context current.
+pub fn pointer_memory(ptr: usize) -> Result<Option<(bool, i32, bool)>> {
     let mut kind: u32 = 0;
     // SAFETY: attribute queries only read the driver's tables.
     let known = unsafe {
@@ -304,9 +372,10 @@ pub fn pointer_memory(ptr: usize) -> Option<(bool, i32, bool)> {
             ptr as sys::CUdeviceptr,
         )
     };
-    if known != sys::CUresult::CUDA_SUCCESS {
-        return None;
+    if known == sys::CUresult::CUDA_ERROR_INVALID_VALUE {
+        return Ok(None);
     }
+    check(known, "cuPointerGetAttribute")?;
     let mut ordinal: i32 = -1;
     let mut managed: u32 = 0;
     // SAFETY: as above.
@@ -324,7 +393,7 @@ pub fn pointer_memory(ptr: usize) -> Option<(bool, i32, bool)> {
     }
     let device = kind == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32
         || kind == sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED as u32;
-    Some((device, ordinal, managed != 0))
+    Ok(Some((device, ordinal, managed != 0)))
 }
 
 /// Whether `a` can read `b`'s memory directly.

@@ -1,4 +1,4 @@
-//! Reduction kernels, compiled with NVRTC once per device (per process) and cached.
+//! dpsync's CUDA kernels (sources in `kernels/*.cu`), compiled with NVRTC once per device (per process) and cached.
 //!
 //! Every kernel walks a *table* of segments (one per tensor of a fusion bucket) so one launch
 //! covers a whole bucket: `segs[s] = {offset in the bucket, count}` and `ptrs[s * nrep + r]`
@@ -25,139 +25,50 @@ pub(crate) const THREADS: u32 = 256;
 pub(crate) const ITEMS: u32 = 4;
 pub(crate) const CHUNK: usize = (THREADS * ITEMS) as usize;
 
-const SOURCE: &str = r#"
-typedef unsigned long long u64;
-typedef long long i64;
-struct f16_t { unsigned short x; };
-struct bf16_t { unsigned short x; };
-struct Seg { u64 offset; u64 count; };
+/// The kernels' CUDA C, in one module: shared types first, then one file per feature.
+const SOURCES: [&str; 4] = [
+    include_str!("kernels/prelude.cu"),
+    include_str!("kernels/dense.cu"),
+    include_str!("kernels/bmuf.cu"),
+    include_str!("kernels/sparse.cu"),
+];
 
-template <class T> struct Num;
-template <> struct Num<float> {
-  typedef float A;
-  static __device__ __forceinline__ A load(float v) { return v; }
-  static __device__ __forceinline__ float store(A a) { return a; }
-};
-template <> struct Num<double> {
-  typedef double A;
-  static __device__ __forceinline__ A load(double v) { return v; }
-  static __device__ __forceinline__ double store(A a) { return a; }
-};
-template <> struct Num<int> {
-  typedef i64 A;
-  static __device__ __forceinline__ A load(int v) { return (A)v; }
-  static __device__ __forceinline__ int store(A a) { return (int)a; }
-};
-template <> struct Num<i64> {
-  typedef i64 A;
-  static __device__ __forceinline__ A load(i64 v) { return v; }
-  static __device__ __forceinline__ i64 store(A a) { return a; }
-};
-template <> struct Num<f16_t> {
-  typedef float A;
-  static __device__ __forceinline__ A load(f16_t v) {
-    float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.x)); return f;
-  }
-  static __device__ __forceinline__ f16_t store(A a) {
-    f16_t h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.x) : "f"(a)); return h;
-  }
-};
-template <> struct Num<bf16_t> {
-  typedef float A;
-  static __device__ __forceinline__ A load(bf16_t v) {
-    return __uint_as_float(((unsigned)v.x) << 16);
-  }
-  static __device__ __forceinline__ bf16_t store(A a) {
-    unsigned u = __float_as_uint(a);
-    bf16_t b;
-    if ((u & 0x7fffffffu) > 0x7f800000u) { b.x = (unsigned short)((u >> 16) | 0x40u); return b; }
-    u += 0x7fffu + ((u >> 16) & 1u);
-    b.x = (unsigned short)(u >> 16);
-    return b;
-  }
-};
-
-template <class A> __device__ __forceinline__ A divide(A a, double d) { return a / (A)d; }
-
-// The segment holding bucket element e, searching from s (elements only move forward).
-__device__ __forceinline__ int seek(const Seg* segs, int nseg, int s, u64 e) {
-  while (s + 1 < nseg && e >= segs[s + 1].offset) ++s;
-  return s;
+/// The whole module's source.
+fn source() -> String {
+    SOURCES.join("\n")
 }
 
-// First segment of a chunk by binary search.
-__device__ __forceinline__ int find(const Seg* segs, int nseg, u64 e) {
-  int lo = 0, hi = nseg - 1;
-  while (lo < hi) {
-    int mid = (lo + hi + 1) / 2;
-    if (segs[mid].offset <= e) lo = mid; else hi = mid - 1;
-  }
-  return lo;
-}
-
-// mode 0: every local replica := sum (optionally / divisor)           (one-device allreduce)
-// mode 1: fusion[e] := sum of local replicas                          (pack before a transport)
-// mode 2: every local replica := fusion[e] (optionally / divisor)     (unpack after it)
-template <class T>
-__device__ void walk(const Seg* segs, const u64* ptrs, int nseg, int nrep, u64 total,
-                     T* fusion, int mode, int avg, double divisor) {
-  typedef typename Num<T>::A A;
-  const u64 chunk = (u64)blockDim.x * ITEMS_PER_THREAD;
-  const u64 chunks = (total + chunk - 1) / chunk;
-  __shared__ int first;
-  for (u64 c = blockIdx.x; c < chunks; c += gridDim.x) {
-    __syncthreads();
-    if (threadIdx.x == 0) first = find(segs, nseg, c * chunk);
-    __syncthreads();
-    int s = first;
-    for (int k = 0; k < ITEMS_PER_THREAD; ++k) {
-      u64 e = c * chunk + (u64)k * blockDim.x + threadIdx.x;
-      if (e >= total) break;
-      s = seek(segs, nseg, s, e);
-      u64 i = e - segs[s].offset;
-      const u64* p = ptrs + (u64)s * nrep;
-      if (mode == 2) {
-        A v = Num<T>::load(fusion[e]);
-        if (avg) v = divide(v, divisor);
-        T out = Num<T>::store(v);
-        for (int r = 0; r < nrep; ++r) ((T*)p[r])[i] = out;
-        continue;
-      }
-      A acc = Num<T>::load(((const T*)p[0])[i]);
-      for (int r = 1; r < nrep; ++r) acc += Num<T>::load(((const T*)p[r])[i]);
-      if (mode == 1) { fusion[e] = Num<T>::store(acc); continue; }
-      if (avg) acc = divide(acc, divisor);
-      T out = Num<T>::store(acc);
-      for (int r = 0; r < nrep; ++r) ((T*)p[r])[i] = out;
+/// PTX of every dpsync kernel for `compute_{major}{minor}`. No device is needed: the
+/// offline check in the tests uses this too. `--fmad=false` keeps every product rounded on its
+/// own, so BMUF gives the host backend's bytes (no kernel here gains from contraction).
+pub(crate) fn compile_ptx(major: i32, minor: i32) -> Result<String> {
+    if !nvrtc_present() {
+        return Err(Error::new(
+            ErrorKind::Unavailable,
+            "NVRTC (libnvrtc.so.13) was not found: dpsync compiles its CUDA kernels with it \
+             at run time; put its directory on LD_LIBRARY_PATH or name the file in \
+             DPSYNC_NVRTC_LIBRARY (see README)",
+        ));
     }
-  }
+    let opts = cudarc::nvrtc::CompileOptions {
+        options: vec![
+            format!("--gpu-architecture=compute_{major}{minor}"),
+            format!("-DITEMS_PER_THREAD={ITEMS}"),
+            "--std=c++14".to_owned(),
+            "--fmad=false".to_owned(),
+            // i64 sums accumulate in __int128, as the host's do in i128.
+            "--device-int128".to_owned(),
+        ],
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(source(), opts).map_err(|e| {
+        Error::new(
+            ErrorKind::Backend,
+            format!("NVRTC could not compile dpsync's kernels for sm_{major}{minor}: {e:?}"),
+        )
+    })?;
+    Ok(ptx.to_src())
 }
-
-// dst[i] += src[i] over a contiguous buffer (cross-device sums of fusion buffers).
-template <class T>
-__device__ void add(T* dst, const T* src, u64 n) {
-  typedef typename Num<T>::A A;
-  for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
-    A v = Num<T>::load(dst[i]) + Num<T>::load(src[i]);
-    dst[i] = Num<T>::store(v);
-  }
-}
-
-#define DEFINE(T, NAME)                                                                      \
-  extern "C" __global__ void walk_##NAME(const Seg* segs, const u64* ptrs, int nseg,         \
-                                         int nrep, u64 total, T* fusion, int mode, int avg,  \
-                                         double divisor) {                                   \
-    walk<T>(segs, ptrs, nseg, nrep, total, fusion, mode, avg, divisor);                      \
-  }                                                                                          \
-  extern "C" __global__ void add_##NAME(T* dst, const T* src, u64 n) { add<T>(dst, src, n); }
-
-DEFINE(float, f32)
-DEFINE(double, f64)
-DEFINE(f16_t, f16)
-DEFINE(bf16_t, bf16)
-DEFINE(int, i32)
-DEFINE(i64, i64)
-"#;
 
 /// What a table walk does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -170,12 +81,27 @@ pub enum Walk {
     Unpack = 2,
 }
 
-/// The compiled module of one device.
+/// What the BMUF kernel does (formula: `Backend::bmuf_update`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Bmuf {
+    /// `W := params`, `D := 0`.
+    Load = 0,
+    Classical = 1,
+    Nesterov = 2,
+}
+
+/// The compiled module of one device. The dense kernels, launched for every bucket, are looked
+/// up once; the others by name on first use.
 pub struct Kernels {
     module: sys::CUmodule,
     walk: [sys::CUfunction; 6],
     add: [sys::CUfunction; 6],
+    named: Mutex<HashMap<String, sys::CUfunction>>,
     pub sm_count: u32,
+    /// The module lives in the device's primary context: releasing the last retain would reset
+    /// the context and unload it under the cache, so the cache keeps one retain for the process
+    /// (as the CUDA runtime does).
+    _ctx: Arc<PrimaryContext>,
 }
 
 // SAFETY: modules and functions are usable from any thread.
@@ -205,9 +131,14 @@ pub fn nvrtc_present() -> bool {
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
+/// A kernel parameter as `cuLaunchKernel` takes it.
+fn arg<T>(value: &mut T) -> *mut std::ffi::c_void {
+    (value as *mut T).cast()
+}
+
 impl Kernels {
     /// The kernels of `ctx`'s device: compiled on first use, then shared by every context.
-    pub fn for_device(ctx: &PrimaryContext) -> Result<Arc<Kernels>> {
+    pub fn for_device(ctx: &Arc<PrimaryContext>) -> Result<Arc<Kernels>> {
         static CACHE: OnceLock<Mutex<HashMap<i32, Arc<Kernels>>>> = OnceLock::new();
         let cache = CACHE.get_or_init(Default::default);
         let mut cache = cache.lock();
@@ -219,34 +150,12 @@ impl Kernels {
         Ok(k)
     }
 
-    fn build(ctx: &PrimaryContext) -> Result<Kernels> {
-        if !nvrtc_present() {
-            return Err(Error::new(
-                ErrorKind::Unavailable,
-                "NVRTC (libnvrtc.so.13) was not found: dpsync compiles its CUDA kernels with it \
-                 at run time; put its directory on LD_LIBRARY_PATH or name the file in \
-                 DPSYNC_NVRTC_LIBRARY (see README)",
-            ));
-        }
+    fn build(ctx: &Arc<PrimaryContext>) -> Result<Kernels> {
         use sys::CUdevice_attribute as A;
         let major = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
         let minor = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
         let sm_count = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
-        let opts = cudarc::nvrtc::CompileOptions {
-            options: vec![
-                format!("--gpu-architecture=compute_{major}{minor}"),
-                format!("-DITEMS_PER_THREAD={ITEMS}"),
-                "--std=c++14".to_owned(),
-            ],
-            ..Default::default()
-        };
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).map_err(|e| {
-            Error::new(
-                ErrorKind::Backend,
-                format!("NVRTC could not compile dpsync's kernels for sm_{major}{minor}: {e:?}"),
-            )
-        })?;
-        let image = CString::new(ptx.to_src())
+        let image = CString::new(compile_ptx(major, minor)?)
             .map_err(|_| Error::new(ErrorKind::Backend, "NVRTC returned PTX with a NUL byte"))?;
         let _bound = ctx.bind()?;
         let mut module = std::ptr::null_mut();
@@ -255,28 +164,42 @@ impl Kernels {
             unsafe { sys::cuModuleLoadData(&mut module, image.as_ptr().cast()) },
             "cuModuleLoadData (dpsync kernels)",
         )?;
-        let get = |name: String| -> Result<sys::CUfunction> {
-            let c = CString::new(name.clone()).expect("kernel names have no NUL");
-            let mut f = std::ptr::null_mut();
-            // SAFETY: the module is loaded.
-            check(
-                unsafe { sys::cuModuleGetFunction(&mut f, module, c.as_ptr()) },
-                &format!("cuModuleGetFunction({name})"),
-            )?;
-            Ok(f)
-        };
-        let mut walk = [std::ptr::null_mut(); 6];
-        let mut add = [std::ptr::null_mut(); 6];
-        for (i, dtype) in DType::ALL.iter().enumerate() {
-            walk[i] = get(format!("walk_{}", dtype.name()))?;
-            add[i] = get(format!("add_{}", dtype.name()))?;
-        }
-        Ok(Kernels {
+        let mut kernels = Kernels {
             module,
-            walk,
-            add,
+            walk: [std::ptr::null_mut(); 6],
+            add: [std::ptr::null_mut(); 6],
+            named: Mutex::new(HashMap::new()),
             sm_count: sm_count.max(1) as u32,
-        })
+            _ctx: ctx.clone(),
+        };
+        for (i, dtype) in DType::ALL.iter().enumerate() {
+            kernels.walk[i] = kernels.lookup(&format!("walk_{}", dtype.name()))?;
+            kernels.add[i] = kernels.lookup(&format!("add_{}", dtype.name()))?;
+        }
+        Ok(kernels)
+    }
+
+    fn lookup(&self, name: &str) -> Result<sys::CUfunction> {
+        let c = CString::new(name).expect("kernel names have no NUL");
+        let mut f = std::ptr::null_mut();
+        // SAFETY: the module is loaded; looking up a function needs no current context.
+        check(
+            unsafe { sys::cuModuleGetFunction(&mut f, self.module, c.as_ptr()) },
+            &format!("cuModuleGetFunction({name})"),
+        )?;
+        Ok(f)
+    }
+
+    /// `{prefix}_{dtype}` (e.g. `bmuf_f16`), looked up once.
+    fn named(&self, prefix: &str, dtype: DType) -> Result<sys::CUfunction> {
+        let name = format!("{prefix}_{}", dtype.name());
+        let mut named = self.named.lock();
+        if let Some(f) = named.get(&name) {
+            return Ok(*f);
+        }
+        let f = self.lookup(&name)?;
+        named.insert(name, f);
+        Ok(f)
     }
 
     fn grid(&self, work_items: usize, per_block: usize) -> u32 {
@@ -308,24 +231,19 @@ impl Kernels {
         let mut mode_i = mode as i32;
         let mut avg = i32::from(divisor.is_some());
         let mut div = divisor.unwrap_or(1) as f64;
-        let mut params: [*mut std::ffi::c_void; 9] = [
-            (&mut segs as *mut u64).cast(),
-            (&mut ptrs as *mut u64).cast(),
-            (&mut nseg_i as *mut i32).cast(),
-            (&mut nrep_i as *mut i32).cast(),
-            (&mut total_u as *mut u64).cast(),
-            (&mut fusion as *mut u64).cast(),
-            (&mut mode_i as *mut i32).cast(),
-            (&mut avg as *mut i32).cast(),
-            (&mut div as *mut f64).cast(),
+        let mut params = [
+            arg(&mut segs),
+            arg(&mut ptrs),
+            arg(&mut nseg_i),
+            arg(&mut nrep_i),
+            arg(&mut total_u),
+            arg(&mut fusion),
+            arg(&mut mode_i),
+            arg(&mut avg),
+            arg(&mut div),
         ];
-        self.launch(
-            self.walk[slot(dtype)],
-            self.grid(total, CHUNK),
-            stream,
-            &mut params,
-            "walk",
-        )
+        let grid = self.grid(total, CHUNK);
+        self.launch(self.walk[slot(dtype)], grid, stream, &mut params, "walk")
     }
 
     /// `dst[i] += src[i]` for `n` elements on `stream` (the context is current).
@@ -338,13 +256,112 @@ impl Kernels {
         n: usize,
     ) -> Result<()> {
         let (mut dst, mut src, mut n64) = (dst, src, n as u64);
-        let mut params: [*mut std::ffi::c_void; 3] = [
-            (&mut dst as *mut u64).cast(),
-            (&mut src as *mut u64).cast(),
-            (&mut n64 as *mut u64).cast(),
-        ];
+        let mut params = [arg(&mut dst), arg(&mut src), arg(&mut n64)];
         let grid = self.grid(n, CHUNK);
         self.launch(self.add[slot(dtype)], grid, stream, &mut params, "add")
+    }
+
+    /// The BMUF kernel over a three-pointer table (params, W, D per segment) of `total`
+    /// elements of the PARAM `dtype`: [`Bmuf::Load`] or one filter step.
+    #[allow(clippy::too_many_arguments)]
+    pub fn bmuf(
+        &self,
+        stream: sys::CUstream,
+        dtype: DType,
+        table: sys::CUdeviceptr,
+        nseg: usize,
+        total: usize,
+        mode: Bmuf,
+        block_momentum: f64,
+        block_lr: f64,
+    ) -> Result<()> {
+        let f = self.named("bmuf", dtype)?;
+        let mut segs = table;
+        let mut ptrs = table + (nseg * 16) as u64;
+        let mut nseg_i = nseg as i32;
+        let mut total_u = total as u64;
+        let mut mode_i = mode as i32;
+        let (mut mu, mut eta) = (block_momentum, block_lr);
+        let mut params = [
+            arg(&mut segs),
+            arg(&mut ptrs),
+            arg(&mut nseg_i),
+            arg(&mut total_u),
+            arg(&mut mode_i),
+            arg(&mut mu),
+            arg(&mut eta),
+        ];
+        self.launch(f, self.grid(total, CHUNK), stream, &mut params, "bmuf")
+    }
+
+    /// Lowers `found[0]` (a device u64, ~0 when clean) to the first row of `rows` indices of
+    /// `dtype` at `indices` outside `[0, bound)`, then writes that row's index to `found[1]`.
+    pub fn index_check(
+        &self,
+        stream: sys::CUstream,
+        dtype: DType,
+        indices: sys::CUdeviceptr,
+        rows: usize,
+        bound: u64,
+        found: sys::CUdeviceptr,
+    ) -> Result<()> {
+        let (mut idx, mut rows_u, mut bound, mut found) = (indices, rows as u64, bound, found);
+        let check = self.named("index_check", dtype)?;
+        let mut params = [
+            arg(&mut idx),
+            arg(&mut rows_u),
+            arg(&mut bound),
+            arg(&mut found),
+        ];
+        let grid = self.grid(rows, CHUNK);
+        self.launch(check, grid, stream, &mut params, "index_check")?;
+        let report = self.named("index_report", dtype)?;
+        let mut params = [arg(&mut idx), arg(&mut found)];
+        self.launch(report, 1, stream, &mut params, "index_report")
+    }
+
+    /// Output row k of `runs` rows of `row_len` elements of `dtype` at `dst` := the sum of the
+    /// `src` rows `positions[bounds[k]..bounds[k + 1]]` (device u64 arrays), in that order.
+    #[allow(clippy::too_many_arguments)]
+    pub fn sum_runs(
+        &self,
+        stream: sys::CUstream,
+        dtype: DType,
+        src: sys::CUdeviceptr,
+        positions: sys::CUdeviceptr,
+        bounds: sys::CUdeviceptr,
+        runs: usize,
+        row_len: usize,
+        dst: sys::CUdeviceptr,
+    ) -> Result<()> {
+        let f = self.named("sum_runs", dtype)?;
+        let (mut src, mut positions, mut bounds, mut dst) = (src, positions, bounds, dst);
+        let (mut runs_u, mut row_len_u) = (runs as u64, row_len as u64);
+        let mut params = [
+            arg(&mut src),
+            arg(&mut positions),
+            arg(&mut bounds),
+            arg(&mut runs_u),
+            arg(&mut row_len_u),
+            arg(&mut dst),
+        ];
+        let grid = self.grid(runs * row_len, CHUNK);
+        self.launch(f, grid, stream, &mut params, "sum_runs")
+    }
+
+    /// `x[i] /= divisor` for `n` elements of the float `dtype`, rounded once.
+    pub fn divide(
+        &self,
+        stream: sys::CUstream,
+        dtype: DType,
+        x: sys::CUdeviceptr,
+        n: usize,
+        divisor: usize,
+    ) -> Result<()> {
+        let f = self.named("divide", dtype)?;
+        let (mut x, mut n64, mut div) = (x, n as u64, divisor as f64);
+        let mut params = [arg(&mut x), arg(&mut n64), arg(&mut div)];
+        self.launch(f, self.grid(n, CHUNK), stream, &mut params, "divide")
     }
 
     /// One launch of `THREADS`-thread blocks on `stream` (the context is current).
@@ -392,15 +409,83 @@ impl Drop for Kernels {
 mod tests {
     use super::*;
 
-    #[test]
-    fn every_dtype_has_kernels_in_the_source() {
-        assert!(SOURCE.contains("#define DEFINE(T, NAME)"));
+    /// Every kernel the Rust side launches, by name.
+    fn entry_points() -> Vec<String> {
+        let mut names = Vec::new();
         for dtype in DType::ALL {
-            let name = dtype.name();
-            assert!(
-                SOURCE.contains(&format!(", {name})")),
-                "no kernels for {name}"
+            let n = dtype.name();
+            names.push(format!("walk_{n}"));
+            names.push(format!("add_{n}"));
+            if dtype.is_float() {
+                names.push(format!("bmuf_{n}"));
+                names.push(format!("sum_runs_{n}"));
+                names.push(format!("divide_{n}"));
+            } else {
+                names.push(format!("index_check_{n}"));
+                names.push(format!("index_report_{n}"));
+            }
+        }
+        names
+    }
+
+    /// Runs without a GPU wherever NVRTC is found (scripts/test.sh fetches pip's
+    /// nvidia-cuda-nvrtc): the CUDA C compiles for the architectures dpsync targets, and
+    /// every kernel the Rust side names is in the PTX. With `DPSYNC_PTXAS` naming ptxas (pip's
+    /// nvidia-cuda-nvcc), the PTX is also assembled, which checks the inline PTX.
+    #[test]
+    fn kernels_compile_offline_for_ampere_and_hopper() {
+        if !nvrtc_present() {
+            eprintln!(
+                "offline kernel compile: skipped: NVRTC not found (set DPSYNC_NVRTC_LIBRARY)"
             );
+            return;
+        }
+        for (major, minor) in [(8, 0), (9, 0)] {
+            let ptx = compile_ptx(major, minor).unwrap_or_else(|e| panic!("{}", e.message));
+            for name in entry_points() {
+                assert!(
+                    ptx.contains(&format!(".entry {name}(")),
+                    "sm_{major}{minor}: no kernel {name} in the PTX"
+                );
+            }
+            let Ok(ptxas) = std::env::var("DPSYNC_PTXAS") else {
+                eprintln!("ptxas check: skipped: DPSYNC_PTXAS is not set");
+                continue;
+            };
+            let dir = std::env::temp_dir().join(format!("dpsync-ptx-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            let file = dir.join(format!("kernels_sm{major}{minor}.ptx"));
+            std::fs::write(&file, &ptx).unwrap();
+            let out = std::process::Command::new(&ptxas)
+                .arg(format!("-arch=sm_{major}{minor}"))
+                .arg(&file)
+                .arg("-o")
+                .arg(dir.join("kernels.cubin"))
+                .output()
+                .unwrap_or_else(|e| panic!("could not run {ptxas}: {e}"));
+            assert!(
+                out.status.success(),
+                "ptxas sm_{major}{minor} rejected the PTX:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+    }
+
+    #[test]
+    fn every_launched_kernel_is_defined_in_the_source() {
+        let src = source();
+        for macro_name in ["DENSE_KERNELS", "BMUF_KERNELS", "SPARSE_VALUE_KERNELS"] {
+            for dtype in DType::ALL.iter().filter(|d| d.is_float()) {
+                let line = format!("\n{macro_name}(");
+                assert!(
+                    src.split(&line)
+                        .skip(1)
+                        .any(|rest| rest.contains(&format!(", {})", dtype.name()))),
+                    "{macro_name} is not instantiated for {}",
+                    dtype.name()
+                );
+            }
         }
         assert_eq!(CHUNK, 1024);
     }

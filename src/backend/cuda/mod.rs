@@ -13,9 +13,11 @@
 //! steps on the fusion buffers; then one kernel writes the (averaged) result into every local
 //! replica.
 
+mod bmuf;
 mod driver;
 mod kernels;
 mod nccl;
+mod sparse;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -27,10 +29,13 @@ use parking_lot::Mutex;
 use self::driver::{DeviceMemory, Event, PrimaryContext, Stream};
 use self::kernels::{Kernels, Walk};
 use self::nccl::CommSet;
-use super::{Allocation, Backend, BucketView};
+use self::sparse::{CheckSlot, DeferredCheck};
+use super::{
+    Allocation, Backend, BmufFilter, BmufSpan, BucketView, Coalesced, IndexCheck, SliceRef,
+};
 use crate::error::{Error, ErrorKind, Result};
 use crate::options::Options;
-use crate::plan::{Step, StepOp, TransportChoice, Via};
+use crate::plan::{device_groups, Step, StepOp, Topology, TransportChoice, Via};
 use crate::types::{DType, Device, Memory, ReduceOp, Transport};
 
 /// Library scratch memory of one device, grown on demand and reused by every collective.
@@ -66,11 +71,23 @@ struct Replica {
     start: Event,
 }
 
+/// What a collective leaves behind until it completes, besides its completion events.
+#[derive(Default)]
+struct Leftovers {
+    /// Device index checks whose answers arrive with the collective.
+    checks: Vec<DeferredCheck>,
+    /// Memory its queued work still reads (coalescing maps).
+    keep: Vec<DeviceMemory>,
+    /// Library memory retired while work issued before may still read it.
+    retired: Vec<Allocation>,
+}
+
 /// A collective whose completion has not been observed yet.
 struct Pending {
     issued: Instant,
     /// One completion event per group.
     done: Vec<Event>,
+    leftovers: Leftovers,
 }
 
 #[derive(Default)]
@@ -78,6 +95,12 @@ struct State {
     pending: VecDeque<Pending>,
     /// Completion events for reuse.
     spare: Vec<Vec<Event>>,
+    /// Gathered between `begin` and `end` for the collective being issued.
+    issuing: Leftovers,
+    /// Index-check buffers for reuse.
+    check_slots: Vec<CheckSlot>,
+    /// Indices found out of range by completed device checks, reported by `synchronize`.
+    index_errors: Vec<Error>,
     /// Set by a timeout or a device fault: every later collective is refused.
     failed: Option<Error>,
 }
@@ -133,17 +156,14 @@ impl CudaBackend {
                 )));
             }
         }
-        // Groups: one per distinct GPU, in order of first replica (the planner's rule).
-        let mut group_of = Vec::with_capacity(ordinals.len());
-        let mut group_ordinals: Vec<i32> = Vec::new();
-        for &o in &ordinals {
-            match group_ordinals.iter().position(|&g| g == o) {
-                Some(g) => group_of.push(g),
-                None => {
-                    group_of.push(group_ordinals.len());
-                    group_ordinals.push(o);
-                }
-            }
+        // Groups: the planner's (one per distinct GPU, in order of first replica; one per
+        // replica when each is its own NCCL rank).
+        let planned = device_groups(&Topology::from_options(options, None)?);
+        let mut group_of = vec![0; ordinals.len()];
+        let mut group_ordinals: Vec<i32> = Vec::with_capacity(planned.len());
+        for (g, members) in planned.iter().enumerate() {
+            members.iter().for_each(|&r| group_of[r] = g);
+            group_ordinals.push(ordinals[members[0]]);
         }
         let ctxs: Vec<Arc<PrimaryContext>> = group_ordinals
             .iter()
@@ -250,17 +270,17 @@ impl CudaBackend {
 
     /// The segment table of `bucket` for `group`, in device memory (uploaded once per layout).
     fn table(&self, group: &Group, bucket: &BucketView<'_>) -> Result<u64> {
-        let nrep = group.local.len();
-        let mut host = Vec::with_capacity(bucket.segments.len() * (2 + nrep));
-        let mut offset = 0u64;
-        for seg in &bucket.segments {
-            host.push(offset);
-            host.push(seg.count as u64);
-            offset += seg.count as u64;
-        }
-        for seg in &bucket.segments {
-            host.extend(group.local.iter().map(|&r| seg.ptrs[r] as u64));
-        }
+        let counts = bucket.segments.iter().map(|seg| seg.count);
+        let ptrs = bucket
+            .segments
+            .iter()
+            .map(|seg| group.local.iter().map(|&r| seg.ptrs[r] as u64));
+        self.upload_table(group, table_of(counts, ptrs))
+    }
+
+    /// A table built by [`table_of`] in device memory on `group`'s device, uploaded the first
+    /// time its content is seen and reused afterwards.
+    fn upload_table(&self, group: &Group, host: Vec<u64>) -> Result<u64> {
         let mut scratch = group.scratch.lock();
         if let Some(mem) = scratch.tables.get(&host) {
             return Ok(mem.ptr);
@@ -270,13 +290,11 @@ impl CudaBackend {
             self.sync_group(group)?;
             scratch.tables.clear();
         }
-        let bytes = host.len() * 8;
-        let mem = DeviceMemory::zeroed(bytes)?;
-        // SAFETY: `mem` holds `bytes` bytes; the upload is synchronous.
-        driver::check(
-            unsafe { sys::cuMemcpyHtoD_v2(mem.ptr, host.as_ptr().cast(), bytes) },
-            "cuMemcpyHtoD (segment table)",
-        )?;
+        let bytes: Vec<u8> = host.iter().flat_map(|w| w.to_ne_bytes()).collect();
+        let _bound = group.ctx.bind()?;
+        let mem = DeviceMemory::zeroed(&group.ctx, bytes.len(), group.stream.0)?;
+        // In order on the group's stream, before the kernels that read the table.
+        driver::upload(mem.ptr, &bytes, group.stream.0)?;
         let ptr = mem.ptr;
         scratch.tables.insert(host, mem);
         Ok(ptr)
@@ -302,11 +320,14 @@ impl CudaBackend {
             return Ok(mem.ptr);
         }
         if slot.is_some() {
-            // The old buffer may still be in use by queued work.
-            self.sync_group(group)?;
+            // The old buffer may still be read by queued work, on this device or (peer reads
+            // and copies) on another.
+            for g in &self.groups {
+                self.sync_group(g)?;
+            }
         }
         *slot = None;
-        let mem = DeviceMemory::zeroed(bytes)?;
+        let mem = DeviceMemory::zeroed(&group.ctx, bytes, group.stream.0)?;
         let ptr = mem.ptr;
         *slot = Some(mem);
         Ok(ptr)
@@ -364,8 +385,15 @@ impl CudaBackend {
                     std::thread::sleep(Duration::from_micros(50));
                 }
             }
-            let done = state.pending.pop_front().expect("front exists").done;
+            let Pending {
+                done, leftovers, ..
+            } = state.pending.pop_front().expect("front exists");
             state.spare.push(done);
+            for check in leftovers.checks {
+                let (slot, error) = check.finish();
+                state.index_errors.extend(error);
+                state.check_slots.push(slot);
+            }
         }
         Ok(())
     }
@@ -428,12 +456,18 @@ impl CudaBackend {
                 deadline(issued, self.timeout),
             );
         }
+        // (source, reader) pairs: the source's fusion buffer must not be rewritten (next bucket's
+        // pack) before the reader's stream has read it.
+        let mut reads: Vec<(usize, usize)> = Vec::new();
         for step in steps {
             let (gs, gd) = (self.replicas[step.src].group, self.replicas[step.dst].group);
             if gs == gd || step.via == Via::Local {
                 continue; // local sums and copies are the pack and unpack walks
             }
             self.order(gs, gd)?;
+            if !reads.contains(&(gs, gd)) {
+                reads.push((gs, gd));
+            }
             let (src, dst) = (&self.groups[gs], &self.groups[gd]);
             let _bound = dst.ctx.bind()?;
             match (step.op, step.via) {
@@ -479,8 +513,30 @@ impl CudaBackend {
                 (StepOp::NcclAllreduce, _) => unreachable!("NCCL steps only in NCCL plans"),
             }
         }
+        for (gs, gd) in reads {
+            self.order(gd, gs)?;
+        }
         Ok(())
     }
+}
+
+/// A kernel table: `{offset, count}` per segment, then each segment's pointers (one per local
+/// replica for the walks; params, W and D for BMUF).
+fn table_of<P: IntoIterator<Item = u64>>(
+    counts: impl Iterator<Item = usize>,
+    ptrs: impl Iterator<Item = P>,
+) -> Vec<u64> {
+    let mut host = Vec::new();
+    let mut offset = 0u64;
+    for count in counts {
+        host.push(offset);
+        host.push(count as u64);
+        offset += count as u64;
+    }
+    for seg in ptrs {
+        host.extend(seg);
+    }
+    host
 }
 
 /// Replica-level peer matrix; pairs that can are enabled both ways.
@@ -489,7 +545,7 @@ fn detect_peer_access(ctxs: &[Arc<PrimaryContext>], group_of: &[usize]) -> Resul
     let mut device = vec![0u8; g * g];
     for a in 0..g {
         for b in 0..g {
-            if a == b {
+            if a == b || ctxs[a].ordinal == ctxs[b].ordinal {
                 device[a * g + b] = 1;
             } else if driver::can_access_peer(&ctxs[a], &ctxs[b])? {
                 driver::enable_peer_access(&ctxs[a], &ctxs[b])?;
@@ -546,8 +602,10 @@ impl Backend for CudaBackend {
     }
 
     fn memory_of(&self, replica: usize, ptr: usize) -> Result<Memory> {
-        let want = self.groups[self.replicas[replica].group].ctx.ordinal;
-        match driver::pointer_memory(ptr) {
+        let group = &self.groups[self.replicas[replica].group];
+        let want = group.ctx.ordinal;
+        let _bound = group.ctx.bind()?;
+        match driver::pointer_memory(ptr)? {
             None | Some((false, _, _)) => Ok(Memory::Host),
             Some((true, _, true)) => Ok(Memory::Device),
             Some((true, got, false)) if got == want => Ok(Memory::Device),
@@ -616,9 +674,11 @@ impl Backend for CudaBackend {
                 ev.wait_on(r.stream as sys::CUstream)?;
             }
         }
+        let leftovers = std::mem::take(&mut state.issuing);
         state.pending.push_back(Pending {
             issued: Instant::now(),
             done,
+            leftovers,
         });
         Ok(())
     }
@@ -674,7 +734,15 @@ impl Backend for CudaBackend {
             fusion.push(fb);
             tables.push(table);
         }
-        self.exchange(dtype, total, &fusion, steps, issued)?;
+        if let Err(e) = self.exchange(dtype, total, &fusion, steps, issued) {
+            if self.transport != TransportChoice::Nccl {
+                return Err(e);
+            }
+            // An NCCL group may be half launched: abort the communicators (their kernels end,
+            // so the callers' streams do not wait forever) and refuse further collectives.
+            let mut state = self.state.lock();
+            return Err(self.fail(&mut state, e));
+        }
         for (i, g) in self.groups.iter().enumerate() {
             let _bound = g.ctx.bind()?;
             g.kernels.walk(
@@ -720,20 +788,30 @@ impl Backend for CudaBackend {
 
     fn alloc(&self, replica: usize, bytes: usize) -> Result<Allocation> {
         let g = &self.groups[self.replicas[replica].group];
-        let _bound = g.ctx.bind()?;
-        let mem = DeviceMemory::zeroed(bytes)?;
+        let mem = DeviceMemory::zeroed(&g.ctx, bytes, g.stream.0)?;
         Ok(Allocation::new(mem.ptr as usize, bytes, Box::new(mem)))
+    }
+
+    fn retire(&self, allocation: Allocation) {
+        self.state.lock().issuing.retired.push(allocation);
     }
 
     unsafe fn copy(
         &self,
-        _src_replica: usize,
+        src_replica: usize,
         src: usize,
         dst_replica: usize,
         dst: usize,
         bytes: usize,
     ) -> Result<()> {
-        let g = &self.groups[self.replicas[dst_replica].group];
+        // Issued on the destination's stream, after what the source's stream wrote so far
+        // (a coalesced slice, say).
+        let (gs, gd) = (
+            self.replicas[src_replica].group,
+            self.replicas[dst_replica].group,
+        );
+        self.order(gs, gd)?;
+        let g = &self.groups[gd];
         let _bound = g.ctx.bind()?;
         // SAFETY: the caller guarantees both ranges; UVA resolves the devices.
         driver::check(
@@ -742,8 +820,61 @@ impl Backend for CudaBackend {
         )
     }
 
+    unsafe fn bmuf_load(&self, replica: usize, dtype: DType, spans: &[BmufSpan]) -> Result<()> {
+        self.bmuf_kernel(replica, dtype, spans, None)
+    }
+
+    unsafe fn bmuf_update(
+        &self,
+        replica: usize,
+        dtype: DType,
+        spans: &[BmufSpan],
+        filter: &BmufFilter,
+    ) -> Result<()> {
+        self.bmuf_kernel(replica, dtype, spans, Some(filter))
+    }
+
+    unsafe fn check_indices(&self, check: &IndexCheck<'_>) -> Result<()> {
+        self.device_index_check(check)
+    }
+
+    unsafe fn coalesce(&self, replica: usize, slice: &SliceRef<'_>) -> Result<Coalesced> {
+        self.device_coalesce(replica, slice)
+    }
+
+    unsafe fn divide(
+        &self,
+        replica: usize,
+        dtype: DType,
+        ptr: usize,
+        count: usize,
+        divisor: usize,
+    ) -> Result<()> {
+        if count == 0 {
+            return Ok(());
+        }
+        let g = &self.groups[self.replicas[replica].group];
+        let _bound = g.ctx.bind()?;
+        g.kernels
+            .divide(g.stream.0, dtype, ptr as u64, count, divisor)
+    }
+
+    /// Waits for everything issued, then reports (once) the indices that device checks found
+    /// out of range.
     fn synchronize(&self) -> Result<()> {
-        self.observe(true)
+        self.observe(true)?;
+        let mut state = self.state.lock();
+        let mut errors = std::mem::take(&mut state.index_errors).into_iter();
+        match errors.next() {
+            None => Ok(()),
+            Some(mut first) => {
+                let more = errors.len();
+                if more > 0 {
+                    first.message += &format!(" (and {more} more out-of-range checks)");
+                }
+                Err(first)
+            }
+        }
     }
 
     fn describe(&self) -> serde_json::Value {
@@ -797,6 +928,10 @@ impl Drop for CudaBackend {
             }
         }
         if failed {
+            // As above: memory queued work may still read is leaked, not freed.
+            let state = self.state.get_mut();
+            std::mem::forget(std::mem::take(&mut state.pending));
+            std::mem::forget(std::mem::take(&mut state.issuing));
             if let Some(comms) = self.comms.get_mut().take() {
                 comms.abort();
             }

@@ -192,13 +192,21 @@ impl CommSet {
     /// The set for `devices` (distinct, in rank order): the cached one, or a new one.
     pub fn get(devices: &[&PrimaryContext], deadline: Option<Instant>) -> Result<Arc<CommSet>> {
         let ordinals: Vec<i32> = devices.iter().map(|d| d.ordinal).collect();
-        let mut cache = cache().lock();
-        if let Some(set) = cache.get(&ordinals).and_then(Weak::upgrade) {
-            if !*set.aborted.lock() {
-                return Ok(set);
-            }
+        let live = |cache: &HashMap<Vec<i32>, Weak<CommSet>>| {
+            cache
+                .get(&ordinals)
+                .and_then(Weak::upgrade)
+                .filter(|set| !*set.aborted.lock())
+        };
+        if let Some(set) = live(&cache().lock()) {
+            return Ok(set);
         }
+        // Not under the cache lock: a failing init aborts its set, and abort takes the lock.
         let set = Arc::new(CommSet::init(devices, ordinals.clone(), deadline)?);
+        let mut cache = cache().lock();
+        if let Some(other) = live(&cache) {
+            return Ok(other); // another context made one meanwhile; ours is finalized on drop
+        }
         cache.insert(ordinals, Arc::downgrade(&set));
         Ok(set)
     }
@@ -380,7 +388,14 @@ impl CommSet {
                 }
             }
         }
-        cache().lock().remove(&self.ordinals);
+        // Only our own entry: another, live set may be cached under the same devices.
+        let mut cache = cache().lock();
+        if cache
+            .get(&self.ordinals)
+            .is_some_and(|w| std::ptr::eq(w.as_ptr(), self))
+        {
+            cache.remove(&self.ordinals);
+        }
     }
 }
 

@@ -15,8 +15,10 @@ use std::sync::OnceLock;
 
 use half::{bf16, f16};
 
-use super::{Allocation, Backend, BmufFilter, BmufSpan, BucketView, Coalesced, Segment, SliceRef};
-use crate::error::Result;
+use super::{
+    Allocation, Backend, BmufFilter, BmufSpan, BucketView, Coalesced, IndexCheck, Segment, SliceRef,
+};
+use crate::error::{Error, ErrorKind, Result};
 use crate::plan::{Step, StepOp, Via};
 use crate::types::{DType, ReduceOp};
 
@@ -174,8 +176,16 @@ impl Backend for HostBackend {
     }
 
     fn alloc(&self, _replica: usize, bytes: usize) -> Result<Allocation> {
-        // u128 words: 16-byte alignment suits every dtype (and SIMD loads).
-        let mut words = vec![0u128; bytes.div_ceil(16)];
+        // u128 words: 16-byte alignment suits every dtype (and SIMD loads). Reserved fallibly:
+        // a huge gathered slice must be an error, not an abort of the host process.
+        let mut words: Vec<u128> = Vec::new();
+        words.try_reserve_exact(bytes.div_ceil(16)).map_err(|_| {
+            Error::new(
+                ErrorKind::Backend,
+                format!("out of host memory: could not allocate {bytes} bytes of library memory"),
+            )
+        })?;
+        words.resize(bytes.div_ceil(16), 0);
         let ptr = words.as_mut_ptr() as usize;
         Ok(Allocation::new(ptr, bytes, Box::new(words)))
     }
@@ -209,15 +219,11 @@ impl Backend for HostBackend {
         Ok(())
     }
 
-    unsafe fn find_index_out_of_range(
-        &self,
-        _replica: usize,
-        dtype: DType,
-        indices: usize,
-        rows: usize,
-        bound: u64,
-    ) -> Result<Option<(usize, i64)>> {
-        Ok(sparse::find_index_out_of_range(dtype, indices, rows, bound))
+    unsafe fn check_indices(&self, check: &IndexCheck<'_>) -> Result<()> {
+        match sparse::find_index_out_of_range(check.dtype, check.indices, check.rows, check.bound) {
+            Some((row, value)) => Err(check.error(row, value)),
+            None => Ok(()),
+        }
     }
 
     unsafe fn coalesce(&self, replica: usize, slice: &SliceRef<'_>) -> Result<Coalesced> {

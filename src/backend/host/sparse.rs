@@ -5,7 +5,7 @@
 use half::{bf16, f16};
 
 use super::kernels::{Reducible, BLOCK};
-use crate::backend::{Allocation, Coalesced, SliceRef};
+use crate::backend::{coalescing_order, Allocation, Coalesced, SliceRef};
 use crate::error::Result;
 use crate::types::{DType, ReduceOp};
 
@@ -88,20 +88,7 @@ pub(super) unsafe fn coalesce(
     slice: &SliceRef<'_>,
 ) -> Result<Coalesced> {
     let keys = read_indices(slice.index_dtype, slice.indices, slice.rows);
-    // (index, position): sorting the pairs keeps equal indices in input order, so every run is
-    // summed in world order and the result does not depend on the sort algorithm.
-    let mut order: Vec<(i64, usize)> = keys.iter().copied().zip(0..).collect();
-    order.sort_unstable();
-    let positions: Vec<usize> = order.iter().map(|&(_, p)| p).collect();
-    let mut unique: Vec<i64> = Vec::new();
-    let mut bounds: Vec<usize> = Vec::new();
-    for (k, &(key, _)) in order.iter().enumerate() {
-        if unique.last() != Some(&key) {
-            unique.push(key);
-            bounds.push(k);
-        }
-    }
-    bounds.push(order.len());
+    let (unique, positions, bounds) = coalescing_order(&keys);
     let rows = unique.len();
     let indices = alloc(rows * slice.index_dtype.size())?;
     match slice.index_dtype {

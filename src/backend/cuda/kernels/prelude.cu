@@ -1,0 +1,100 @@
+// Shared by every dpsync kernel: element types, accumulation types and segment-table helpers.
+// No CUDA headers (NVRTC ships none for fp16 before some versions): f16 conversions are inline
+// PTX and bf16 rounding is done on the bits (round to nearest even).
+typedef unsigned long long u64;
+typedef long long i64;
+struct f16_t { unsigned short x; };
+struct bf16_t { unsigned short x; };
+struct Seg { u64 offset; u64 count; };
+
+template <class T> struct Num;
+template <> struct Num<float> {
+  typedef float A;
+  static __device__ __forceinline__ A load(float v) { return v; }
+  static __device__ __forceinline__ float store(A a) { return a; }
+};
+template <> struct Num<double> {
+  typedef double A;
+  static __device__ __forceinline__ A load(double v) { return v; }
+  static __device__ __forceinline__ double store(A a) { return a; }
+};
+template <> struct Num<int> {
+  typedef i64 A;
+  static __device__ __forceinline__ A load(int v) { return (A)v; }
+  static __device__ __forceinline__ int store(A a) { return (int)a; }
+};
+// i64 accumulates in 128 bits, like the host: an AVG whose sum overflows i64 is still exact.
+template <> struct Num<i64> {
+  typedef __int128 A;
+  static __device__ __forceinline__ A load(i64 v) { return (A)v; }
+  static __device__ __forceinline__ i64 store(A a) { return (i64)a; }
+};
+template <> struct Num<f16_t> {
+  typedef float A;
+  static __device__ __forceinline__ A load(f16_t v) {
+    float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.x)); return f;
+  }
+  static __device__ __forceinline__ f16_t store(A a) {
+    f16_t h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.x) : "f"(a)); return h;
+  }
+};
+template <> struct Num<bf16_t> {
+  typedef float A;
+  static __device__ __forceinline__ A load(bf16_t v) {
+    return __uint_as_float(((unsigned)v.x) << 16);
+  }
+  static __device__ __forceinline__ bf16_t store(A a) {
+    unsigned u = __float_as_uint(a);
+    bf16_t b;
+    if ((u & 0x7fffffffu) > 0x7f800000u) { b.x = (unsigned short)((u >> 16) | 0x40u); return b; }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    b.x = (unsigned short)(u >> 16);
+    return b;
+  }
+};
+
+template <class A> __device__ __forceinline__ A divide(A a, double d) { return a / (A)d; }
+// Integer division truncates toward zero, as on the host; the divisor is a small replica count.
+template <> __device__ __forceinline__ __int128 divide(__int128 a, double d) {
+  return a / (__int128)(long long)d;
+}
+
+// The segment holding bucket element e, searching from s (elements only move forward).
+__device__ __forceinline__ int seek(const Seg* segs, int nseg, int s, u64 e) {
+  while (s + 1 < nseg && e >= segs[s + 1].offset) ++s;
+  return s;
+}
+
+// First segment of a chunk by binary search.
+__device__ __forceinline__ int find(const Seg* segs, int nseg, u64 e) {
+  int lo = 0, hi = nseg - 1;
+  while (lo < hi) {
+    int mid = (lo + hi + 1) / 2;
+    if (segs[mid].offset <= e) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+
+// Calls f(segment, bucket element, element within the segment) for every element of a table
+// of `nseg` segments holding `total` elements. Blocks take chunks of blockDim.x *
+// ITEMS_PER_THREAD consecutive elements (grid-stride), threads take every blockDim.x-th element
+// of a chunk, so neighbouring threads touch neighbouring addresses.
+template <class F>
+__device__ __forceinline__ void for_each_element(const Seg* segs, int nseg, u64 total, F f) {
+  const u64 chunk = (u64)blockDim.x * ITEMS_PER_THREAD;
+  const u64 chunks = (total + chunk - 1) / chunk;
+  __shared__ int first;
+  for (u64 c = blockIdx.x; c < chunks; c += gridDim.x) {
+    __syncthreads();
+    if (threadIdx.x == 0) first = find(segs, nseg, c * chunk);
+    __syncthreads();
+    int s = first;
+    for (int k = 0; k < ITEMS_PER_THREAD; ++k) {
+      u64 e = c * chunk + (u64)k * blockDim.x + threadIdx.x;
+      if (e >= total) break;
+      s = seek(segs, nseg, s, e);
+      f(s, e, e - segs[s].offset);
+    }
+  }
+}

@@ -1,0 +1,207 @@
+//! CUDA helpers for the GPU tests: device memory, streams and test kernels from cudarc's safe
+//! layer, as a framework's would come from its own runtime; dpsync only ever sees raw pointers
+//! and streams.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use dpsync::*;
+
+use super::{check, register_raw, Context};
+
+pub fn gpu() -> Arc<CudaContext> {
+    CudaContext::new(0).expect("a context on GPU 0 (dpsync found one)")
+}
+
+pub const SPIN: &str = r#"
+extern "C" __global__ void spin_then_fill(float* out, unsigned long long n, float value,
+                                          long long cycles) {
+  long long start = clock64();
+  while (clock64() - start < cycles) { }
+  for (unsigned long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (unsigned long long)gridDim.x * blockDim.x) out[i] = value;
+}
+extern "C" __global__ void copy_out(const float* in, float* out, unsigned long long n) {
+  for (unsigned long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (unsigned long long)gridDim.x * blockDim.x) out[i] = in[i];
+}
+"#;
+
+pub struct Spin {
+    pub fill: cudarc::driver::CudaFunction,
+    pub copy: cudarc::driver::CudaFunction,
+}
+
+pub fn spin_kernels(ctx: &Arc<CudaContext>) -> Spin {
+    let ptx = cudarc::nvrtc::compile_ptx(SPIN).expect("NVRTC compiles the test kernels");
+    let module = ctx.load_module(ptx).expect("load test kernels");
+    Spin {
+        fill: module.load_function("spin_then_fill").unwrap(),
+        copy: module.load_function("copy_out").unwrap(),
+    }
+}
+
+pub fn dptr<T>(stream: &Arc<CudaStream>, s: &CudaSlice<T>) -> usize {
+    use cudarc::driver::DevicePtr;
+    let (p, _sync) = s.device_ptr(stream);
+    p as usize
+}
+
+pub fn register_device(
+    ctx: &Context,
+    name: &str,
+    role: u32,
+    replica: usize,
+    ptr: usize,
+    n: usize,
+    dtype: u32,
+) {
+    let st = register_raw(
+        ctx.0,
+        name,
+        role,
+        replica,
+        ptr as *mut std::ffi::c_void,
+        n,
+        dtype,
+    );
+    check(st, &format!("register '{name}' on replica {replica}"));
+}
+
+pub fn set_stream(ctx: &Context, replica: usize, stream: &Arc<CudaStream>) {
+    // SAFETY: a live context and stream.
+    let st = unsafe { dpsync_set_stream(ctx.0, replica, stream.cu_stream() as *mut _) };
+    check(st, "dpsync_set_stream");
+}
+
+pub fn synchronize(ctx: &Context) -> dpsync_status {
+    // SAFETY: a live context.
+    unsafe { dpsync_synchronize(ctx.0) }
+}
+
+/// A copy of `bytes` bytes of device memory at `ptr` (any device: unified addressing).
+pub fn download(ptr: usize, bytes: usize) -> Vec<u8> {
+    let mut out = vec![0u8; bytes];
+    if bytes > 0 {
+        gpu().bind_to_thread().expect("bind GPU 0");
+        // SAFETY: the caller names live device memory of at least `bytes`.
+        unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut out, ptr as u64) }
+            .expect("device-to-host copy");
+    }
+    out
+}
+
+/// Device memory on `stream`'s device holding `bytes` (at least one byte, so the pointer is
+/// valid even for an empty slice).
+pub fn upload(stream: &Arc<CudaStream>, bytes: &[u8]) -> CudaSlice<u8> {
+    if bytes.is_empty() {
+        return stream.alloc_zeros::<u8>(1).unwrap();
+    }
+    stream.clone_htod(bytes).unwrap()
+}
+
+/// Where a comparison run keeps replica memory: the host, or GPU 0 (every CUDA replica of these
+/// tests is on GPU 0, so that one GPU runs them).
+pub enum Place {
+    Host,
+    Gpu(Arc<CudaStream>),
+}
+
+/// One buffer on one replica, in the place of its run. Host words keep every dtype aligned.
+pub enum Mem {
+    Host(Vec<u64>, usize),
+    Device(CudaSlice<u8>, Arc<CudaStream>),
+}
+
+impl Place {
+    /// GPU 0's legacy default stream (the stream dpsync orders with by default); `None`, having
+    /// printed "`test`: skipped: no CUDA device", when dpsync finds no GPU.
+    pub fn gpu(test: &str) -> Option<Place> {
+        super::cuda_context(test, &[0], |_| {})?;
+        Some(Place::Gpu(gpu().default_stream()))
+    }
+
+    pub fn mem(&self, bytes: &[u8]) -> Mem {
+        match self {
+            Place::Host => {
+                let mut words = vec![0u64; bytes.len().div_ceil(8).max(1)];
+                // SAFETY: the words hold at least `bytes.len()` bytes.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        bytes.as_ptr(),
+                        words.as_mut_ptr().cast::<u8>(),
+                        bytes.len(),
+                    )
+                };
+                Mem::Host(words, bytes.len())
+            }
+            Place::Gpu(stream) => {
+                let d = upload(stream, bytes);
+                stream.synchronize().unwrap();
+                Mem::Device(d, stream.clone())
+            }
+        }
+    }
+}
+
+impl Mem {
+    pub fn ptr(&self) -> usize {
+        match self {
+            Mem::Host(words, _) => words.as_ptr() as usize,
+            Mem::Device(d, stream) => dptr(stream, d),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Mem::Host(_, n) => *n,
+            Mem::Device(d, _) => d.len(),
+        }
+    }
+
+    pub fn read(&self) -> Vec<u8> {
+        match self {
+            Mem::Host(words, n) => {
+                // SAFETY: the words hold `n` bytes.
+                unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), *n) }.to_vec()
+            }
+            Mem::Device(_, stream) => {
+                stream.synchronize().unwrap();
+                download(self.ptr(), self.len())
+            }
+        }
+    }
+
+    /// Overwrites the contents in place (the address stays the same).
+    pub fn write(&mut self, bytes: &[u8]) {
+        assert_eq!(bytes.len(), self.len());
+        match self {
+            Mem::Host(words, n) => {
+                // SAFETY: the words hold `n` bytes.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        bytes.as_ptr(),
+                        words.as_mut_ptr().cast::<u8>(),
+                        *n,
+                    )
+                }
+            }
+            Mem::Device(d, stream) => {
+                stream.memcpy_htod(bytes, d).unwrap();
+                stream.synchronize().unwrap();
+            }
+        }
+    }
+}
+
+/// Bytes of `ptr` in the place of a run (`bytes` of host memory, or device memory).
+pub fn read_at(place: &Place, ptr: usize, bytes: usize) -> Vec<u8> {
+    match place {
+        // SAFETY: the caller names `bytes` of live host memory (a dpsync output).
+        Place::Host => unsafe { std::slice::from_raw_parts(ptr as *const u8, bytes) }.to_vec(),
+        Place::Gpu(stream) => {
+            stream.synchronize().unwrap();
+            download(ptr, bytes)
+        }
+    }
+}

@@ -1,0 +1,230 @@
+//! BMUF on CUDA replicas: the same program run on host replicas and on CUDA replicas gives the
+//! same params. Without a GPU every test prints "skipped: no CUDA device" and returns.
+//!
+//! With two replicas the averaging is exact in every backend (one addition, a division by 2),
+//! and the filter is specified operation by operation without fused multiply-adds, so host
+//! and device must agree to the byte. With four replicas the order of the additions may differ
+//! between backends; there the params agree to within a few units in the last place.
+
+mod common;
+
+use common::gpu::{synchronize, Mem, Place};
+use common::*;
+
+/// f64 view of float bytes of `dtype`.
+fn decode(dtype: DType, bytes: &[u8]) -> Vec<f64> {
+    match dtype {
+        DType::F32 => bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_ne_bytes(b.try_into().unwrap()) as f64)
+            .collect(),
+        DType::F64 => bytes
+            .chunks_exact(8)
+            .map(|b| f64::from_ne_bytes(b.try_into().unwrap()))
+            .collect(),
+        DType::F16 => bytes
+            .chunks_exact(2)
+            .map(|b| f16_to_f32(u16::from_ne_bytes([b[0], b[1]])) as f64)
+            .collect(),
+        DType::BF16 => bytes
+            .chunks_exact(2)
+            .map(|b| bf16_to_f32(u16::from_ne_bytes([b[0], b[1]])) as f64)
+            .collect(),
+        _ => panic!("not a float dtype"),
+    }
+}
+
+/// `v` rounded to `dtype`, as bytes.
+fn encode(dtype: DType, v: &[f64]) -> Vec<u8> {
+    match dtype {
+        DType::F32 => v.iter().flat_map(|x| (*x as f32).to_ne_bytes()).collect(),
+        DType::F64 => v.iter().flat_map(|x| x.to_ne_bytes()).collect(),
+        DType::F16 => v
+            .iter()
+            .flat_map(|x| f32_to_f16(*x as f32).to_ne_bytes())
+            .collect(),
+        DType::BF16 => v
+            .iter()
+            .flat_map(|x| f32_to_bf16(*x as f32).to_ne_bytes())
+            .collect(),
+        _ => panic!("not a float dtype"),
+    }
+}
+
+/// Tensor sizes: one that spans several kernel chunks and starts the bucket, one small.
+const SIZES: [usize; 2] = [5000, 37];
+const BLOCKS: usize = 3;
+
+/// Registers two PARAMs on `replicas` replicas in `place`, runs bmuf_init and `BLOCKS` blocks
+/// of local drift + bmuf_step, and returns every replica's final params (bytes). `None` when the
+/// CUDA context cannot be made (no GPU).
+fn run(
+    place: &Place,
+    replicas: usize,
+    dtype: DType,
+    nesterov: bool,
+    momentum: f64,
+) -> Option<Vec<Vec<u8>>> {
+    let ctx = match place {
+        Place::Host => Context::host(replicas, None),
+        Place::Gpu(_) => cuda_context("bmuf run", &vec![0; replicas], |_| {})?,
+    };
+    let mut mems: Vec<Vec<Mem>> = Vec::new();
+    for r in 0..replicas {
+        let mut row = Vec::new();
+        for (t, &n) in SIZES.iter().enumerate() {
+            let start = Buf::random(dtype, n, 100 + 10 * r as u64 + t as u64).bytes();
+            let mem = place.mem(&start);
+            let name = format!("p{t}");
+            let st = register_raw(
+                ctx.0,
+                &name,
+                PARAM,
+                r,
+                mem.ptr() as *mut std::ffi::c_void,
+                n,
+                dtype.code(),
+            );
+            check(st, &format!("register {name} on replica {r}"));
+            row.push(mem);
+        }
+        mems.push(row);
+    }
+    check(ctx.bmuf_init(1.0, momentum, nesterov), "bmuf_init");
+    let mut g = Lcg::new(7);
+    for block in 0..BLOCKS {
+        check(synchronize(&ctx), "synchronize before local training");
+        // Local training: each replica drifts by its own amount.
+        for row in mems.iter_mut() {
+            for mem in row.iter_mut() {
+                let mut v = decode(dtype, &mem.read());
+                v.iter_mut().for_each(|x| *x += g.spread() * 0.25);
+                mem.write(&encode(dtype, &v));
+            }
+        }
+        check(ctx.bmuf_step(), &format!("bmuf_step block {block}"));
+    }
+    check(synchronize(&ctx), "synchronize");
+    Some(
+        mems.iter()
+            .map(|row| row.iter().flat_map(|m| m.read()).collect())
+            .collect(),
+    )
+}
+
+const FLOATS: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
+
+#[test]
+fn two_cuda_replicas_give_the_host_backends_bytes() {
+    let Some(gpu) = Place::gpu("two_cuda_replicas_give_the_host_backends_bytes") else {
+        return;
+    };
+    for dtype in FLOATS {
+        for nesterov in [false, true] {
+            for momentum in [-1.0, 0.75] {
+                let device = run(&gpu, 2, dtype, nesterov, momentum).unwrap();
+                let host = run(&Place::Host, 2, dtype, nesterov, momentum).unwrap();
+                for r in 0..2 {
+                    assert!(
+                        device[r] == host[r],
+                        "{dtype:?} nesterov {nesterov} momentum {momentum}: replica {r} differs \
+                         from the host run (first element {:?} vs {:?})",
+                        &decode(dtype, &device[r])[..4],
+                        &decode(dtype, &host[r])[..4]
+                    );
+                }
+                assert_eq!(device[0], device[1], "replicas end identical");
+            }
+        }
+    }
+}
+
+#[test]
+fn four_cuda_replicas_and_one_follow_the_host_run() {
+    let Some(gpu) = Place::gpu("four_cuda_replicas_and_one_follow_the_host_run") else {
+        return;
+    };
+    for replicas in [1, 4] {
+        for dtype in FLOATS {
+            for nesterov in [false, true] {
+                let device = run(&gpu, replicas, dtype, nesterov, -1.0).unwrap();
+                let host = run(&Place::Host, replicas, dtype, nesterov, -1.0).unwrap();
+                let (d, h) = (decode(dtype, &device[0]), decode(dtype, &host[0]));
+                // Sums of four in another order: a few ulps of the state type, and one rounding
+                // step of a half type.
+                let rel = match dtype {
+                    DType::F64 => 1e-12,
+                    DType::F32 => 1e-5,
+                    DType::F16 => 2e-3,
+                    _ => 1.6e-2,
+                };
+                for (i, (a, b)) in d.iter().zip(&h).enumerate() {
+                    assert!(
+                        (a - b).abs() <= rel * b.abs().max(1.0),
+                        "{replicas} replicas {dtype:?} nesterov {nesterov}: element {i}: device \
+                         {a} vs host {b}"
+                    );
+                }
+                for r in 1..replicas {
+                    assert_eq!(device[r], device[0], "replica {r} ends like replica 0");
+                }
+                if replicas == 1 {
+                    assert_eq!(device[0], host[0], "one replica: no averaging, same bytes");
+                }
+            }
+        }
+    }
+}
+
+/// The update runs in stream order: a kernel on the caller's stream that spins before it writes
+/// the params, then bmuf_step, then a kernel that copies the params out, with no host sync in
+/// between, sees the filtered params.
+#[test]
+fn bmuf_step_is_ordered_by_the_callers_stream() {
+    use common::gpu::{dptr, gpu, spin_kernels};
+    use cudarc::driver::{LaunchConfig, PushKernelArg};
+    let Some(ctx) = cuda_context(
+        "bmuf_step_is_ordered_by_the_callers_stream",
+        &[0, 0],
+        |_| {},
+    ) else {
+        return;
+    };
+    let dev = gpu();
+    let stream = dev.default_stream();
+    let spin = spin_kernels(&dev);
+    let n = 1usize << 16;
+    let params: Vec<_> = (0..2)
+        .map(|_| stream.alloc_zeros::<f32>(n).unwrap())
+        .collect();
+    let out = stream.alloc_zeros::<f32>(n).unwrap();
+    for (r, p) in params.iter().enumerate() {
+        common::gpu::register_device(&ctx, "w", PARAM, r, dptr(&stream, p), n, F32);
+    }
+    stream.synchronize().unwrap();
+    // W = 0, D = 0. Block: replica r's params become r + 1 (mean 1.5); classical momentum 0.5,
+    // block_lr 1: D = 1.5, W = 1.5, params = 1.5.
+    check(ctx.bmuf_init(1.0, 0.5, false), "bmuf_init");
+    let cfg = LaunchConfig::for_num_elems(n as u32);
+    for (r, p) in params.iter().enumerate() {
+        let value = (r + 1) as f32;
+        let cycles: i64 = 200_000_000; // ~0.1 s: long enough that an unordered read sees 0
+        let nn = n as u64;
+        let mut launch = stream.launch_builder(&spin.fill);
+        launch.arg(p).arg(&nn).arg(&value).arg(&cycles);
+        // SAFETY: the kernel's signature.
+        unsafe { launch.launch(cfg) }.unwrap();
+    }
+    check(ctx.bmuf_step(), "bmuf_step");
+    let nn = n as u64;
+    let mut launch = stream.launch_builder(&spin.copy);
+    launch.arg(&params[1]).arg(&out).arg(&nn);
+    // SAFETY: the kernel's signature.
+    unsafe { launch.launch(cfg) }.unwrap();
+    let got = stream.clone_dtoh(&out).unwrap();
+    assert!(
+        got.iter().all(|x| *x == 1.5),
+        "first elements {:?}",
+        &got[..4]
+    );
+}

@@ -1,0 +1,215 @@
+//! Sparse gradients on CUDA replicas: the same steps run on host replicas and on CUDA replicas
+//! give the same gathered slices, byte for byte (the gather copies rows; coalescing sums each
+//! run of equal indices in world order with the same accumulation types everywhere). Without a
+//! GPU every test prints "skipped: no CUDA device" and returns.
+
+mod common;
+
+use std::ffi::c_void;
+
+use common::gpu::{read_at, synchronize, Mem, Place};
+use common::*;
+
+/// A sparse gradient of the comparison: name, row length, value dtype, index dtype, and the
+/// gradient whose index buffer it shares (same pointer on every replica), if any.
+struct Grad {
+    name: &'static str,
+    row_len: usize,
+    values: DType,
+    indices: DType,
+    shares: Option<usize>,
+}
+
+const GRADS: [Grad; 3] = [
+    Grad {
+        name: "emb",
+        row_len: 5,
+        values: DType::F32,
+        indices: DType::I64,
+        shares: None,
+    },
+    Grad {
+        name: "emb_half",
+        row_len: 3,
+        values: DType::F16,
+        indices: DType::I64,
+        shares: Some(0),
+    },
+    Grad {
+        name: "tok",
+        row_len: 70,
+        values: DType::BF16,
+        indices: DType::I32,
+        shares: None,
+    },
+];
+
+const TABLE: usize = 1000;
+
+/// Rows replica r sets at `step`: uneven, zero on some replica, with duplicate indices.
+fn rows(r: usize, step: usize) -> usize {
+    [7, 0, 33, 5, 12][(r + step) % 5]
+}
+
+fn index_bytes(dtype: DType, v: &[i64]) -> Vec<u8> {
+    match dtype {
+        DType::I32 => v.iter().flat_map(|&i| (i as i32).to_ne_bytes()).collect(),
+        _ => v.iter().flat_map(|&i| i.to_ne_bytes()).collect(),
+    }
+}
+
+/// What one replica reads back after a step: per gradient, (rows, indices bytes, values bytes).
+type Outputs = Vec<Vec<(usize, Vec<u8>, Vec<u8>)>>;
+
+/// Two steps of every gradient on `replicas` replicas in `place`; the outputs of both steps.
+fn run(place: &Place, replicas: usize, coalesce: bool, op: u32) -> Option<Vec<Outputs>> {
+    let ctx = match place {
+        Place::Host => {
+            let o = Options::host(replicas);
+            o.set_sparse_coalesce(coalesce);
+            Context::new(&o)
+        }
+        Place::Gpu(_) => cuda_context("sparse run", &vec![0; replicas], |o| {
+            o.set_sparse_coalesce(coalesce)
+        })?,
+    };
+    for g in &GRADS {
+        ctx.reg_sparse_all(g.name, g.row_len, g.values.code(), g.indices.code(), TABLE);
+    }
+    let mut steps = Vec::new();
+    for step in 0..2 {
+        // Buffers live until the step's allreduce_grads has run (and been synchronized).
+        let mut keep: Vec<Mem> = Vec::new();
+        for r in 0..replicas {
+            let n = rows(r, step);
+            let mut g = Lcg::new((100 * step + r) as u64);
+            let mut own_indices: Vec<usize> = Vec::new();
+            for (k, grad) in GRADS.iter().enumerate() {
+                let indices_ptr = match grad.shares {
+                    Some(other) => keep[own_indices[other]].ptr(),
+                    None => {
+                        let v: Vec<i64> = (0..n)
+                            .map(|_| g.below(if k == 0 { 20 } else { TABLE as u64 }) as i64)
+                            .collect();
+                        keep.push(place.mem(&index_bytes(grad.indices, &v)));
+                        keep.last().unwrap().ptr()
+                    }
+                };
+                own_indices.push(keep.len() - 1);
+                let values = Buf::random(grad.values, n * grad.row_len, g.next_u64()).bytes();
+                keep.push(place.mem(&values));
+                let st = ctx.sparse_set_raw(
+                    grad.name,
+                    r,
+                    indices_ptr as *const c_void,
+                    keep.last().unwrap().ptr() as *const c_void,
+                    n,
+                );
+                check(st, &format!("sparse_set {} replica {r}", grad.name));
+            }
+        }
+        check(ctx.allreduce_grads(op), "allreduce_grads");
+        check(synchronize(&ctx), "synchronize");
+        let mut outputs = Vec::new();
+        for r in 0..replicas {
+            let mut per = Vec::new();
+            for grad in &GRADS {
+                let out = ctx.sparse_get(grad.name, r).expect("sparse_get");
+                let i = read_at(place, out.indices as usize, out.rows * grad.indices.size());
+                let v = read_at(
+                    place,
+                    out.values as usize,
+                    out.rows * grad.row_len * grad.values.size(),
+                );
+                per.push((out.rows, i, v));
+            }
+            outputs.push(per);
+        }
+        steps.push(outputs);
+        drop(keep);
+    }
+    Some(steps)
+}
+
+#[test]
+fn gathers_on_cuda_replicas_match_the_host_byte_for_byte() {
+    let Some(gpu) = Place::gpu("gathers_on_cuda_replicas_match_the_host_byte_for_byte") else {
+        return;
+    };
+    for replicas in [1, 2, 4] {
+        for coalesce in [false, true] {
+            for op in [SUM, AVG] {
+                let device = run(&gpu, replicas, coalesce, op).unwrap();
+                let host = run(&Place::Host, replicas, coalesce, op).unwrap();
+                for (step, (d, h)) in device.iter().zip(&host).enumerate() {
+                    for r in 0..replicas {
+                        for (k, grad) in GRADS.iter().enumerate() {
+                            let what = format!(
+                                "{replicas} replicas, coalesce {coalesce}, op {op}, step {step}, \
+                                 replica {r}, '{}'",
+                                grad.name
+                            );
+                            assert_eq!(d[r][k].0, h[r][k].0, "{what}: rows");
+                            assert!(d[r][k].1 == h[r][k].1, "{what}: indices differ");
+                            assert!(d[r][k].2 == h[r][k].2, "{what}: values differ");
+                        }
+                    }
+                }
+                // Sanity of the comparison itself: the plain gather has every row.
+                if !coalesce {
+                    let want: usize = (0..replicas).map(|r| rows(r, 0)).sum();
+                    assert_eq!(device[0][0][0].0, want);
+                }
+            }
+        }
+    }
+}
+
+/// Indices out of range are found by a kernel: the step returns OK, and the next
+/// dpsync_synchronize reports INCONSISTENT naming the gradient, replica, row and index; once.
+#[test]
+fn indices_out_of_range_are_reported_by_synchronize() {
+    let Some(gpu) = Place::gpu("indices_out_of_range_are_reported_by_synchronize") else {
+        return;
+    };
+    let Some(ctx) = cuda_context("out of range", &[0, 0], |_| {}) else {
+        return;
+    };
+    ctx.reg_sparse_all("emb", 2, F32, I64, 10);
+    let good = gpu.mem(&index_bytes(DType::I64, &[1, 2, 3]));
+    let bad = gpu.mem(&index_bytes(DType::I64, &[4, 10, -1]));
+    let values = gpu.mem(&Buf::random(DType::F32, 6, 1).bytes());
+    for (r, idx) in [(0, &good), (1, &bad)] {
+        let st = ctx.sparse_set_raw("emb", r, idx.ptr() as _, values.ptr() as _, 3);
+        check(st, "sparse_set");
+    }
+    check(
+        ctx.allreduce_grads(SUM),
+        "allreduce_grads (the check runs on the device)",
+    );
+    expect_err(
+        synchronize(&ctx),
+        INCONSISTENT,
+        &["'emb'", "replica 1", "row 1", "index 10", "[0, 10)"],
+    );
+    check(synchronize(&ctx), "reported once");
+    // The context stays usable.
+    for r in 0..2 {
+        let st = ctx.sparse_set_raw("emb", r, good.ptr() as _, values.ptr() as _, 3);
+        check(st, "sparse_set");
+    }
+    check(ctx.allreduce_grads(SUM), "allreduce_grads");
+    check(synchronize(&ctx), "synchronize");
+}
+
+#[test]
+fn host_memory_slices_on_a_cuda_replica_are_refused() {
+    let Some(ctx) = cuda_context("host slices", &[0], |_| {}) else {
+        return;
+    };
+    ctx.reg_sparse_all("emb", 2, F32, I64, 0);
+    let idx = [1i64, 2];
+    let val = [0f32; 4];
+    let st = ctx.sparse_set("emb", 0, &idx, &val);
+    expect_err(st, INVALID_ARGUMENT, &["'emb'", "indices", "host memory"]);
+}
