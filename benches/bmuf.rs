@@ -9,9 +9,8 @@
 //! 2. The whole `dpsync_bmuf_step` through the C ABI against `dpsync_average(PARAM)`, the
 //!    averaging collective it starts with.
 
-use std::ffi::{c_void, CString};
+use std::ffi::c_void;
 use std::hint::black_box;
-use std::time::{Duration, Instant};
 
 use dpsync::backend::host::HostBackend;
 use dpsync::backend::{bmuf_state_dtype, Allocation, Backend, BmufFilter, BmufSpan};
@@ -19,66 +18,19 @@ use dpsync::plan::plan_buckets;
 use dpsync::types::{DType, Memory};
 use dpsync::*;
 
-const PARAM: u32 = dpsync_role::DPSYNC_ROLE_PARAM as u32;
-const F32: u32 = dpsync_dtype::DPSYNC_DTYPE_F32 as u32;
+#[path = "common/mod.rs"]
+mod common;
+use common::*;
+
 const REPLICAS: usize = 4;
 const FUSION_BYTES: usize = 25 << 20;
 
-fn check(status: dpsync_status) {
-    if status != dpsync_status::DPSYNC_STATUS_OK {
-        let msg = unsafe { std::ffi::CStr::from_ptr(dpsync_last_error()) };
-        panic!("{status:?}: {}", msg.to_string_lossy());
-    }
-}
-
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
-}
-
-/// Runs `a` and `b` alternately `reps` times; returns their median times.
-fn side_by_side(reps: usize, mut a: impl FnMut(), mut b: impl FnMut()) -> (Duration, Duration) {
-    a();
-    b();
-    let (mut ta, mut tb) = (Vec::new(), Vec::new());
-    for _ in 0..reps {
-        let t = Instant::now();
-        a();
-        ta.push(t.elapsed());
-        let t = Instant::now();
-        b();
-        tb.push(t.elapsed());
-    }
-    (median(ta), median(tb))
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
-}
-
-fn filled(n: usize, seed: usize) -> Vec<f32> {
-    (0..n)
-        .map(|i| ((i * 7 + seed * 13) % 1000) as f32 * 1e-3 - 0.5)
-        .collect()
-}
-
-fn load_param_set(path: &str) -> Vec<(String, usize)> {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
-    text.lines()
-        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
-        .map(|l| {
-            let cols: Vec<&str> = l.split('\t').collect();
-            (
-                cols[0].to_owned(),
-                cols[2].trim().parse().expect("element count"),
-            )
-        })
-        .collect()
-}
-
 /// One replica's params, tensor by tensor, as a framework allocates them.
 fn replica_params(params: &[(String, usize)], replica: usize) -> Vec<Vec<f32>> {
-    params.iter().map(|(_, n)| filled(*n, replica)).collect()
+    params
+        .iter()
+        .map(|(_, n)| filled(*n, replica, -0.5))
+        .collect()
 }
 
 /// Part 1: the update primitive over the library's buckets vs a memcpy of the touched bytes.
@@ -190,38 +142,18 @@ fn update_vs_memcpy(params: &[(String, usize)], reps: usize, threads: Option<usi
 fn step_vs_collective(params: &[(String, usize)], reps: usize) {
     let mut replicas: Vec<Vec<Vec<f32>>> =
         (0..REPLICAS).map(|r| replica_params(params, r)).collect();
-    let ctx = unsafe {
-        let mut o = std::ptr::null_mut();
-        check(dpsync_options_new(&mut o));
-        check(dpsync_options_set_host_replicas(o, REPLICAS));
-        check(dpsync_options_set_fusion_bytes(o, FUSION_BYTES));
-        let mut c = std::ptr::null_mut();
-        check(dpsync_context_create(o, &mut c));
-        dpsync_options_free(o);
-        c
-    };
+    let ctx = Ctx::host(REPLICAS, FUSION_BYTES);
     for (r, tensors) in replicas.iter_mut().enumerate() {
         for ((name, _), data) in params.iter().zip(tensors.iter_mut()) {
-            let name = CString::new(name.as_str()).unwrap();
             let ptr = data.as_mut_ptr() as *mut c_void;
-            unsafe {
-                check(dpsync_register(
-                    ctx,
-                    name.as_ptr(),
-                    PARAM,
-                    r,
-                    ptr,
-                    data.len(),
-                    F32,
-                ))
-            };
+            ctx.register(name, PARAM, r, ptr, data.len(), F32);
         }
     }
-    unsafe { check(dpsync_bmuf_init(ctx, 1.0, -1.0, true)) };
+    unsafe { check(dpsync_bmuf_init(ctx.0, 1.0, -1.0, true)) };
     let (t_step, t_avg) = side_by_side(
         reps,
-        || unsafe { check(dpsync_bmuf_step(ctx)) },
-        || unsafe { check(dpsync_average(ctx, PARAM)) },
+        || unsafe { check(dpsync_bmuf_step(ctx.0)) },
+        || unsafe { check(dpsync_average(ctx.0, PARAM)) },
     );
     println!(
         "dpsync_bmuf_step, ResNet-50 x {REPLICAS} replicas: {:.2} ms | its averaging collective \
@@ -230,20 +162,18 @@ fn step_vs_collective(params: &[(String, usize)], reps: usize) {
         ms(t_avg),
         ms(t_step) - ms(t_avg)
     );
-    unsafe { check(dpsync_context_destroy(ctx)) };
 }
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let reps = if quick { 3 } else { 9 };
-    let data = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/data");
     println!(
         "dpsync {} host BMUF benchmarks, {} hardware threads{}",
         env!("CARGO_PKG_VERSION"),
         std::thread::available_parallelism().map_or(1, |n| n.get()),
         if quick { " (quick)" } else { "" }
     );
-    let params = load_param_set(&format!("{data}/resnet50_params.tsv"));
+    let params = load_param_set("resnet50_params.tsv");
     update_vs_memcpy(&params, reps, None);
     update_vs_memcpy(&params, reps, Some(1));
     step_vs_collective(&params, reps);

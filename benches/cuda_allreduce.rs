@@ -19,96 +19,42 @@ use std::time::Instant;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use dpsync::*;
 
-#[path = "common/raw_nccl.rs"]
-mod raw_nccl;
+#[path = "common/mod.rs"]
+mod common;
+use common::{check, raw_nccl, Ctx, F32, GRAD, PARAM, SUM};
 
-const SUM: u32 = dpsync_reduce_op::DPSYNC_REDUCE_SUM as u32;
-const GRAD: u32 = dpsync_role::DPSYNC_ROLE_GRAD as u32;
-const PARAM: u32 = dpsync_role::DPSYNC_ROLE_PARAM as u32;
-const F32: u32 = dpsync_dtype::DPSYNC_DTYPE_F32 as u32;
-
-fn check(status: dpsync_status) {
-    if status != dpsync_status::DPSYNC_STATUS_OK {
-        let msg = unsafe { std::ffi::CStr::from_ptr(dpsync_last_error()) };
-        panic!("{status:?}: {}", msg.to_string_lossy());
-    }
+/// CUDA replicas on `ordinals` over `transport` (0 = AUTO); `None` without a GPU.
+fn cuda_ctx(ordinals: &[i32], transport: u32, fusion_bytes: usize) -> Option<Ctx> {
+    Ctx::create(|o| unsafe {
+        check(dpsync_options_set_cuda_replicas(
+            o,
+            ordinals.as_ptr(),
+            ordinals.len(),
+        ));
+        check(dpsync_options_set_transport(o, transport));
+        check(dpsync_options_set_fusion_bytes(o, fusion_bytes));
+    })
 }
 
-struct Ctx(*mut dpsync_context);
-
-impl Ctx {
-    fn new(ordinals: &[i32], transport: u32, fusion_bytes: usize) -> Option<Ctx> {
-        unsafe {
-            let mut o = std::ptr::null_mut();
-            check(dpsync_options_new(&mut o));
-            check(dpsync_options_set_cuda_replicas(
-                o,
-                ordinals.as_ptr(),
-                ordinals.len(),
-            ));
-            check(dpsync_options_set_transport(o, transport));
-            check(dpsync_options_set_fusion_bytes(o, fusion_bytes));
-            let mut c = std::ptr::null_mut();
-            let st = dpsync_context_create(o, &mut c);
-            dpsync_options_free(o);
-            if st == dpsync_status::DPSYNC_STATUS_UNAVAILABLE {
-                let msg = std::ffi::CStr::from_ptr(dpsync_last_error());
-                println!("skipped: no CUDA device ({})", msg.to_string_lossy());
-                return None;
-            }
-            check(st);
-            Some(Ctx(c))
-        }
-    }
-
-    fn register(&self, name: &str, replica: usize, ptr: u64, n: usize) {
-        self.register_as(name, GRAD, replica, ptr, n)
-    }
-
-    fn register_as(&self, name: &str, role: u32, replica: usize, ptr: u64, n: usize) {
-        let name = CString::new(name).unwrap();
-        unsafe {
-            check(dpsync_register(
-                self.0,
-                name.as_ptr(),
-                role,
-                replica,
-                ptr as *mut c_void,
-                n,
-                F32,
-            ))
-        };
-    }
-
-    fn set_stream(&self, replica: usize, stream: &CudaStream) {
-        unsafe {
-            check(dpsync_set_stream(
-                self.0,
-                replica,
-                stream.cu_stream() as *mut _,
-            ))
-        };
-    }
+/// Registers `n` f32 of device memory as `role`.
+fn reg(ctx: &Ctx, name: &str, role: u32, replica: usize, ptr: u64, n: usize) {
+    ctx.register(name, role, replica, ptr as *mut c_void, n, F32);
 }
 
-impl Drop for Ctx {
-    fn drop(&mut self) {
-        unsafe { dpsync_context_destroy(self.0) };
-    }
+fn set_stream(ctx: &Ctx, replica: usize, stream: &CudaStream) {
+    // SAFETY: a live context and stream.
+    unsafe {
+        check(dpsync_set_stream(
+            ctx.0,
+            replica,
+            stream.cu_stream() as *mut _,
+        ))
+    };
 }
 
 fn ptr(stream: &Arc<CudaStream>, s: &CudaSlice<f32>) -> u64 {
     let (p, _sync) = s.device_ptr(stream);
     p
-}
-
-fn load_param_set(path: &str) -> Vec<usize> {
-    std::fs::read_to_string(path)
-        .unwrap_or_else(|e| panic!("{path}: {e}"))
-        .lines()
-        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
-        .map(|l| l.split('\t').nth(2).unwrap().trim().parse().unwrap())
-        .collect()
 }
 
 /// GPU milliseconds per call of `f` (timed with events on `stream`) and host µs per call.
@@ -128,19 +74,12 @@ fn time(stream: &Arc<CudaStream>, iters: usize, mut f: impl FnMut()) -> (f64, f6
     (gpu_ms, host * 1e6 / iters as f64)
 }
 
-/// The ResNet-50 tensor sizes. The bundle of scripts/gpu-check.sh runs elsewhere than it was
-/// built: try the working directory first.
+/// The ResNet-50 tensor sizes.
 fn resnet_sizes() -> Vec<usize> {
-    let local = "benches/data/resnet50_params.tsv";
-    let built = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/benches/data/resnet50_params.tsv"
-    );
-    load_param_set(if std::path::Path::new(local).exists() {
-        local
-    } else {
-        built
-    })
+    common::load_param_set("resnet50_params.tsv")
+        .into_iter()
+        .map(|(_, n)| n)
+        .collect()
 }
 
 fn resnet(gpu: &Arc<CudaContext>, sizes: &[usize], quick: bool) {
@@ -166,16 +105,16 @@ fn resnet(gpu: &Arc<CudaContext>, sizes: &[usize], quick: bool) {
         ("fused (25 MiB buckets)", 25usize << 20),
         ("one bucket per tensor", 0),
     ] {
-        let Some(ctx) = Ctx::new(&[0, 0], 0, fusion) else {
+        let Some(ctx) = cuda_ctx(&[0, 0], 0, fusion) else {
             return;
         };
         for (t, pair) in bufs.iter().enumerate() {
             for (r, b) in pair.iter().enumerate() {
-                ctx.register(&format!("g{t}"), r, ptr(&stream, b), sizes[t]);
+                reg(&ctx, &format!("g{t}"), GRAD, r, ptr(&stream, b), sizes[t]);
             }
         }
-        ctx.set_stream(0, &stream);
-        ctx.set_stream(1, &stream);
+        set_stream(&ctx, 0, &stream);
+        set_stream(&ctx, 1, &stream);
         let (gpu_ms, host_us) = time(&stream, iters, || {
             check(unsafe { dpsync_allreduce_grads(ctx.0, SUM) })
         });
@@ -223,13 +162,13 @@ fn sum_bandwidth(gpu: &Arc<CudaContext>, quick: bool) {
     let a: CudaSlice<f32> = stream.alloc_zeros(n).unwrap();
     let b: CudaSlice<f32> = stream.alloc_zeros(n).unwrap();
     let mut c: CudaSlice<f32> = stream.alloc_zeros(n).unwrap();
-    let Some(ctx) = Ctx::new(&[0, 0], 2, 25 << 20) else {
+    let Some(ctx) = cuda_ctx(&[0, 0], 2, 25 << 20) else {
         return;
     };
-    ctx.register("g", 0, ptr(&stream, &a), n);
-    ctx.register("g", 1, ptr(&stream, &b), n);
-    ctx.set_stream(0, &stream);
-    ctx.set_stream(1, &stream);
+    reg(&ctx, "g", GRAD, 0, ptr(&stream, &a), n);
+    reg(&ctx, "g", GRAD, 1, ptr(&stream, &b), n);
+    set_stream(&ctx, 0, &stream);
+    set_stream(&ctx, 1, &stream);
     let iters = if quick { 5 } else { 20 };
     let bytes = (n * 4) as f64;
     let name = CString::new("g").unwrap();
@@ -258,7 +197,7 @@ fn sum_bandwidth(gpu: &Arc<CudaContext>, quick: bool) {
 /// device-to-device copy of the bytes the update reads and writes (params, W and D).
 fn bmuf_bandwidth(gpu: &Arc<CudaContext>, sizes: &[usize], quick: bool) {
     let stream = gpu.new_stream().unwrap();
-    let Some(ctx) = Ctx::new(&[0], 0, 25 << 20) else {
+    let Some(ctx) = cuda_ctx(&[0], 0, 25 << 20) else {
         return;
     };
     let params: Vec<CudaSlice<f32>> = sizes
@@ -266,9 +205,9 @@ fn bmuf_bandwidth(gpu: &Arc<CudaContext>, sizes: &[usize], quick: bool) {
         .map(|&n| stream.alloc_zeros(n).unwrap())
         .collect();
     for (t, p) in params.iter().enumerate() {
-        ctx.register_as(&format!("p{t}"), PARAM, 0, ptr(&stream, p), sizes[t]);
+        reg(&ctx, &format!("p{t}"), PARAM, 0, ptr(&stream, p), sizes[t]);
     }
-    ctx.set_stream(0, &stream);
+    set_stream(&ctx, 0, &stream);
     check(unsafe { dpsync_bmuf_init(ctx.0, 1.0, 0.9, true) });
     let total: usize = sizes.iter().sum();
     let iters = if quick { 5 } else { 50 };
@@ -299,7 +238,7 @@ fn bmuf_bandwidth(gpu: &Arc<CudaContext>, sizes: &[usize], quick: bool) {
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     // Probe through dpsync first: it reports a missing driver without panicking.
-    if Ctx::new(&[0], 0, 0).is_none() {
+    if cuda_ctx(&[0], 0, 0).is_none() {
         return;
     }
     let gpu = CudaContext::new(0).expect("GPU 0");

@@ -7,28 +7,21 @@
 //! Run: `cargo bench --bench sparse_gather` (`-- --quick` for a short smoke run). Figures go to
 //! docs/PERFORMANCE.md.
 
-use std::ffi::{c_void, CStr, CString};
+use std::ffi::{c_void, CString};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use dpsync::*;
 
-const SUM: u32 = dpsync_reduce_op::DPSYNC_REDUCE_SUM as u32;
-const F32: u32 = dpsync_dtype::DPSYNC_DTYPE_F32 as u32;
-const I64: u32 = dpsync_dtype::DPSYNC_DTYPE_I64 as u32;
+#[path = "common/mod.rs"]
+mod common;
+use common::*;
 
 const TABLE_ROWS: usize = 1 << 20;
 const ROW_LEN: usize = 64;
 const REPLICAS: usize = 4;
 const ROWS_PER_REPLICA: usize = 4096;
 const ZIPF_S: f64 = 1.1;
-
-fn check(status: dpsync_status) {
-    if status != dpsync_status::DPSYNC_STATUS_OK {
-        let msg = unsafe { CStr::from_ptr(dpsync_last_error()) };
-        panic!("{status:?}: {}", msg.to_string_lossy());
-    }
-}
 
 /// SplitMix64: small, fast, good enough for a benchmark's index stream.
 struct Rng(u64);
@@ -74,34 +67,32 @@ impl Zipf {
     }
 }
 
-struct Ctx(*mut dpsync_context);
+/// The benchmark's context: host replicas with the embedding gradient registered.
+fn sparse_context(coalesce: bool) -> Ctx {
+    let ctx = Ctx::create(|o| unsafe {
+        check(dpsync_options_set_host_replicas(o, REPLICAS));
+        check(dpsync_options_set_sparse_coalesce(o, coalesce));
+    })
+    .expect("host contexts are always available");
+    let name = CString::new("emb_grad").unwrap();
+    for r in 0..REPLICAS {
+        // SAFETY: a live context and name.
+        unsafe {
+            check(dpsync_register_sparse(
+                ctx.0,
+                name.as_ptr(),
+                r,
+                ROW_LEN,
+                F32,
+                I64,
+                TABLE_ROWS,
+            ))
+        };
+    }
+    ctx
+}
 
 impl Ctx {
-    fn new(coalesce: bool) -> Ctx {
-        unsafe {
-            let mut o = std::ptr::null_mut();
-            check(dpsync_options_new(&mut o));
-            check(dpsync_options_set_host_replicas(o, REPLICAS));
-            check(dpsync_options_set_sparse_coalesce(o, coalesce));
-            let mut c = std::ptr::null_mut();
-            check(dpsync_context_create(o, &mut c));
-            dpsync_options_free(o);
-            let name = CString::new("emb_grad").unwrap();
-            for r in 0..REPLICAS {
-                check(dpsync_register_sparse(
-                    c,
-                    name.as_ptr(),
-                    r,
-                    ROW_LEN,
-                    F32,
-                    I64,
-                    TABLE_ROWS,
-                ));
-            }
-            Ctx(c)
-        }
-    }
-
     /// Sets every replica's slice and runs the step.
     fn step(&self, step: &Step) {
         let name = CString::new("emb_grad").unwrap();
@@ -145,28 +136,9 @@ impl Ctx {
 
     /// Bytes the last step copied, from dpsync_describe.
     fn bytes_copied(&self) -> usize {
-        unsafe {
-            let mut len = 0usize;
-            check(dpsync_describe(self.0, std::ptr::null_mut(), 0, &mut len));
-            let mut buf = vec![0u8; len + 1];
-            check(dpsync_describe(
-                self.0,
-                buf.as_mut_ptr().cast(),
-                buf.len(),
-                &mut len,
-            ));
-            buf.truncate(len);
-            let json: serde_json::Value = serde_json::from_slice(&buf).expect("describe is JSON");
-            json["sparse_last_step"]["bytes_copied"]
-                .as_u64()
-                .expect("bytes_copied") as usize
-        }
-    }
-}
-
-impl Drop for Ctx {
-    fn drop(&mut self) {
-        unsafe { dpsync_context_destroy(self.0) };
+        self.describe()["sparse_last_step"]["bytes_copied"]
+            .as_u64()
+            .expect("bytes_copied") as usize
     }
 }
 
@@ -198,15 +170,6 @@ fn apply(table: &mut [f32], indices: &[i64], values: &[f32]) {
             *t -= 0.1 * v;
         }
     }
-}
-
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
 }
 
 #[derive(Default)]
@@ -257,8 +220,8 @@ fn main() {
     );
     let zipf = Zipf::new(TABLE_ROWS, ZIPF_S);
     let mut rng = Rng(2024);
-    let plain_ctx = Ctx::new(false);
-    let coalesced_ctx = Ctx::new(true);
+    let plain_ctx = sparse_context(false);
+    let coalesced_ctx = sparse_context(true);
     // Written once here so that page faults on first touch do not land in the timed scatter-adds.
     let mut table = vec![0.5f32; TABLE_ROWS * ROW_LEN];
     let (mut plain, mut coalesced) = (Figures::default(), Figures::default());
