@@ -61,14 +61,16 @@ fn ptr(stream: &Arc<CudaStream>, s: &CudaSlice<f32>) -> u64 {
 fn time(stream: &Arc<CudaStream>, iters: usize, mut f: impl FnMut()) -> (f64, f64) {
     f();
     stream.synchronize().unwrap();
-    let start = stream.record_event(None).unwrap();
+    // Timing needs events created without CU_EVENT_DISABLE_TIMING (cudarc's default).
+    let timed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let start = stream.record_event(timed).unwrap();
     let mut host = 0.0;
     for _ in 0..iters {
         let h = Instant::now();
         f();
         host += h.elapsed().as_secs_f64();
     }
-    let end = stream.record_event(None).unwrap();
+    let end = stream.record_event(timed).unwrap();
     end.synchronize().unwrap();
     let gpu_ms = start.elapsed_ms(&end).unwrap() as f64 / iters as f64;
     (gpu_ms, host * 1e6 / iters as f64)
@@ -130,18 +132,25 @@ fn resnet(gpu: &Arc<CudaContext>, sizes: &[usize], quick: bool) {
     match raw_nccl::Comms::two_ranks_on_gpu0() {
         Err(why) => println!("  raw NCCL per tensor: skipped: {why}"),
         Ok(comms) => {
+            // Pointers and events made once, as a framework would keep them.
+            let ptrs: Vec<[u64; 2]> = bufs
+                .iter()
+                .map(|pair| [ptr(&stream, &pair[0]), ptr(&stream, &pair[1])])
+                .collect();
+            let streams = [stream.cu_stream(), second.cu_stream()];
+            let fork = gpu.new_event(None).unwrap();
+            let join = gpu.new_event(None).unwrap();
             let (gpu_ms, host_us) = time(&stream, iters, || {
-                let fork = stream.record_event(None).unwrap();
+                fork.record(&stream).unwrap();
                 second.wait(&fork).unwrap();
                 comms.group(|| {
-                    for (pair, &n) in bufs.iter().zip(sizes) {
-                        for (rank, s) in [&stream, &second].into_iter().enumerate() {
-                            let p = ptr(s, &pair[rank]);
-                            comms.allreduce_f32_in_place(rank, p, n, s.cu_stream() as _);
+                    for (p, &n) in ptrs.iter().zip(sizes) {
+                        for rank in 0..2 {
+                            comms.allreduce_f32_in_place(rank, p[rank], n, streams[rank] as _);
                         }
                     }
                 });
-                let join = second.record_event(None).unwrap();
+                join.record(&second).unwrap();
                 stream.wait(&join).unwrap();
             });
             println!(

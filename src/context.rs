@@ -180,14 +180,14 @@ impl Context {
         let sparse = self.executor.bracket(|| {
             let sparse = self.gather_sparse(op)?;
             // SAFETY: registered memory stays valid while registered (the C contract).
-            unsafe {
-                self.executor.allreduce_buckets(
-                    &plan.buckets,
-                    &tensors,
-                    op,
-                    self.divisor(),
-                    &plan,
-                )?;
+            let dense = unsafe {
+                self.executor
+                    .allreduce_buckets(&plan.buckets, &tensors, op, self.divisor(), &plan)
+            };
+            if let Err(e) = dense {
+                // Queued copies may still write the new outputs: freed when they are done.
+                self.executor.retire_outputs(sparse);
+                return Err(e);
             }
             Ok(sparse)
         })?;

@@ -215,8 +215,9 @@ impl Executor {
         let mut gradient_stats: Vec<Option<GradientStats>> = vec![None; inputs.len()];
         for group in groups {
             let members: Vec<&SparseInput> = group.members.iter().map(|&m| &inputs[m]).collect();
+            let avg = (op == ReduceOp::Avg && divisor > 1).then_some(divisor);
             let (gathered, rows_sent) = if coalesce {
-                self.gather_coalesced(&members, &mut out.stats.bytes_copied)?
+                self.gather_coalesced(&members, &mut out.stats.bytes_copied, avg)?
             } else {
                 let sent = members[0].slices.iter().map(|s| s.rows).collect();
                 (
@@ -224,7 +225,8 @@ impl Executor {
                     sent,
                 )
             };
-            if op == ReduceOp::Avg && divisor > 1 {
+            // Coalesced results were divided once on the root, before being copied out.
+            if let (Some(divisor), false) = (avg, coalesce) {
                 for (input, values) in members.iter().zip(&gathered.values) {
                     let count = gathered.rows * input.spec.row_len;
                     for (replica, a) in values.iter().enumerate() {
@@ -296,12 +298,15 @@ impl Executor {
         })
     }
 
-    /// Coalesce locally, gather onto the root, coalesce there, copy the result to every replica.
-    /// Returns the rows each replica contributed as well.
+    /// Coalesce locally, gather onto the root, coalesce there, divide there by `avg`, copy the
+    /// result to every replica. Returns the rows each replica contributed as well. (Dividing the
+    /// root's result after the copies were queued on the other replicas' streams would race
+    /// with them; before, it is one division instead of N.)
     unsafe fn gather_coalesced(
         &self,
         members: &[&SparseInput],
         moved: &mut usize,
+        avg: Option<usize>,
     ) -> Result<(Gathered, Vec<usize>)> {
         let first = members[0];
         let index_dtype = first.spec.index_dtype;
@@ -378,8 +383,15 @@ impl Executor {
             };
             return Ok((gathered, sent));
         };
-        // Copies of the root's result on every other replica.
         let rows = result.rows;
+        if let Some(divisor) = avg {
+            for (m, a) in members.iter().zip(&result.values) {
+                let count = rows * m.spec.row_len;
+                self.backend
+                    .divide(ROOT, m.spec.value_dtype, a.ptr(), count, divisor)?;
+            }
+        }
+        // Copies of the root's result on every other replica.
         let mut broadcast = |a: Allocation, bytes: usize| -> Result<PerReplica> {
             let mut outs = Vec::with_capacity(replicas);
             for dst in 0..replicas {

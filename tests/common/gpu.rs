@@ -7,7 +7,9 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use dpsync::*;
 
-use super::{check, register_raw, Context};
+use super::{
+    bf16_to_f32, check, f16_to_f32, f32_to_bf16, f32_to_f16, register_raw, Context, DType,
+};
 
 pub fn gpu() -> Arc<CudaContext> {
     CudaContext::new(0).expect("a context on GPU 0 (dpsync found one)")
@@ -196,6 +198,9 @@ impl Mem {
 
 /// Bytes of `ptr` in the place of a run (`bytes` of host memory, or device memory).
 pub fn read_at(place: &Place, ptr: usize, bytes: usize) -> Vec<u8> {
+    if bytes == 0 {
+        return Vec::new(); // an empty output's address is NULL
+    }
     match place {
         // SAFETY: the caller names `bytes` of live host memory (a dpsync output).
         Place::Host => unsafe { std::slice::from_raw_parts(ptr as *const u8, bytes) }.to_vec(),
@@ -203,5 +208,45 @@ pub fn read_at(place: &Place, ptr: usize, bytes: usize) -> Vec<u8> {
             stream.synchronize().unwrap();
             download(ptr, bytes)
         }
+    }
+}
+
+/// f64 view of float bytes of `dtype`.
+pub fn decode(dtype: DType, bytes: &[u8]) -> Vec<f64> {
+    match dtype {
+        DType::F32 => bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_ne_bytes(b.try_into().unwrap()) as f64)
+            .collect(),
+        DType::F64 => bytes
+            .chunks_exact(8)
+            .map(|b| f64::from_ne_bytes(b.try_into().unwrap()))
+            .collect(),
+        DType::F16 => bytes
+            .chunks_exact(2)
+            .map(|b| f16_to_f32(u16::from_ne_bytes([b[0], b[1]])) as f64)
+            .collect(),
+        DType::BF16 => bytes
+            .chunks_exact(2)
+            .map(|b| bf16_to_f32(u16::from_ne_bytes([b[0], b[1]])) as f64)
+            .collect(),
+        _ => panic!("not a float dtype"),
+    }
+}
+
+/// `v` rounded to `dtype`, as bytes.
+pub fn encode(dtype: DType, v: &[f64]) -> Vec<u8> {
+    match dtype {
+        DType::F32 => v.iter().flat_map(|x| (*x as f32).to_ne_bytes()).collect(),
+        DType::F64 => v.iter().flat_map(|x| x.to_ne_bytes()).collect(),
+        DType::F16 => v
+            .iter()
+            .flat_map(|x| f32_to_f16(*x as f32).to_ne_bytes())
+            .collect(),
+        DType::BF16 => v
+            .iter()
+            .flat_map(|x| f32_to_bf16(*x as f32).to_ne_bytes())
+            .collect(),
+        _ => panic!("not a float dtype"),
     }
 }

@@ -877,6 +877,14 @@ pub fn cuda_context(test: &str, ordinals: &[i32], configure: impl Fn(&Options)) 
     // SAFETY: valid options and out pointer.
     let st = unsafe { dpsync_context_create(o.0, &mut p) };
     if st == UNAVAILABLE {
+        // On the GPU machine (scripts/gpu-check.sh) a missing NVRTC or NCCL must fail the run,
+        // not turn every GPU test into a pass that tested nothing.
+        if std::env::var("DPSYNC_REQUIRE_GPU").as_deref() == Ok("1") {
+            panic!(
+                "{test}: DPSYNC_REQUIRE_GPU=1, but creating the CUDA context was UNAVAILABLE: {}",
+                last_error()
+            );
+        }
         eprintln!("{test}: skipped: no CUDA device ({})", last_error());
         return None;
     }

@@ -38,10 +38,23 @@ fn source() -> String {
     SOURCES.join("\n")
 }
 
-/// PTX of every dpsync kernel for `compute_{major}{minor}`. No device is needed: the
-/// offline check in the tests uses this too. `--fmad=false` keeps every product rounded on its
-/// own, so BMUF gives the host backend's bytes (no kernel here gains from contraction).
-pub(crate) fn compile_ptx(major: i32, minor: i32) -> Result<String> {
+/// What NVRTC is asked for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Image {
+    /// Machine code for `sm_XY`: loads on any driver of the same CUDA major version (minor
+    /// version compatibility), whatever NVRTC 13.x built it.
+    Cubin,
+    /// PTX for `compute_XY`, compiled by the driver at load time: only loads if the driver is at
+    /// least as new as NVRTC. The fallback when NVRTC cannot build machine code for the GPU.
+    Ptx,
+}
+
+/// Every dpsync kernel compiled for compute capability `major.minor`, as an image for
+/// `cuModuleLoadData` (PTX NUL-terminated). No device is needed: the offline check in the tests
+/// uses this too. `--fmad=false` keeps every product rounded on its own, so BMUF gives the host
+/// backend's bytes (no kernel here gains from contraction).
+pub(crate) fn compile(major: i32, minor: i32, image: Image) -> Result<Vec<u8>> {
+    use cudarc::nvrtc::{result, sys as nv};
     if !nvrtc_present() {
         return Err(Error::new(
             ErrorKind::Unavailable,
@@ -50,24 +63,80 @@ pub(crate) fn compile_ptx(major: i32, minor: i32) -> Result<String> {
              DPSYNC_NVRTC_LIBRARY (see README)",
         ));
     }
-    let opts = cudarc::nvrtc::CompileOptions {
-        options: vec![
-            format!("--gpu-architecture=compute_{major}{minor}"),
-            format!("-DITEMS_PER_THREAD={ITEMS}"),
-            "--std=c++14".to_owned(),
-            "--fmad=false".to_owned(),
-            // i64 sums accumulate in __int128, as the host's do in i128.
-            "--device-int128".to_owned(),
-        ],
-        ..Default::default()
+    let arch = match image {
+        Image::Cubin => format!("--gpu-architecture=sm_{major}{minor}"),
+        Image::Ptx => format!("--gpu-architecture=compute_{major}{minor}"),
     };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(source(), opts).map_err(|e| {
+    let options = [
+        arch,
+        format!("-DITEMS_PER_THREAD={ITEMS}"),
+        "--std=c++14".to_owned(),
+        "--fmad=false".to_owned(),
+        // i64 sums accumulate in __int128, as the host's do in i128.
+        "--device-int128".to_owned(),
+    ];
+    let failed = |what: String| {
         Error::new(
             ErrorKind::Backend,
-            format!("NVRTC could not compile dpsync's kernels for sm_{major}{minor}: {e:?}"),
+            format!(
+                "NVRTC could not build dpsync's kernels for sm_{major}{minor} ({image:?}): {what}"
+            ),
         )
-    })?;
-    Ok(ptx.to_src())
+    };
+    let src = CString::new(source()).expect("the kernel source has no NUL");
+    let prog = result::create_program(&src, None).map_err(|e| failed(format!("{e:?}")))?;
+    // SAFETY: `prog` is live until destroyed below; the out buffers are sized by NVRTC.
+    unsafe {
+        let built = result::compile_program(prog, &options).map_err(|e| {
+            let log = result::get_program_log(prog)
+                .map(|l| {
+                    std::ffi::CStr::from_ptr(l.as_ptr())
+                        .to_string_lossy()
+                        .into_owned()
+                })
+                .unwrap_or_default();
+            failed(format!("{e:?}: {log}"))
+        });
+        let out = built.and_then(|()| match image {
+            Image::Ptx => {
+                let mut ptx: Vec<u8> = result::get_ptx(prog)
+                    .map_err(|e| failed(format!("{e:?}")))?
+                    .into_iter()
+                    .map(|c| c as u8)
+                    .collect();
+                // NVRTC's size counts the NUL; make sure there is exactly one at the end.
+                while ptx.last() == Some(&0) {
+                    ptx.pop();
+                }
+                ptx.push(0);
+                Ok(ptx)
+            }
+            Image::Cubin => {
+                let mut size = 0usize;
+                nv::nvrtcGetCUBINSize(prog, &mut size)
+                    .result()
+                    .map_err(|e| failed(format!("{e:?}")))?;
+                let mut cubin = vec![0u8; size];
+                nv::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast())
+                    .result()
+                    .map_err(|e| failed(format!("{e:?}")))?;
+                Ok(cubin)
+            }
+        });
+        let _ = result::destroy_program(prog);
+        out
+    }
+}
+
+/// NVRTC's version, as "major.minor" (for describe and the GPU report).
+pub(crate) fn nvrtc_version() -> Option<String> {
+    if !nvrtc_present() {
+        return None;
+    }
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: plain query.
+    let ok = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    (ok == cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS).then(|| format!("{major}.{minor}"))
 }
 
 /// What a table walk does.
@@ -98,6 +167,9 @@ pub struct Kernels {
     add: [sys::CUfunction; 6],
     named: Mutex<HashMap<String, sys::CUfunction>>,
     pub sm_count: u32,
+    /// What was loaded ("cubin sm_90", or "ptx compute_90" when NVRTC could not target the GPU)
+    /// and by which NVRTC, for describe.
+    pub built: String,
     /// The module lives in the device's primary context: releasing the last retain would reset
     /// the context and unload it under the cache, so the cache keeps one retain for the process
     /// (as the CUDA runtime does).
@@ -155,8 +227,15 @@ impl Kernels {
         let major = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
         let minor = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
         let sm_count = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
-        let image = CString::new(compile_ptx(major, minor)?)
-            .map_err(|_| Error::new(ErrorKind::Backend, "NVRTC returned PTX with a NUL byte"))?;
+        // Machine code first (no driver JIT, no PTX-version limit); PTX if NVRTC cannot target
+        // this GPU directly.
+        let (image, built) = match compile(major, minor, Image::Cubin) {
+            Ok(cubin) => (cubin, format!("cubin sm_{major}{minor}")),
+            Err(_) => (
+                compile(major, minor, Image::Ptx)?,
+                format!("ptx compute_{major}{minor}"),
+            ),
+        };
         let _bound = ctx.bind()?;
         let mut module = std::ptr::null_mut();
         // SAFETY: a NUL-terminated PTX image; the context is current.
@@ -170,6 +249,10 @@ impl Kernels {
             add: [std::ptr::null_mut(); 6],
             named: Mutex::new(HashMap::new()),
             sm_count: sm_count.max(1) as u32,
+            built: format!(
+                "{built}, NVRTC {}",
+                nvrtc_version().unwrap_or_else(|| "?".to_owned())
+            ),
             _ctx: ctx.clone(),
         };
         for (i, dtype) in DType::ALL.iter().enumerate() {
@@ -441,7 +524,16 @@ mod tests {
             return;
         }
         for (major, minor) in [(8, 0), (9, 0)] {
-            let ptx = compile_ptx(major, minor).unwrap_or_else(|e| panic!("{}", e.message));
+            let ptx = compile(major, minor, Image::Ptx).unwrap_or_else(|e| panic!("{}", e.message));
+            let ptx = String::from_utf8(ptx).expect("PTX is text");
+            let ptx = ptx.trim_end_matches('\0');
+            let cubin =
+                compile(major, minor, Image::Cubin).unwrap_or_else(|e| panic!("{}", e.message));
+            assert_eq!(
+                &cubin[..4],
+                b"\x7fELF",
+                "sm_{major}{minor}: a CUBIN is an ELF image"
+            );
             for name in entry_points() {
                 assert!(
                     ptx.contains(&format!(".entry {name}(")),
@@ -455,7 +547,7 @@ mod tests {
             let dir = std::env::temp_dir().join(format!("dpsync-ptx-{}", std::process::id()));
             std::fs::create_dir_all(&dir).unwrap();
             let file = dir.join(format!("kernels_sm{major}{minor}.ptx"));
-            std::fs::write(&file, &ptx).unwrap();
+            std::fs::write(&file, ptx).unwrap();
             let out = std::process::Command::new(&ptxas)
                 .arg(format!("-arch=sm_{major}{minor}"))
                 .arg(&file)

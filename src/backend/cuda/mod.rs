@@ -762,10 +762,13 @@ impl Backend for CudaBackend {
 
     unsafe fn broadcast(&self, bucket: &BucketView<'_>, root: usize) -> Result<()> {
         let size = bucket.dtype.size();
+        let root_group = self.replicas[root].group;
         for (r, replica) in self.replicas.iter().enumerate() {
             if r == root {
                 continue;
             }
+            // After whatever this collective already queued on the root's device.
+            self.order(root_group, replica.group)?;
             let g = &self.groups[replica.group];
             let _bound = g.ctx.bind()?;
             for seg in &bucket.segments {
@@ -887,6 +890,7 @@ impl Backend for CudaBackend {
                     "name": g.ctx.name(),
                     "replicas": g.local,
                     "multiprocessors": g.kernels.sm_count,
+                    "kernels": g.kernels.built,
                 })
             })
             .collect();
@@ -915,7 +919,16 @@ impl Backend for CudaBackend {
 
 impl Drop for CudaBackend {
     fn drop(&mut self) {
-        let failed = self.state.get_mut().failed.is_some();
+        // Wait for outstanding collectives as synchronize does, so that a stuck one times out
+        // (and is then aborted and leaked below) instead of hanging the destroy.
+        let mut failed = self.state.get_mut().failed.is_some();
+        if !failed {
+            let mut state = self.state.lock();
+            if let Err(e) = self.reap(&mut state, true) {
+                self.fail(&mut state, e);
+                failed = true;
+            }
+        }
         for g in &self.groups {
             let Ok(_bound) = g.ctx.bind() else { continue };
             if failed {

@@ -258,7 +258,7 @@ impl CommSet {
                 launch: Mutex::new(()),
                 aborted: Mutex::new(false),
             };
-            if let Err(e) = first_error.and(end).and_then(|_| set.wait_ready(deadline)) {
+            if let Err(e) = first_error.and(end).and_then(|_| set.poll_ready(deadline)) {
                 set.abort();
                 return Err(e);
             }
@@ -266,8 +266,26 @@ impl CommSet {
         }
     }
 
-    /// Polls every communicator until its queued operation left the in-progress state.
-    pub fn wait_ready(&self, deadline: Option<Instant>) -> Result<()> {
+    /// The communicators, unless aborted: the guard keeps `abort` (from another context sharing
+    /// the set) from freeing them while they are used.
+    fn live(&self) -> Result<parking_lot::MutexGuard<'_, bool>> {
+        let aborted = self.aborted.lock();
+        if *aborted {
+            return Err(Error::new(
+                ErrorKind::Backend,
+                format!(
+                    "the NCCL communicators of cuda:{:?} were aborted after a failure (in this or \
+                     another context over the same GPUs)",
+                    self.ordinals
+                ),
+            ));
+        }
+        Ok(aborted)
+    }
+
+    /// Polls every communicator until its queued operation left the in-progress state. The
+    /// caller holds [`CommSet::live`]'s guard, or is the set's only owner.
+    fn poll_ready(&self, deadline: Option<Instant>) -> Result<()> {
         let api = api()?;
         for (rank, &comm) in self.comms.iter().enumerate() {
             if comm.is_null() {
@@ -313,6 +331,7 @@ impl CommSet {
     /// An error a communicator reported after its calls returned, if any.
     pub fn async_error(&self) -> Result<()> {
         let api = api()?;
+        let _live = self.live()?;
         for (rank, &comm) in self.comms.iter().enumerate() {
             let mut state = SUCCESS;
             // SAFETY: a live communicator.
@@ -344,12 +363,7 @@ impl CommSet {
     ) -> Result<()> {
         let api = api()?;
         let _order = self.launch.lock();
-        if *self.aborted.lock() {
-            return Err(Error::new(
-                ErrorKind::InvalidState,
-                "the NCCL communicators were aborted after an earlier failure",
-            ));
-        }
+        let _live = self.live()?;
         // SAFETY: live communicators; buffers hold `count` elements on their ranks' devices.
         unsafe {
             check(api, (api.group_start)(), "ncclGroupStart")?;
@@ -370,7 +384,7 @@ impl CommSet {
             let end = check(api, (api.group_end)(), "ncclGroupEnd (allreduce)");
             queued.and(end)?;
         }
-        self.wait_ready(deadline)
+        self.poll_ready(deadline)
     }
 
     /// Cancels everything and frees the communicators (error paths, timeouts).
@@ -388,6 +402,8 @@ impl CommSet {
                 }
             }
         }
+        // Lock order is cache, then aborted (CommSet::get): release ours first.
+        drop(aborted);
         // Only our own entry: another, live set may be cached under the same devices.
         let mut cache = cache().lock();
         if cache
@@ -412,7 +428,7 @@ impl Drop for CommSet {
                 (api.comm_finalize)(comm);
             }
             (api.group_end)();
-            if self.wait_ready(None).is_err() {
+            if self.poll_ready(None).is_err() {
                 for &comm in &self.comms {
                     (api.comm_abort)(comm);
                 }
