@@ -78,7 +78,8 @@ run() {
   for t in "$dir"/tests/cuda-* "$dir"/tests/cuda_bmuf-* "$dir"/tests/cuda_sparse-* \
            "$dir"/tests/dpsync-* "$dir"/tests/collectives-* "$dir"/tests/bad_input-*; do
     section "test binary $(basename "$t")"
-    if ! "$t" --test-threads=1 --nocapture >>"$report" 2>&1; then
+    # The kernel emulation tests need a C++20 compiler and prove nothing more on a GPU: CI runs them.
+    if ! "$t" --test-threads=1 --nocapture --skip emulate >>"$report" 2>&1; then
       failures=$((failures + 1)); echo "FAILED" >>"$report"
     fi
     endsection

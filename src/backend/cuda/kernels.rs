@@ -34,7 +34,7 @@ const SOURCES: [&str; 4] = [
 ];
 
 /// The whole module's source.
-fn source() -> String {
+pub(crate) fn source() -> String {
     SOURCES.join("\n")
 }
 
@@ -172,8 +172,21 @@ pub struct Kernels {
     pub built: String,
     /// The module lives in the device's primary context: releasing the last retain would reset
     /// the context and unload it under the cache, so the cache keeps one retain for the process
-    /// (as the CUDA runtime does).
-    _ctx: Arc<PrimaryContext>,
+    /// (as the CUDA runtime does). `None` for the emulator.
+    _ctx: Option<Arc<PrimaryContext>>,
+    launcher: Launcher,
+}
+
+/// How kernels are found and launched: by the driver, or (tests) by the host emulator of
+/// `emulate.rs`, which runs the same CUDA C on CPU threads.
+#[derive(Clone, Copy)]
+pub(crate) enum Launcher {
+    Driver,
+    #[allow(dead_code)] // made by the emulation tests only
+    Emulated {
+        find: unsafe extern "C" fn(*const std::ffi::c_char) -> *const std::ffi::c_void,
+        launch: unsafe extern "C" fn(*const std::ffi::c_void, u32, u32, *mut *mut std::ffi::c_void),
+    },
 }
 
 // SAFETY: modules and functions are usable from any thread.
@@ -238,7 +251,7 @@ impl Kernels {
         };
         let _bound = ctx.bind()?;
         let mut module = std::ptr::null_mut();
-        // SAFETY: a NUL-terminated PTX image; the context is current.
+        // SAFETY: a CUBIN, or NUL-terminated PTX; the context is current.
         check(
             unsafe { sys::cuModuleLoadData(&mut module, image.as_ptr().cast()) },
             "cuModuleLoadData (dpsync kernels)",
@@ -253,17 +266,53 @@ impl Kernels {
                 "{built}, NVRTC {}",
                 nvrtc_version().unwrap_or_else(|| "?".to_owned())
             ),
-            _ctx: ctx.clone(),
+            _ctx: Some(ctx.clone()),
+            launcher: Launcher::Driver,
         };
-        for (i, dtype) in DType::ALL.iter().enumerate() {
-            kernels.walk[i] = kernels.lookup(&format!("walk_{}", dtype.name()))?;
-            kernels.add[i] = kernels.lookup(&format!("add_{}", dtype.name()))?;
-        }
+        kernels.find_dense()?;
         Ok(kernels)
+    }
+
+    /// Kernels run by the host emulator (tests): `module` is unused, handles are the
+    /// emulator's, one "multiprocessor" keeps grids small.
+    #[cfg(test)]
+    pub(crate) fn emulated(launcher: Launcher) -> Result<Kernels> {
+        let mut kernels = Kernels {
+            module: std::ptr::null_mut(),
+            walk: [std::ptr::null_mut(); 6],
+            add: [std::ptr::null_mut(); 6],
+            named: Mutex::new(HashMap::new()),
+            sm_count: 1,
+            built: "host emulation".to_owned(),
+            _ctx: None,
+            launcher,
+        };
+        kernels.find_dense()?;
+        Ok(kernels)
+    }
+
+    /// Looks up the dense kernels, launched for every bucket.
+    fn find_dense(&mut self) -> Result<()> {
+        for (i, dtype) in DType::ALL.iter().enumerate() {
+            self.walk[i] = self.lookup(&format!("walk_{}", dtype.name()))?;
+            self.add[i] = self.lookup(&format!("add_{}", dtype.name()))?;
+        }
+        Ok(())
     }
 
     fn lookup(&self, name: &str) -> Result<sys::CUfunction> {
         let c = CString::new(name).expect("kernel names have no NUL");
+        if let Launcher::Emulated { find, .. } = self.launcher {
+            // SAFETY: a NUL-terminated name; the emulator returns a registry entry or NULL.
+            let f = unsafe { find(c.as_ptr()) };
+            if f.is_null() {
+                return Err(Error::new(
+                    ErrorKind::Backend,
+                    format!("no kernel {name} (emulator)"),
+                ));
+            }
+            return Ok(f as sys::CUfunction);
+        }
         let mut f = std::ptr::null_mut();
         // SAFETY: the module is loaded; looking up a function needs no current context.
         check(
@@ -456,6 +505,18 @@ impl Kernels {
         params: &mut [*mut std::ffi::c_void],
         name: &str,
     ) -> Result<()> {
+        if let Launcher::Emulated { launch, .. } = self.launcher {
+            // SAFETY: as below; the emulator runs the kernel to completion before returning.
+            unsafe {
+                launch(
+                    f as *const std::ffi::c_void,
+                    grid,
+                    THREADS,
+                    params.as_mut_ptr(),
+                )
+            };
+            return Ok(());
+        }
         // SAFETY: the callers build `params` to match the kernel's signature; the buffers they
         // point at are live device memory ordered on `stream`.
         let result = unsafe {
@@ -483,8 +544,10 @@ impl Kernels {
 
 impl Drop for Kernels {
     fn drop(&mut self) {
-        // SAFETY: cached for the process; unloaded only if the cache is ever dropped.
-        unsafe { sys::cuModuleUnload(self.module) };
+        if let Launcher::Driver = self.launcher {
+            // SAFETY: cached for the process; unloaded only if the cache is ever dropped.
+            unsafe { sys::cuModuleUnload(self.module) };
+        }
     }
 }
 

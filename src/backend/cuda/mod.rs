@@ -15,6 +15,8 @@
 
 mod bmuf;
 mod driver;
+#[cfg(test)]
+mod emulate;
 mod kernels;
 mod nccl;
 mod sparse;

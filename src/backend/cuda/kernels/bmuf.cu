@@ -37,7 +37,8 @@ __device__ void bmuf(const Seg* segs, const u64* ptrs, int nseg, u64 total, int 
   extern "C" __global__ void bmuf_##NAME(const Seg* segs, const u64* ptrs, int nseg,          \
                                          u64 total, int mode, double mu, double eta) {        \
     bmuf<T>(segs, ptrs, nseg, total, mode, mu, eta);                                          \
-  }
+  }                                                                                           \
+  DPSYNC_KERNEL(bmuf_##NAME)
 
 BMUF_KERNELS(float, f32)
 BMUF_KERNELS(double, f64)

@@ -41,7 +41,9 @@ __device__ void add(T* dst, const T* src, u64 n) {
                                          double divisor) {                                   \
     walk<T>(segs, ptrs, nseg, nrep, total, fusion, mode, avg, divisor);                      \
   }                                                                                          \
-  extern "C" __global__ void add_##NAME(T* dst, const T* src, u64 n) { add<T>(dst, src, n); }
+  extern "C" __global__ void add_##NAME(T* dst, const T* src, u64 n) { add<T>(dst, src, n); } \
+  DPSYNC_KERNEL(walk_##NAME)                                                                  \
+  DPSYNC_KERNEL(add_##NAME)
 
 DENSE_KERNELS(float, f32)
 DENSE_KERNELS(double, f64)

@@ -1,6 +1,21 @@
 // Shared by every dpsync kernel: element types, accumulation types and segment-table helpers.
 // No CUDA headers (NVRTC ships none for fp16 before some versions): f16 conversions are inline
 // PTX and bf16 rounding is done on the bits (round to nearest even).
+//
+// The same source also compiles as host C++ under kernels/emulate.hpp (DPSYNC_EMULATE), which
+// runs the kernels on CPU threads for the tests: keep device-only constructs behind the two
+// hooks below.
+#ifndef DPSYNC_EMULATE
+__device__ __forceinline__ float f16_to_f32(unsigned short x) {
+  float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x)); return f;
+}
+__device__ __forceinline__ unsigned short f32_to_f16(float a) {
+  unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(a)); return h;
+}
+// Registers a kernel with the emulator; nothing on the device.
+#define DPSYNC_KERNEL(name)
+#endif
+
 typedef unsigned long long u64;
 typedef long long i64;
 struct f16_t { unsigned short x; };
@@ -31,11 +46,11 @@ template <> struct Num<i64> {
 };
 template <> struct Num<f16_t> {
   typedef float A;
-  static __device__ __forceinline__ A load(f16_t v) {
-    float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.x)); return f;
-  }
+  static __device__ __forceinline__ A load(f16_t v) { return f16_to_f32(v.x); }
   static __device__ __forceinline__ f16_t store(A a) {
-    f16_t h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.x) : "f"(a)); return h;
+    f16_t h;
+    h.x = f32_to_f16(a);
+    return h;
   }
 };
 template <> struct Num<bf16_t> {

@@ -53,7 +53,9 @@ __device__ void divide_all(T* x, u64 n, double divisor) {
   }                                                                                           \
   extern "C" __global__ void index_report_##NAME(const I* idx, u64* found) {                  \
     index_report<I>(idx, found);                                                              \
-  }
+  }                                                                                           \
+  DPSYNC_KERNEL(index_check_##NAME)                                                           \
+  DPSYNC_KERNEL(index_report_##NAME)
 
 #define SPARSE_VALUE_KERNELS(T, NAME)                                                         \
   extern "C" __global__ void sum_runs_##NAME(const T* src, const u64* positions,              \
@@ -63,7 +65,9 @@ __device__ void divide_all(T* x, u64 n, double divisor) {
   }                                                                                           \
   extern "C" __global__ void divide_##NAME(T* x, u64 n, double divisor) {                     \
     divide_all<T>(x, n, divisor);                                                             \
-  }
+  }                                                                                           \
+  DPSYNC_KERNEL(sum_runs_##NAME)                                                              \
+  DPSYNC_KERNEL(divide_##NAME)
 
 SPARSE_INDEX_KERNELS(int, i32)
 SPARSE_INDEX_KERNELS(i64, i64)
