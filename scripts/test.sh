@@ -31,3 +31,6 @@ cargo bench --bench cuda_allreduce -- --quick
 build_examples
 step "ctest: C examples"
 (cd build/examples && ctest --output-on-failure)
+
+step "GPU tests and cuda_train on the fake CUDA driver (CPU emulation; scripts/fake-cuda.sh)"
+bash scripts/fake-cuda.sh

@@ -250,3 +250,14 @@ pub fn encode(dtype: DType, v: &[f64]) -> Vec<u8> {
         _ => panic!("not a float dtype"),
     }
 }
+
+/// True (after printing why the test is skipped) under scripts/fake-cuda.sh, whose driver runs
+/// everything synchronously: tests of asynchrony (timeouts, stream-order negative controls) need
+/// a real GPU.
+pub fn needs_real_gpu(test: &str) -> bool {
+    let fake = std::env::var("DPSYNC_FAKE_CUDA").as_deref() == Ok("1");
+    if fake {
+        eprintln!("{test}: skipped: needs a real GPU (the fake CUDA driver is synchronous)");
+    }
+    fake
+}

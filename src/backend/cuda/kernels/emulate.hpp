@@ -1,17 +1,17 @@
 // Host emulation of the CUDA subset dpsync's kernels use, for the tests only
-// (src/backend/cuda/emulate.rs). The kernel files are included after this header and compiled by
-// the host C++ compiler into a shared library; a launch runs every block in turn, each as
-// blockDim.x OS threads that meet at __syncthreads() on a barrier, so the kernels' indexing,
+// (src/backend/cuda/emulate.rs, tests/fakecuda). The kernel files are included after this header
+// and compiled by the host C++ compiler into a shared library; a launch runs every block in turn,
+// each CUDA thread as a coroutine (ucontext) of one OS thread, switched round-robin at every
+// __syncthreads(), which is therefore a true block-wide barrier. So the kernels' indexing,
 // shared-memory handshakes, atomics and arithmetic run as written. Not emulated (and not used by
 // the kernels): warps, several blocks at once, memory spaces.
-#include <atomic>
-#include <barrier>
+#include <ucontext.h>
+
 #include <cstring>
 #include <functional>
 #include <map>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -27,8 +27,16 @@ static thread_local dim3_t blockIdx, threadIdx;
 static dim3_t blockDim, gridDim;
 
 namespace emu {
-inline std::barrier<>*& block_barrier() {
-  static std::barrier<>* b = nullptr;
+// The running block's coroutines: the scheduler's context and one per CUDA thread.
+struct Block {
+  ucontext_t scheduler;
+  std::vector<ucontext_t> threads;
+  std::vector<std::vector<char>> stacks;
+  std::vector<bool> done;
+  unsigned running = 0;
+};
+inline Block& block() {
+  static Block b;
   return b;
 }
 using Entry = std::function<void(void**)>;
@@ -49,7 +57,11 @@ Entry entry(void (*f)(A...)) {
 }
 }  // namespace emu
 
-inline void __syncthreads() { emu::block_barrier()->arrive_and_wait(); }
+// Back to the scheduler, which runs every other thread of the block up to this barrier first.
+inline void __syncthreads() {
+  emu::Block& b = emu::block();
+  swapcontext(&b.threads[b.running], &b.scheduler);
+}
 
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
@@ -79,26 +91,49 @@ extern "C" const void* dpsync_emu_find(const char* name) {
   return it == emu::registry().end() ? nullptr : &it->second;
 }
 
+namespace emu {
+inline const Entry* launching = nullptr;
+inline void** launch_params = nullptr;
+inline void thread_main() {
+  (*launching)(launch_params);
+  block().done[block().running] = true;  // returns to the scheduler through uc_link
+}
+}  // namespace emu
+
 extern "C" void dpsync_emu_launch(const void* kernel, unsigned grid, unsigned block,
                                   void** params) {
-  // One launch at a time: the grid dimensions, the barrier and the "shared memory" are global.
+  // One launch at a time: the grid dimensions, the coroutines and the "shared memory" are global.
   static std::mutex one_at_a_time;
   std::lock_guard<std::mutex> lock(one_at_a_time);
-  const emu::Entry& run = *static_cast<const emu::Entry*>(kernel);
+  emu::launching = static_cast<const emu::Entry*>(kernel);
+  emu::launch_params = params;
   gridDim.x = grid;
   blockDim.x = block;
-  for (unsigned b = 0; b < grid; ++b) {
-    std::barrier<> barrier(block);
-    emu::block_barrier() = &barrier;
-    std::vector<std::thread> threads;
-    threads.reserve(block);
+  emu::Block& b = emu::block();
+  b.threads.resize(block);
+  b.stacks.resize(block);
+  b.done.assign(block, false);
+  for (unsigned x = 0; x < grid; ++x) {
+    blockIdx.x = x;
     for (unsigned t = 0; t < block; ++t) {
-      threads.emplace_back([&run, params, b, t] {
-        blockIdx.x = b;
-        threadIdx.x = t;
-        run(params);
-      });
+      b.stacks[t].resize(256 * 1024);
+      getcontext(&b.threads[t]);
+      b.threads[t].uc_stack.ss_sp = b.stacks[t].data();
+      b.threads[t].uc_stack.ss_size = b.stacks[t].size();
+      b.threads[t].uc_link = &b.scheduler;
+      makecontext(&b.threads[t], emu::thread_main, 0);
+      b.done[t] = false;
     }
-    for (auto& th : threads) th.join();
+    // Round-robin: each pass runs every unfinished thread up to its next barrier (or its end).
+    for (bool any = true; any;) {
+      any = false;
+      for (unsigned t = 0; t < block; ++t) {
+        if (b.done[t]) continue;
+        any = true;
+        b.running = t;
+        threadIdx.x = t;
+        swapcontext(&b.scheduler, &b.threads[t]);
+      }
+    }
   }
 }
