@@ -607,6 +607,45 @@ fn outputs_live_until_the_next_step_and_slices_must_be_set_again() {
     assert_eq!(ctx.gathered("e", 1).indices::<i32>(), vec![4, 5, 6]);
 }
 
+#[test]
+fn outputs_are_double_buffered_and_keep_their_values_for_one_step() {
+    // Step k writes into the memory step k - 2 produced (those slices are no longer valid), so a
+    // steady stream allocates nothing; step k - 1's slices are untouched by step k.
+    let ctx = Context::host(2, None);
+    ctx.reg_sparse_all("e", 2, F32, I64, 0);
+    let mut seen = Vec::new();
+    for step in 0..4i64 {
+        // The slices must live until allreduce_grads (dpsync keeps the pointers).
+        let (i0, v0) = ([step], [step as f32, 0.]);
+        let (i1, v1) = ([step + 10], [1., step as f32]);
+        check(ctx.sparse_set("e", 0, &i0, &v0), "set");
+        check(ctx.sparse_set("e", 1, &i1, &v1), "set");
+        let before = seen.last().map(|o: &SparseOut| o.values::<f32>(2));
+        check(ctx.allreduce_grads(SUM), "allreduce_grads");
+        let out = ctx.gathered("e", 0);
+        assert_eq!(out.indices::<i64>(), vec![step, step + 10]);
+        if let (Some(prev), Some(before)) = (seen.last(), before) {
+            assert_ne!(
+                prev.values, out.values,
+                "step {step} wrote into last step's slice"
+            );
+            assert_eq!(
+                prev.values::<f32>(2),
+                before,
+                "last step's slice kept its values"
+            );
+        }
+        if step >= 2 {
+            assert_eq!(
+                out.values,
+                seen[step as usize - 2].values,
+                "step {step} reused k - 2"
+            );
+        }
+        seen.push(out);
+    }
+}
+
 // ------------------------------------------------------------------ describe
 
 #[test]

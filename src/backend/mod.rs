@@ -206,7 +206,21 @@ pub trait Backend: Send {
     /// # Safety
     /// The slice's pointers are valid on `replica` for `rows` aligned indices and rows.
     unsafe fn coalesce(&self, replica: usize, slice: &SliceRef<'_>) -> Result<Coalesced> {
-        let _ = (replica, slice);
+        self.coalesce_into(replica, slice, &mut |bytes| self.alloc(replica, bytes))
+    }
+
+    /// [`Backend::coalesce`], with the result's memory from `alloc` (memory of `replica`, of at
+    /// least the size asked; its contents need not be zero: every byte of the result is written).
+    ///
+    /// # Safety
+    /// As for [`Backend::coalesce`].
+    unsafe fn coalesce_into(
+        &self,
+        replica: usize,
+        slice: &SliceRef<'_>,
+        alloc: &mut dyn FnMut(usize) -> Result<Allocation>,
+    ) -> Result<Coalesced> {
+        let _ = (replica, slice, alloc);
         Err(Error::new(
             ErrorKind::Unavailable,
             format!(

@@ -35,7 +35,9 @@ impl IndexCheck<'_> {
 /// in world order whatever the sort algorithm, and every backend gives the same bytes.
 pub fn coalescing_order(keys: &[i64]) -> (Vec<i64>, Vec<usize>, Vec<usize>) {
     let mut order: Vec<(i64, usize)> = keys.iter().copied().zip(0..).collect();
-    order.sort_unstable();
+    // Stable by key = ordered by (key, position). The stable sort also finds existing runs: the
+    // root's input is the concatenation of already coalesced (sorted) slices, which it merges.
+    order.sort_by_key(|&(key, _)| key);
     let positions: Vec<usize> = order.iter().map(|&(_, p)| p).collect();
     let mut unique: Vec<i64> = Vec::new();
     let mut bounds: Vec<usize> = Vec::new();

@@ -10,14 +10,16 @@ mod sparse;
 
 pub use sparse::{GradientStats, SparseOutputs, SparseStats};
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use parking_lot::Mutex;
+
 use crate::backend::host::HostBackend;
-use crate::backend::{Backend, BucketView, Segment};
+use crate::backend::{Allocation, Backend, BucketView, Segment};
 use crate::error::Result;
 use crate::plan::{plan_buckets, Bucket, Plan};
 use crate::registry::TensorView;
 use crate::types::{Memory, ReduceOp};
-
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 pub struct Executor {
     /// The backend of the replicas' own memory.
@@ -26,6 +28,8 @@ pub struct Executor {
     host: Option<HostBackend>,
     /// Open `begin`/`end` brackets (0 or 1): work inside an open one needs no bracket of its own.
     depth: AtomicUsize,
+    /// Sparse outputs no longer valid, kept for the next gather to write into (by replica).
+    spare_outputs: Mutex<Vec<(usize, Allocation)>>,
 }
 
 /// Closes the depth count of a bracket even if its work unwinds.
@@ -68,11 +72,13 @@ impl Executor {
                 backend,
                 host: Some(HostBackend::new()),
                 depth: AtomicUsize::new(0),
+                spare_outputs: Mutex::new(Vec::new()),
             },
             None => Executor {
                 backend: Box::new(HostBackend::new()),
                 host: None,
                 depth: AtomicUsize::new(0),
+                spare_outputs: Mutex::new(Vec::new()),
             },
         }
     }

@@ -67,6 +67,9 @@ pub struct SparseOutputs {
     /// Outputs of unregistered names: no longer reachable by name, but still valid memory until
     /// the next step replaces everything (the contract's lifetime).
     retired: Vec<NameOutput>,
+    /// Intermediate buffers of this step (coalesced parts), by replica: free for reuse from the
+    /// next step on.
+    scratch: Vec<(usize, Allocation)>,
     pub stats: SparseStats,
 }
 
@@ -83,14 +86,21 @@ impl SparseOutputs {
         ))
     }
 
-    fn into_allocations(self) -> Vec<Allocation> {
+    /// Every allocation with the replica it is on.
+    fn into_allocations(self) -> Vec<(usize, Allocation)> {
+        let per_replica = |p: PerReplica| {
+            p.into_iter()
+                .enumerate()
+                .filter_map(|(r, a)| a.map(|a| (r, a)))
+        };
         let mut out = Vec::new();
         for g in self.groups {
-            out.extend(g.indices.into_iter().flatten());
+            out.extend(per_replica(g.indices));
         }
         for n in self.by_name.into_values().chain(self.retired) {
-            out.extend(n.values.into_iter().flatten());
+            out.extend(per_replica(n.values));
         }
+        out.extend(self.scratch);
         out
     }
 
@@ -123,16 +133,39 @@ fn values_refs(members: &[&SparseInput], ptrs: impl Iterator<Item = usize>) -> V
 }
 
 impl Executor {
-    fn retire_coalesced(&self, c: Coalesced) {
-        self.backend.retire(c.indices);
-        c.values.into_iter().for_each(|v| self.backend.retire(v));
+    /// Takes back the outputs of a step that are no longer valid (replaced by a newer step, or
+    /// never installed because the step failed) for the next gather to write into: outputs are
+    /// double-buffered instead of allocated every step. The spares they replace are handed to
+    /// the backend to free once the work issued so far has completed.
+    ///
+    /// Reuse is safe in stream order: the next gather writes after its collective's `begin`,
+    /// which waits for everything the callers queued before it (their reads of these outputs
+    /// included), and every earlier collective's work precedes that on dpsync's streams.
+    pub fn retire_outputs(&self, outputs: SparseOutputs) {
+        let fresh = outputs.into_allocations();
+        let old = std::mem::replace(&mut *self.spare_outputs.lock(), fresh);
+        for (_, a) in old {
+            self.backend.retire(a);
+        }
     }
 
-    /// Hands every allocation of `outputs` to the backend to free once the work issued so far
-    /// (a framework's kernels reading last step's slices, on its stream) has completed.
-    pub fn retire_outputs(&self, outputs: SparseOutputs) {
-        for a in outputs.into_allocations() {
-            self.backend.retire(a);
+    /// Memory for a gathered output of `bytes` on `replica`: a spare from an earlier step when
+    /// one fits (not more than twice the size), else a new allocation. Not zero-filled: the
+    /// gather writes every byte of an output.
+    fn alloc_output(&self, replica: usize, bytes: usize) -> Result<Allocation> {
+        let mut spare = self.spare_outputs.lock();
+        let best = spare
+            .iter()
+            .enumerate()
+            .filter(|(_, (r, a))| *r == replica && a.bytes() >= bytes && a.bytes() <= 2 * bytes)
+            .min_by_key(|(_, (_, a))| a.bytes())
+            .map(|(i, _)| i);
+        match best {
+            Some(i) => Ok(spare.swap_remove(i).1),
+            None => {
+                drop(spare);
+                self.backend.alloc(replica, bytes)
+            }
         }
     }
 
@@ -217,7 +250,7 @@ impl Executor {
             let members: Vec<&SparseInput> = group.members.iter().map(|&m| &inputs[m]).collect();
             let avg = (op == ReduceOp::Avg && divisor > 1).then_some(divisor);
             let (gathered, rows_sent) = if coalesce {
-                self.gather_coalesced(&members, &mut out.stats.bytes_copied, avg)?
+                self.gather_coalesced(&members, &mut out.stats.bytes_copied, avg, &mut out.scratch)?
             } else {
                 let sent = members[0].slices.iter().map(|s| s.rows).collect();
                 (
@@ -276,7 +309,7 @@ impl Executor {
                     outs.push(None);
                     continue;
                 }
-                let a = self.backend.alloc(dst, total * row_bytes)?;
+                let a = self.alloc_output(dst, total * row_bytes)?;
                 for (r, (&n, &at)) in rows.iter().zip(&offsets).enumerate() {
                     let to = a.ptr() + at * row_bytes;
                     self.copy_counted(moved, (r, src(r)), (dst, to), n * row_bytes)?;
@@ -307,6 +340,7 @@ impl Executor {
         members: &[&SparseInput],
         moved: &mut usize,
         avg: Option<usize>,
+        scratch: &mut Vec<(usize, Allocation)>,
     ) -> Result<(Gathered, Vec<usize>)> {
         let first = members[0];
         let index_dtype = first.spec.index_dtype;
@@ -325,7 +359,10 @@ impl Executor {
                 rows: slice.rows,
                 values: &values,
             };
-            local.push(Some(self.backend.coalesce(r, &slice)?));
+            let coalesced = self
+                .backend
+                .coalesce_into(r, &slice, &mut |bytes| self.alloc_output(r, bytes))?;
+            local.push(Some(coalesced));
         }
         let sent: Vec<usize> = local
             .iter()
@@ -337,10 +374,10 @@ impl Executor {
             local.swap_remove(ROOT)
         } else {
             let index_bytes = index_dtype.size();
-            let indices = self.backend.alloc(ROOT, total * index_bytes)?;
+            let indices = self.alloc_output(ROOT, total * index_bytes)?;
             let mut values = Vec::with_capacity(members.len());
             for m in members {
-                values.push(self.backend.alloc(ROOT, total * m.spec.row_bytes())?);
+                values.push(self.alloc_output(ROOT, total * m.spec.row_bytes())?);
             }
             for (r, part) in local.iter().enumerate() {
                 let Some(part) = part else { continue };
@@ -358,9 +395,13 @@ impl Executor {
                     self.copy_counted(moved, (r, src.ptr()), (ROOT, to), part.rows * row)?;
                 }
             }
-            // Copies to the root may still be reading the local slices (stream order).
-            for part in local.into_iter().flatten() {
-                self.retire_coalesced(part);
+            // Copies to the root may still be reading the local slices (stream order): reused
+            // from the next step on.
+            for (r, part) in local.into_iter().enumerate() {
+                if let Some(part) = part {
+                    scratch.push((r, part.indices));
+                    scratch.extend(part.values.into_iter().map(|v| (r, v)));
+                }
             }
             let refs = values_refs(members, values.iter().map(Allocation::ptr));
             let gathered = SliceRef {
@@ -369,9 +410,11 @@ impl Executor {
                 rows: total,
                 values: &refs,
             };
-            let result = self.backend.coalesce(ROOT, &gathered)?;
-            self.backend.retire(indices);
-            values.into_iter().for_each(|v| self.backend.retire(v));
+            let result = self
+                .backend
+                .coalesce_into(ROOT, &gathered, &mut |bytes| self.alloc_output(ROOT, bytes))?;
+            scratch.push((ROOT, indices));
+            scratch.extend(values.into_iter().map(|v| (ROOT, v)));
             Some(result)
         };
         let Some(result) = result.filter(|c| c.rows > 0) else {
@@ -399,7 +442,7 @@ impl Executor {
                     outs.push(None);
                     continue;
                 }
-                let copy = self.backend.alloc(dst, bytes)?;
+                let copy = self.alloc_output(dst, bytes)?;
                 self.copy_counted(moved, (ROOT, a.ptr()), (dst, copy.ptr()), bytes)?;
                 outs.push(Some(copy));
             }

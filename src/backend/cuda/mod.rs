@@ -843,8 +843,13 @@ impl Backend for CudaBackend {
         self.device_index_check(check)
     }
 
-    unsafe fn coalesce(&self, replica: usize, slice: &SliceRef<'_>) -> Result<Coalesced> {
-        self.device_coalesce(replica, slice)
+    unsafe fn coalesce_into(
+        &self,
+        replica: usize,
+        slice: &SliceRef<'_>,
+        alloc: &mut dyn FnMut(usize) -> Result<Allocation>,
+    ) -> Result<Coalesced> {
+        self.device_coalesce(replica, slice, alloc)
     }
 
     unsafe fn divide(

@@ -14,7 +14,7 @@ use cudarc::driver::sys;
 
 use super::driver::{self, check, DeviceMemory, PinnedMemory};
 use super::CudaBackend;
-use crate::backend::{coalescing_order, Allocation, Backend, Coalesced, IndexCheck, SliceRef};
+use crate::backend::{coalescing_order, Allocation, Coalesced, IndexCheck, SliceRef};
 use crate::error::Result;
 use crate::types::DType;
 
@@ -115,6 +115,7 @@ impl CudaBackend {
         &self,
         replica: usize,
         slice: &SliceRef<'_>,
+        alloc: &mut dyn FnMut(usize) -> Result<Allocation>,
     ) -> Result<Coalesced> {
         let group = &self.groups[self.replicas[replica].group];
         let isize = slice.index_dtype.size();
@@ -158,13 +159,13 @@ impl CudaBackend {
                 .collect(),
             _ => unique.iter().flat_map(|&k| k.to_ne_bytes()).collect(),
         };
-        let indices = self.alloc(replica, index_bytes.len())?;
+        let indices = alloc(index_bytes.len())?;
         let _bound = group.ctx.bind()?;
         driver::upload(indices.ptr() as u64, &index_bytes, group.stream.0)?;
         let mut values: Vec<Allocation> = Vec::with_capacity(slice.values.len());
         if rows == 0 {
             for _ in slice.values {
-                values.push(self.alloc(replica, 0)?);
+                values.push(alloc(0)?);
             }
             return Ok(Coalesced {
                 rows,
@@ -183,7 +184,7 @@ impl CudaBackend {
         driver::upload(map_mem.ptr, &map, group.stream.0)?;
         let bounds_ptr = map_mem.ptr + (positions.len() * 8) as u64;
         for v in slice.values {
-            let out = self.alloc(replica, rows * v.row_bytes())?;
+            let out = alloc(rows * v.row_bytes())?;
             let _bound = group.ctx.bind()?;
             group.kernels.sum_runs(
                 group.stream.0,

@@ -226,8 +226,13 @@ impl Backend for HostBackend {
         }
     }
 
-    unsafe fn coalesce(&self, replica: usize, slice: &SliceRef<'_>) -> Result<Coalesced> {
-        sparse::coalesce(|bytes| self.alloc(replica, bytes), slice)
+    unsafe fn coalesce_into(
+        &self,
+        _replica: usize,
+        slice: &SliceRef<'_>,
+        alloc: &mut dyn FnMut(usize) -> Result<Allocation>,
+    ) -> Result<Coalesced> {
+        sparse::coalesce(alloc, slice)
     }
 
     unsafe fn divide(

@@ -46,13 +46,21 @@ pub(super) unsafe fn find_index_out_of_range(
     }
 }
 
-/// `out` = the sum of the rows `rows` of `src`, added in that order, `row_len` elements each.
-unsafe fn sum_rows<T: Reducible>(src: *const T, rows: &[usize], row_len: usize, out: *mut T) {
-    let mut acc = [T::Acc::default(); BLOCK];
+/// `out` = the sum of the rows `rows` of `src`, added in that order, `row_len` elements each,
+/// accumulated in `acc` (at least `min(row_len, BLOCK)` long; reused across rows because zeroing
+/// a whole block per row would cost more than the sum of a short row).
+unsafe fn sum_rows<T: Reducible>(
+    src: *const T,
+    rows: &[usize],
+    row_len: usize,
+    out: *mut T,
+    acc: &mut [T::Acc],
+) {
     let mut done = 0;
     while done < row_len {
         let n = BLOCK.min(row_len - done);
         let row = |r: usize| std::slice::from_raw_parts(src.add(r * row_len + done), n);
+        // load overwrites acc[..n], so it needs no zeroing between rows.
         T::load(row(rows[0]), &mut acc[..n]);
         for &r in &rows[1..] {
             T::accumulate(row(r), &mut acc[..n]);
@@ -73,18 +81,20 @@ unsafe fn sum_runs<T: Reducible>(
     dst: usize,
 ) {
     let (src, dst) = (src as *const T, dst as *mut T);
+    let mut acc = vec![T::Acc::default(); BLOCK.min(row_len)];
     for (k, run) in bounds.windows(2).enumerate() {
         sum_rows(
             src,
             &positions[run[0]..run[1]],
             row_len,
             dst.add(k * row_len),
+            &mut acc,
         );
     }
 }
 
 pub(super) unsafe fn coalesce(
-    alloc: impl Fn(usize) -> Result<Allocation>,
+    alloc: &mut dyn FnMut(usize) -> Result<Allocation>,
     slice: &SliceRef<'_>,
 ) -> Result<Coalesced> {
     let keys = read_indices(slice.index_dtype, slice.indices, slice.rows);
