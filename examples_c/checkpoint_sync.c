@@ -10,6 +10,8 @@
  */
 #include <dpsync.h>
 
+#include "example_util.h"
+
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -54,14 +56,6 @@ enum { N_TENSORS = sizeof(TENSORS) / sizeof(TENSORS[0]) };
 static replica_t reps[NREP];
 static int failures = 0, passes = 0;
 
-static void check(dpsync_status status, const char *call, int line) {
-  if (status != DPSYNC_STATUS_OK) {
-    fprintf(stderr, "checkpoint_sync.c:%d: %s failed: %s: %s\n", line, call,
-            dpsync_status_name((uint32_t)status), dpsync_last_error());
-    exit(1);
-  }
-}
-#define CHECK(call) check((call), #call, __LINE__)
 
 static void verify(int ok, const char *what) {
   printf("%s: %s\n", ok ? "ok  " : "FAIL", what);

@@ -11,6 +11,8 @@
  */
 #include <dpsync.h>
 
+#include "example_util.h"
+
 #include <errno.h>
 #include <math.h>
 #include <stdint.h>
@@ -54,14 +56,6 @@ typedef struct {
 
 /* ------------------------------------------------------------------ helpers */
 
-static void check(dpsync_status status, const char *call, int line) {
-  if (status != DPSYNC_STATUS_OK) {
-    fprintf(stderr, "train_dense.c:%d: %s failed: %s: %s\n", line, call,
-            dpsync_status_name((uint32_t)status), dpsync_last_error());
-    exit(1);
-  }
-}
-#define CHECK(call) check((call), #call, __LINE__)
 
 /* PCG-style 64-bit LCG: the same numbers on every platform, unlike rand(). */
 typedef struct {
@@ -72,26 +66,6 @@ static float lcg_uniform(lcg_t *g, float lo, float hi) {
   g->state = g->state * 6364136223846793005ULL + 1442695040888963407ULL;
   float u = (float)(g->state >> 40) / 16777216.0f; /* top 24 bits: exact in a float, in [0,1) */
   return lo + (hi - lo) * u;
-}
-
-static int parse_size(const char *text, size_t *out) {
-  char *end = NULL;
-  if (text == NULL || *text == '\0' || *text == '-') return 0;
-  errno = 0;
-  unsigned long long v = strtoull(text, &end, 10);
-  if (errno != 0 || *end != '\0' || v > SIZE_MAX) return 0;
-  *out = (size_t)v;
-  return 1;
-}
-
-static int parse_double(const char *text, double *out) {
-  char *end = NULL;
-  if (text == NULL || *text == '\0') return 0;
-  errno = 0;
-  double v = strtod(text, &end);
-  if (errno != 0 || *end != '\0' || !isfinite(v)) return 0;
-  *out = v;
-  return 1;
 }
 
 static void usage(void) {

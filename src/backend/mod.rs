@@ -13,7 +13,9 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::plan::Step;
 use crate::types::{DType, Memory, ReduceOp};
 
-pub use sparse::{coalescing_order, Coalesced, IndexCheck, SliceRef, ValuesRef};
+pub use sparse::{
+    coalescing_order, narrow_indices, widen_indices, Coalesced, IndexCheck, SliceRef, ValuesRef,
+};
 
 /// One tensor's elements on every replica: `ptrs[r]` is replica r's first element.
 #[derive(Clone, Copy, Debug)]

@@ -29,6 +29,36 @@ impl IndexCheck<'_> {
     }
 }
 
+/// The `rows` indices of `dtype` (I32 or I64, the registry's rule) at `ptr` in host memory,
+/// widened to i64.
+///
+/// # Safety
+/// `ptr` is valid for `rows` aligned elements of `dtype`.
+pub unsafe fn widen_indices(dtype: DType, ptr: usize, rows: usize) -> Vec<i64> {
+    if rows == 0 {
+        return Vec::new();
+    }
+    match dtype {
+        DType::I32 => std::slice::from_raw_parts(ptr as *const i32, rows)
+            .iter()
+            .map(|&i| i64::from(i))
+            .collect(),
+        DType::I64 => std::slice::from_raw_parts(ptr as *const i64, rows).to_vec(),
+        other => unreachable!("the registry admits only i32/i64 indices, got {other}"),
+    }
+}
+
+/// `keys` back in `dtype`, as bytes: exact, since every key was widened from that dtype.
+pub fn narrow_indices(dtype: DType, keys: &[i64]) -> Vec<u8> {
+    match dtype {
+        DType::I32 => keys
+            .iter()
+            .flat_map(|&k| (k as i32).to_ne_bytes())
+            .collect(),
+        _ => keys.iter().flat_map(|&k| k.to_ne_bytes()).collect(),
+    }
+}
+
 /// How to coalesce `keys` (a slice's indices, widened): the unique keys ascending; `positions`,
 /// the input rows sorted by (key, position); and `bounds`, where run k of equal keys is
 /// `positions[bounds[k]..bounds[k + 1]]`. Equal keys keep input order, so every run is summed

@@ -10,7 +10,7 @@ mod sparse;
 
 pub use sparse::{GradientStats, SparseOutputs, SparseStats};
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use parking_lot::Mutex;
 
@@ -26,18 +26,18 @@ pub struct Executor {
     backend: Box<dyn Backend>,
     /// Host-memory tensors on device replicas; `None` when `backend` is already the host's.
     host: Option<HostBackend>,
-    /// Open `begin`/`end` brackets (0 or 1): work inside an open one needs no bracket of its own.
-    depth: AtomicUsize,
+    /// A `begin`/`end` bracket is open: work inside it needs no bracket of its own.
+    in_bracket: AtomicBool,
     /// Sparse outputs no longer valid, kept for the next gather to write into (by replica).
     spare_outputs: Mutex<Vec<(usize, Allocation)>>,
 }
 
-/// Closes the depth count of a bracket even if its work unwinds.
-struct Depth<'a>(&'a AtomicUsize);
+/// Marks the bracket closed even if its work unwinds.
+struct Open<'a>(&'a AtomicBool);
 
-impl Drop for Depth<'_> {
+impl Drop for Open<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        self.0.store(false, Ordering::Relaxed);
     }
 }
 
@@ -67,19 +67,15 @@ fn buckets_for(tensors: &[&TensorView], fusion_bytes: usize) -> Vec<Bucket> {
 impl Executor {
     /// `device` is the backend of CUDA replicas; `None` for host replicas.
     pub fn new(device: Option<Box<dyn Backend>>) -> Executor {
-        match device {
-            Some(backend) => Executor {
-                backend,
-                host: Some(HostBackend::new()),
-                depth: AtomicUsize::new(0),
-                spare_outputs: Mutex::new(Vec::new()),
-            },
-            None => Executor {
-                backend: Box::new(HostBackend::new()),
-                host: None,
-                depth: AtomicUsize::new(0),
-                spare_outputs: Mutex::new(Vec::new()),
-            },
+        let (backend, host) = match device {
+            Some(backend) => (backend, Some(HostBackend::new())),
+            None => (Box::new(HostBackend::new()) as Box<dyn Backend>, None),
+        };
+        Executor {
+            backend,
+            host,
+            in_bracket: AtomicBool::new(false),
+            spare_outputs: Mutex::new(Vec::new()),
         }
     }
 
@@ -114,13 +110,13 @@ impl Executor {
     /// `end` after it (even after a failure: the callers' streams must not wait forever). The
     /// collectives `work` issues join this bracket. Host contexts run `work` as it is.
     pub fn bracket<T>(&self, work: impl FnOnce() -> Result<T>) -> Result<T> {
-        if self.host.is_none() || self.depth.load(Ordering::Relaxed) > 0 {
+        if self.host.is_none() || self.in_bracket.load(Ordering::Relaxed) {
             return work();
         }
         self.backend.begin()?;
-        self.depth.fetch_add(1, Ordering::Relaxed);
+        self.in_bracket.store(true, Ordering::Relaxed);
         let result = {
-            let _depth = Depth(&self.depth);
+            let _open = Open(&self.in_bracket);
             work()
         };
         let closed = self.backend.end();

@@ -246,9 +246,9 @@ impl Executor {
             ..SparseOutputs::default()
         };
         let mut gradient_stats: Vec<Option<GradientStats>> = vec![None; inputs.len()];
+        let avg = (op == ReduceOp::Avg && divisor > 1).then_some(divisor);
         for group in groups {
             let members: Vec<&SparseInput> = group.members.iter().map(|&m| &inputs[m]).collect();
-            let avg = (op == ReduceOp::Avg && divisor > 1).then_some(divisor);
             let (gathered, rows_sent) = if coalesce {
                 self.gather_coalesced(&members, &mut out.stats.bytes_copied, avg, &mut out.scratch)?
             } else {

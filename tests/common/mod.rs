@@ -561,6 +561,19 @@ impl DType {
     }
 }
 
+/// Element-wise sum of `vs` in replica order, divided by `divisor` when given.
+fn sum_in_order<T>(vs: &[&Vec<T>], len: usize, divisor: Option<T>) -> Vec<T>
+where
+    T: Copy + std::ops::Add<Output = T> + std::ops::Div<Output = T>,
+{
+    (0..len)
+        .map(|i| {
+            let s = vs[1..].iter().fold(vs[0][i], |s, v| s + v[i]);
+            divisor.map_or(s, |d| s / d)
+        })
+        .collect()
+}
+
 /// A host tensor of one dtype (f16/bf16 stored as raw bits).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Buf {
@@ -716,42 +729,8 @@ pub fn reference_allreduce(inputs: &[&Buf], op: u32) -> Buf {
         }};
     }
     match inputs[0].dtype() {
-        DType::F32 => {
-            let vs = collect!(F32);
-            Buf::F32(
-                (0..len)
-                    .map(|i| {
-                        let mut s = vs[0][i];
-                        for v in &vs[1..] {
-                            s += v[i];
-                        }
-                        if avg {
-                            s / n as f32
-                        } else {
-                            s
-                        }
-                    })
-                    .collect(),
-            )
-        }
-        DType::F64 => {
-            let vs = collect!(F64);
-            Buf::F64(
-                (0..len)
-                    .map(|i| {
-                        let mut s = vs[0][i];
-                        for v in &vs[1..] {
-                            s += v[i];
-                        }
-                        if avg {
-                            s / n as f64
-                        } else {
-                            s
-                        }
-                    })
-                    .collect(),
-            )
-        }
+        DType::F32 => Buf::F32(sum_in_order(&collect!(F32), len, avg.then_some(n as f32))),
+        DType::F64 => Buf::F64(sum_in_order(&collect!(F64), len, avg.then_some(n as f64))),
         DType::F16 | DType::BF16 => {
             let is_f16 = inputs[0].dtype() == DType::F16;
             let vs: Vec<&Vec<u16>> = inputs

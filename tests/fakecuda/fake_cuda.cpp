@@ -74,6 +74,11 @@ CUresult forget(void* p) {
   return OK;
 }
 
+CUresult copy_bytes(CUdeviceptr d, CUdeviceptr s, size_t n) {
+  std::memmove((void*)d, (void*)s, n);
+  return OK;
+}
+
 double now_ms() {
   using namespace std::chrono;
   return duration<double, std::milli>(steady_clock::now().time_since_epoch()).count();
@@ -116,13 +121,6 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext* c, CUdevice d) { *c = &primaries[d]
 CUresult cuDevicePrimaryCtxRelease_v2(CUdevice) { return OK; }
 CUresult cuCtxGetCurrent(CUcontext* c) { *c = current; return OK; }
 CUresult cuCtxSetCurrent(CUcontext c) { current = c; return OK; }
-CUresult cuCtxPushCurrent_v2(CUcontext c) { current = c; return OK; }
-CUresult cuCtxPopCurrent_v2(CUcontext* c) { if (c) *c = current; return OK; }
-CUresult cuCtxGetDevice(CUdevice* d) {
-  if (!current) return INVALID_CONTEXT;
-  *d = current->device;
-  return OK;
-}
 CUresult cuCtxSynchronize() { return OK; }
 CUresult cuCtxEnablePeerAccess(CUcontext, unsigned) { return OK; }
 
@@ -134,7 +132,6 @@ CUresult cuStreamCreate(CUstream* s, unsigned) {
 CUresult cuStreamCreateWithPriority(CUstream* s, unsigned f, int) { return cuStreamCreate(s, f); }
 CUresult cuStreamDestroy_v2(CUstream s) { delete s; return OK; }
 CUresult cuStreamSynchronize(CUstream) { return OK; }
-CUresult cuStreamQuery(CUstream) { return OK; }
 CUresult cuStreamWaitEvent(CUstream, CUevent, unsigned) { return OK; }
 CUresult cuStreamGetCtx(CUstream s, CUcontext* c) {
   // The legacy (0) and per-thread (2) default streams belong to the current context.
@@ -161,16 +158,15 @@ CUresult cuMemAllocHost_v2(void** p, size_t n) { return remember(p, n, false); }
 CUresult cuMemFreeHost(void* p) { return forget(p); }
 CUresult cuMemsetD8_v2(CUdeviceptr p, unsigned char v, size_t n) { std::memset((void*)p, v, n); return OK; }
 CUresult cuMemsetD8Async(CUdeviceptr p, unsigned char v, size_t n, CUstream) { return cuMemsetD8_v2(p, v, n); }
-CUresult cuMemcpy(CUdeviceptr d, CUdeviceptr s, size_t n) { std::memmove((void*)d, (void*)s, n); return OK; }
-CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream) { return cuMemcpy(d, s, n); }
-CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void* s, size_t n) { return cuMemcpy(d, (CUdeviceptr)s, n); }
+CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream) { return copy_bytes(d, s, n); }
+CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void* s, size_t n) { return copy_bytes(d, (CUdeviceptr)s, n); }
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* s, size_t n, CUstream) { return cuMemcpyHtoD_v2(d, s, n); }
-CUresult cuMemcpyDtoH_v2(void* d, CUdeviceptr s, size_t n) { return cuMemcpy((CUdeviceptr)d, s, n); }
+CUresult cuMemcpyDtoH_v2(void* d, CUdeviceptr s, size_t n) { return copy_bytes((CUdeviceptr)d, s, n); }
 CUresult cuMemcpyDtoHAsync_v2(void* d, CUdeviceptr s, size_t n, CUstream) { return cuMemcpyDtoH_v2(d, s, n); }
-CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n) { return cuMemcpy(d, s, n); }
-CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream) { return cuMemcpy(d, s, n); }
+CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n) { return copy_bytes(d, s, n); }
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream) { return copy_bytes(d, s, n); }
 CUresult cuMemcpyPeerAsync(CUdeviceptr d, CUcontext, CUdeviceptr s, CUcontext, size_t n, CUstream) {
-  return cuMemcpy(d, s, n);
+  return copy_bytes(d, s, n);
 }
 
 CUresult cuPointerGetAttribute(void* out, int attribute, CUdeviceptr p) {

@@ -268,6 +268,23 @@ pub struct DeviceMemory {
 }
 
 impl DeviceMemory {
+    /// `bytes` on `ctx`'s device, contents undefined: for buffers the next work on their stream
+    /// overwrites completely (tables and maps uploaded in order, fusion buffers packed into).
+    pub fn uninit(ctx: &Arc<PrimaryContext>, bytes: usize) -> Result<DeviceMemory> {
+        let _bound = ctx.bind()?;
+        let mut ptr = 0;
+        // SAFETY: plain driver call; at least one byte so the pointer is distinct.
+        check(
+            unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes.max(1)) },
+            "cuMemAlloc (library memory on a CUDA replica)",
+        )?;
+        Ok(DeviceMemory {
+            ptr,
+            bytes,
+            ctx: ctx.clone(),
+        })
+    }
+
     /// `bytes` on `ctx`'s device, zero-filled in order on `stream` (a stream of that device):
     /// a plain cuMemsetD8 would go to the legacy stream, which dpsync's non-blocking streams do
     /// not wait for, so work queued on `stream` could run before the fill.
@@ -276,28 +293,14 @@ impl DeviceMemory {
         bytes: usize,
         stream: sys::CUstream,
     ) -> Result<DeviceMemory> {
+        let mem = DeviceMemory::uninit(ctx, bytes)?;
         let _bound = ctx.bind()?;
-        let mut ptr = 0;
-        // SAFETY: plain driver calls; at least one byte so the pointer is distinct.
-        unsafe {
-            check(
-                sys::cuMemAlloc_v2(&mut ptr, bytes.max(1)),
-                "cuMemAlloc (library memory on a CUDA replica)",
-            )?;
-            let zeroed = check(
-                sys::cuMemsetD8Async(ptr, 0, bytes.max(1), stream),
-                "cuMemsetD8Async",
-            );
-            if let Err(e) = zeroed {
-                sys::cuMemFree_v2(ptr);
-                return Err(e);
-            }
-        }
-        Ok(DeviceMemory {
-            ptr,
-            bytes,
-            ctx: ctx.clone(),
-        })
+        // SAFETY: our allocation of at least one byte; dropped (freed) on failure.
+        check(
+            unsafe { sys::cuMemsetD8Async(mem.ptr, 0, bytes.max(1), stream) },
+            "cuMemsetD8Async",
+        )?;
+        Ok(mem)
     }
 }
 

@@ -1,13 +1,11 @@
-//! dpsync's CUDA kernels (sources in `kernels/*.cu`), compiled with NVRTC once per device (per process) and cached.
+//! dpsync's CUDA kernels (sources in `kernels/*.cu`), compiled with NVRTC once per device (per
+//! process) and cached.
 //!
-//! Every kernel walks a *table* of segments (one per tensor of a fusion bucket) so one launch
-//! covers a whole bucket: `segs[s] = {offset in the bucket, count}` and `ptrs[s * nrep + r]`
-//! the address of segment s on local replica r. f16/bf16 accumulate in f32, i32 and i64 in
-//! i64, f32 in f32 and f64 in f64: the same types and order as the host backend, so a local
-//! reduction gives the host's bytes.
-//!
-//! The source uses no CUDA headers (NVRTC ships none for fp16 before some versions), so f16
-//! conversions are inline PTX and bf16 rounding is done on the bits (round to nearest even).
+//! The bucket kernels walk a *table* of segments (one per tensor of a fusion bucket) so one
+//! launch covers a whole bucket: `segs[s] = {offset in the bucket, count}` and
+//! `ptrs[s * nrep + r]` the address of segment s on local replica r. f16/bf16 accumulate in f32,
+//! i32 in i64, i64 in 128 bits, f32 in f32 and f64 in f64: the same types and order as the host
+//! backend, so a local reduction gives the host's bytes (kernels/prelude.cu).
 
 use std::collections::HashMap;
 use std::ffi::CString;
@@ -128,7 +126,7 @@ pub(crate) fn compile(major: i32, minor: i32, image: Image) -> Result<Vec<u8>> {
     }
 }
 
-/// NVRTC's version, as "major.minor" (for describe and the GPU report).
+/// NVRTC's version, as "major.minor" (for describe).
 pub(crate) fn nvrtc_version() -> Option<String> {
     if !nvrtc_present() {
         return None;
@@ -165,7 +163,8 @@ pub struct Kernels {
     module: sys::CUmodule,
     walk: [sys::CUfunction; 6],
     add: [sys::CUfunction; 6],
-    named: Mutex<HashMap<String, sys::CUfunction>>,
+    /// Keyed by (name prefix, dtype), so a hit formats no string (launches are on the hot path).
+    named: Mutex<HashMap<(&'static str, DType), sys::CUfunction>>,
     pub sm_count: u32,
     /// What was loaded ("cubin sm_90", or "ptx compute_90" when NVRTC could not target the GPU)
     /// and by which NVRTC, for describe.
@@ -256,20 +255,36 @@ impl Kernels {
             unsafe { sys::cuModuleLoadData(&mut module, image.as_ptr().cast()) },
             "cuModuleLoadData (dpsync kernels)",
         )?;
+        let built = format!(
+            "{built}, NVRTC {}",
+            nvrtc_version().unwrap_or_else(|| "?".to_owned())
+        );
+        let sm_count = sm_count.max(1) as u32;
+        Kernels::new(module, sm_count, built, Some(ctx.clone()), Launcher::Driver)
+    }
+
+    /// The kernels of a loaded module (or the emulator's), with the dense ones looked up.
+    fn new(
+        module: sys::CUmodule,
+        sm_count: u32,
+        built: String,
+        ctx: Option<Arc<PrimaryContext>>,
+        launcher: Launcher,
+    ) -> Result<Kernels> {
         let mut kernels = Kernels {
             module,
             walk: [std::ptr::null_mut(); 6],
             add: [std::ptr::null_mut(); 6],
             named: Mutex::new(HashMap::new()),
-            sm_count: sm_count.max(1) as u32,
-            built: format!(
-                "{built}, NVRTC {}",
-                nvrtc_version().unwrap_or_else(|| "?".to_owned())
-            ),
-            _ctx: Some(ctx.clone()),
-            launcher: Launcher::Driver,
+            sm_count,
+            built,
+            _ctx: ctx,
+            launcher,
         };
-        kernels.find_dense()?;
+        for (i, dtype) in DType::ALL.iter().enumerate() {
+            kernels.walk[i] = kernels.lookup(&format!("walk_{}", dtype.name()))?;
+            kernels.add[i] = kernels.lookup(&format!("add_{}", dtype.name()))?;
+        }
         Ok(kernels)
     }
 
@@ -277,27 +292,8 @@ impl Kernels {
     /// emulator's, one "multiprocessor" keeps grids small.
     #[cfg(test)]
     pub(crate) fn emulated(launcher: Launcher) -> Result<Kernels> {
-        let mut kernels = Kernels {
-            module: std::ptr::null_mut(),
-            walk: [std::ptr::null_mut(); 6],
-            add: [std::ptr::null_mut(); 6],
-            named: Mutex::new(HashMap::new()),
-            sm_count: 1,
-            built: "host emulation".to_owned(),
-            _ctx: None,
-            launcher,
-        };
-        kernels.find_dense()?;
-        Ok(kernels)
-    }
-
-    /// Looks up the dense kernels, launched for every bucket.
-    fn find_dense(&mut self) -> Result<()> {
-        for (i, dtype) in DType::ALL.iter().enumerate() {
-            self.walk[i] = self.lookup(&format!("walk_{}", dtype.name()))?;
-            self.add[i] = self.lookup(&format!("add_{}", dtype.name()))?;
-        }
-        Ok(())
+        let built = "host emulation".to_owned();
+        Kernels::new(std::ptr::null_mut(), 1, built, None, launcher)
     }
 
     fn lookup(&self, name: &str) -> Result<sys::CUfunction> {
@@ -323,14 +319,13 @@ impl Kernels {
     }
 
     /// `{prefix}_{dtype}` (e.g. `bmuf_f16`), looked up once.
-    fn named(&self, prefix: &str, dtype: DType) -> Result<sys::CUfunction> {
-        let name = format!("{prefix}_{}", dtype.name());
+    fn named(&self, prefix: &'static str, dtype: DType) -> Result<sys::CUfunction> {
         let mut named = self.named.lock();
-        if let Some(f) = named.get(&name) {
+        if let Some(f) = named.get(&(prefix, dtype)) {
             return Ok(*f);
         }
-        let f = self.lookup(&name)?;
-        named.insert(name, f);
+        let f = self.lookup(&format!("{prefix}_{}", dtype.name()))?;
+        named.insert((prefix, dtype), f);
         Ok(f)
     }
 

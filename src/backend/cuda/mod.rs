@@ -294,7 +294,7 @@ impl CudaBackend {
         }
         let bytes: Vec<u8> = host.iter().flat_map(|w| w.to_ne_bytes()).collect();
         let _bound = group.ctx.bind()?;
-        let mem = DeviceMemory::zeroed(&group.ctx, bytes.len(), group.stream.0)?;
+        let mem = DeviceMemory::uninit(&group.ctx, bytes.len())?;
         // In order on the group's stream, before the kernels that read the table.
         driver::upload(mem.ptr, &bytes, group.stream.0)?;
         let ptr = mem.ptr;
@@ -329,7 +329,7 @@ impl CudaBackend {
             }
         }
         *slot = None;
-        let mem = DeviceMemory::zeroed(&group.ctx, bytes, group.stream.0)?;
+        let mem = DeviceMemory::uninit(&group.ctx, bytes)?;
         let ptr = mem.ptr;
         *slot = Some(mem);
         Ok(ptr)
@@ -698,21 +698,17 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let dtype = bucket.dtype;
+        // One table walk of the bucket over `g`'s local replicas, on its stream.
+        let walk = |g: &Group, table: u64, fusion: u64, mode: Walk, avg: Option<usize>| {
+            let _bound = g.ctx.bind()?;
+            let (nseg, nrep) = (bucket.segments.len(), g.local.len());
+            g.kernels.walk(
+                g.stream.0, dtype, table, nseg, nrep, total, fusion, mode, avg,
+            )
+        };
         if self.groups.len() == 1 {
             let g = &self.groups[0];
-            let table = self.table(g, bucket)?;
-            let _bound = g.ctx.bind()?;
-            return g.kernels.walk(
-                g.stream.0,
-                dtype,
-                table,
-                bucket.segments.len(),
-                g.local.len(),
-                total,
-                0,
-                Walk::Allreduce,
-                avg,
-            );
+            return walk(g, self.table(g, bucket)?, 0, Walk::Allreduce, avg);
         }
         let issued = Instant::now();
         let bytes = dtype.size() * total;
@@ -721,18 +717,7 @@ impl Backend for CudaBackend {
         for g in &self.groups {
             let fb = self.scratch(g, bytes, false)?;
             let table = self.table(g, bucket)?;
-            let _bound = g.ctx.bind()?;
-            g.kernels.walk(
-                g.stream.0,
-                dtype,
-                table,
-                bucket.segments.len(),
-                g.local.len(),
-                total,
-                fb,
-                Walk::Pack,
-                None,
-            )?;
+            walk(g, table, fb, Walk::Pack, None)?;
             fusion.push(fb);
             tables.push(table);
         }
@@ -746,18 +731,7 @@ impl Backend for CudaBackend {
             return Err(self.fail(&mut state, e));
         }
         for (i, g) in self.groups.iter().enumerate() {
-            let _bound = g.ctx.bind()?;
-            g.kernels.walk(
-                g.stream.0,
-                dtype,
-                tables[i],
-                bucket.segments.len(),
-                g.local.len(),
-                total,
-                fusion[i],
-                Walk::Unpack,
-                avg,
-            )?;
+            walk(g, tables[i], fusion[i], Walk::Unpack, avg)?;
         }
         Ok(())
     }

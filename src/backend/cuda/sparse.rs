@@ -14,7 +14,9 @@ use cudarc::driver::sys;
 
 use super::driver::{self, check, DeviceMemory, PinnedMemory};
 use super::CudaBackend;
-use crate::backend::{coalescing_order, Allocation, Coalesced, IndexCheck, SliceRef};
+use crate::backend::{
+    coalescing_order, narrow_indices, widen_indices, Allocation, Coalesced, IndexCheck, SliceRef,
+};
 use crate::error::Result;
 use crate::types::DType;
 
@@ -68,7 +70,7 @@ impl CudaBackend {
         let g = &self.groups[group];
         Ok(CheckSlot {
             group,
-            device: DeviceMemory::zeroed(&g.ctx, 16, g.stream.0)?,
+            device: DeviceMemory::uninit(&g.ctx, 16)?,
             host: PinnedMemory::new(&g.ctx, 16)?,
         })
     }
@@ -118,11 +120,12 @@ impl CudaBackend {
         alloc: &mut dyn FnMut(usize) -> Result<Allocation>,
     ) -> Result<Coalesced> {
         let group = &self.groups[self.replicas[replica].group];
-        let isize = slice.index_dtype.size();
-        let mut raw = vec![0u8; slice.rows * isize];
+        // u64 words: aligned for either index type.
+        let bytes = slice.rows * slice.index_dtype.size();
+        let mut raw = vec![0u64; bytes.div_ceil(8)];
         {
             let _bound = group.ctx.bind()?;
-            if !raw.is_empty() {
+            if bytes > 0 {
                 // SAFETY: `rows` indices on this device; the host buffer holds them. Pageable
                 // memory makes the copy synchronous, and the stream sync below covers it too.
                 check(
@@ -130,7 +133,7 @@ impl CudaBackend {
                         sys::cuMemcpyDtoHAsync_v2(
                             raw.as_mut_ptr().cast(),
                             slice.indices as u64,
-                            raw.len(),
+                            bytes,
                             group.stream.0,
                         )
                     },
@@ -139,26 +142,10 @@ impl CudaBackend {
             }
             self.sync_group(group)?;
         }
-        let keys: Vec<i64> = match slice.index_dtype {
-            DType::I32 => raw
-                .chunks_exact(4)
-                .map(|b| i64::from(i32::from_ne_bytes(b.try_into().expect("4 bytes"))))
-                .collect(),
-            _ => raw
-                .chunks_exact(8)
-                .map(|b| i64::from_ne_bytes(b.try_into().expect("8 bytes")))
-                .collect(),
-        };
+        let keys = widen_indices(slice.index_dtype, raw.as_ptr() as usize, slice.rows);
         let (unique, positions, bounds) = coalescing_order(&keys);
         let rows = unique.len();
-        let index_bytes: Vec<u8> = match slice.index_dtype {
-            // Every key came from an i32, so the narrowing is exact.
-            DType::I32 => unique
-                .iter()
-                .flat_map(|&k| (k as i32).to_ne_bytes())
-                .collect(),
-            _ => unique.iter().flat_map(|&k| k.to_ne_bytes()).collect(),
-        };
+        let index_bytes = narrow_indices(slice.index_dtype, &unique);
         let indices = alloc(index_bytes.len())?;
         let _bound = group.ctx.bind()?;
         driver::upload(indices.ptr() as u64, &index_bytes, group.stream.0)?;
@@ -180,7 +167,7 @@ impl CudaBackend {
             .chain(&bounds)
             .flat_map(|&p| (p as u64).to_ne_bytes())
             .collect();
-        let map_mem = DeviceMemory::zeroed(&group.ctx, map.len(), group.stream.0)?;
+        let map_mem = DeviceMemory::uninit(&group.ctx, map.len())?;
         driver::upload(map_mem.ptr, &map, group.stream.0)?;
         let bounds_ptr = map_mem.ptr + (positions.len() * 8) as u64;
         for v in slice.values {

@@ -5,24 +5,11 @@
 use half::{bf16, f16};
 
 use super::kernels::{Reducible, BLOCK};
-use crate::backend::{coalescing_order, Allocation, Coalesced, SliceRef};
+use crate::backend::{
+    coalescing_order, narrow_indices, widen_indices, Allocation, Coalesced, SliceRef,
+};
 use crate::error::Result;
 use crate::types::{DType, ReduceOp};
-
-/// The indices of a slice widened to i64 (the registry allows only I32 and I64).
-unsafe fn read_indices(dtype: DType, ptr: usize, rows: usize) -> Vec<i64> {
-    if rows == 0 {
-        return Vec::new();
-    }
-    match dtype {
-        DType::I32 => std::slice::from_raw_parts(ptr as *const i32, rows)
-            .iter()
-            .map(|&i| i64::from(i))
-            .collect(),
-        DType::I64 => std::slice::from_raw_parts(ptr as *const i64, rows).to_vec(),
-        other => unreachable!("the registry admits only i32/i64 indices, got {other}"),
-    }
-}
 
 pub(super) unsafe fn find_index_out_of_range(
     dtype: DType,
@@ -97,22 +84,16 @@ pub(super) unsafe fn coalesce(
     alloc: &mut dyn FnMut(usize) -> Result<Allocation>,
     slice: &SliceRef<'_>,
 ) -> Result<Coalesced> {
-    let keys = read_indices(slice.index_dtype, slice.indices, slice.rows);
+    let keys = widen_indices(slice.index_dtype, slice.indices, slice.rows);
     let (unique, positions, bounds) = coalescing_order(&keys);
     let rows = unique.len();
-    let indices = alloc(rows * slice.index_dtype.size())?;
-    match slice.index_dtype {
-        DType::I32 => {
-            let out = std::slice::from_raw_parts_mut(indices.ptr() as *mut i32, rows);
-            // Every key came from an i32, so the narrowing is exact.
-            out.iter_mut()
-                .zip(&unique)
-                .for_each(|(o, &k)| *o = k as i32);
-        }
-        _ => {
-            std::slice::from_raw_parts_mut(indices.ptr() as *mut i64, rows).copy_from_slice(&unique)
-        }
-    }
+    let index_bytes = narrow_indices(slice.index_dtype, &unique);
+    let indices = alloc(index_bytes.len())?;
+    std::ptr::copy_nonoverlapping(
+        index_bytes.as_ptr(),
+        indices.ptr() as *mut u8,
+        index_bytes.len(),
+    );
     let mut values = Vec::with_capacity(slice.values.len());
     for v in slice.values {
         let out = alloc(rows * v.row_bytes())?;
