@@ -37,6 +37,17 @@ impl BucketView<'_> {
     }
 }
 
+/// One copy of a [`Backend::transfer`] batch: `bytes` from `src` on replica `src_replica` to
+/// `dst` on replica `dst_replica`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Transfer {
+    pub src_replica: usize,
+    pub src: usize,
+    pub dst_replica: usize,
+    pub dst: usize,
+    pub bytes: usize,
+}
+
 /// Memory the library owns on one replica (host memory for host replicas, device memory for
 /// CUDA ones): sparse outputs, BMUF state, staging. Zero-filled when made, freed on drop.
 pub struct Allocation {
@@ -138,6 +149,16 @@ pub trait Backend: Send {
         dst: usize,
         bytes: usize,
     ) -> Result<()>;
+
+    /// Runs a batch of copies (skipping empty ones) that are independent: no transfer reads
+    /// memory another one writes. A backend with a collective transport may move the batch in
+    /// one go (NCCL sends and receives in one group) instead of copy by copy.
+    ///
+    /// # Safety
+    /// As for [`Backend::copy`], for every transfer.
+    unsafe fn transfer(&self, batch: &[Transfer]) -> Result<()> {
+        copy_each(self, batch)
+    }
 
     /// BMUF: loads the filter state of one bucket on `replica`. For every span and element i:
     /// `w[i] = params[i]` widened exactly to [`bmuf_state_dtype`]`(dtype)`, and `d[i] = 0`.
@@ -260,6 +281,17 @@ pub trait Backend: Send {
 
     /// What `dpsync_describe` shows of this backend under "backend".
     fn describe(&self) -> serde_json::Value;
+}
+
+/// [`Backend::transfer`] as one [`Backend::copy`] per non-empty transfer.
+///
+/// # Safety
+/// As for [`Backend::transfer`].
+unsafe fn copy_each<B: Backend + ?Sized>(backend: &B, batch: &[Transfer]) -> Result<()> {
+    for t in batch.iter().filter(|t| t.bytes > 0) {
+        backend.copy(t.src_replica, t.src, t.dst_replica, t.dst, t.bytes)?;
+    }
+    Ok(())
 }
 
 /// What a backend without the BMUF primitives answers.

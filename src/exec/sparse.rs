@@ -1,6 +1,7 @@
 //! The sparse gather, written once over [`Backend`](crate::backend::Backend) primitives (`alloc`,
-//! `copy`, and for coalescing, range checks and AVG the sparse primitives), so a device backend
-//! runs the same algorithm.
+//! `transfer`, and for coalescing, range checks and AVG the sparse primitives), so a device
+//! backend runs the same algorithm. Each phase's moves go to the backend as one transfer batch
+//! (the CUDA backend over NCCL makes it one group of sends and receives).
 //!
 //! - Plain: every replica's rows are copied, in world order, into a new allocation on every
 //!   replica; slices sharing an index buffer (plan's [`IndexGroup`]) gather their indices once.
@@ -15,7 +16,7 @@
 use std::collections::HashMap;
 
 use super::Executor;
-use crate::backend::{Allocation, Coalesced, IndexCheck, SliceRef, ValuesRef};
+use crate::backend::{Allocation, Coalesced, IndexCheck, SliceRef, Transfer, ValuesRef};
 use crate::error::Result;
 use crate::plan::sparse::{world_offsets, IndexGroup};
 use crate::registry::sparse::SparseInput;
@@ -169,19 +170,11 @@ impl Executor {
         }
     }
 
-    /// Copies `bytes` (skipping empty copies, which need no valid pointer) and counts them.
-    unsafe fn copy_counted(
-        &self,
-        moved: &mut usize,
-        (src_replica, src): (usize, usize),
-        (dst_replica, dst): (usize, usize),
-        bytes: usize,
-    ) -> Result<()> {
-        if bytes == 0 {
-            return Ok(());
-        }
-        *moved += bytes;
-        self.backend.copy(src_replica, src, dst_replica, dst, bytes)
+    /// Runs `batch` (one [`Backend::transfer`](crate::backend::Backend::transfer)) and counts
+    /// its bytes.
+    unsafe fn transfer_counted(&self, moved: &mut usize, batch: &[Transfer]) -> Result<()> {
+        *moved += batch.iter().map(|t| t.bytes).sum::<usize>();
+        self.backend.transfer(batch)
     }
 
     /// The validation that needs the replicas' memory: every index of a gradient registered
@@ -295,13 +288,15 @@ impl Executor {
         Ok(out)
     }
 
-    /// Every replica's rows onto every replica, in world order.
+    /// Every replica's rows onto every replica, in world order: one transfer batch for the
+    /// indices and every member's values.
     unsafe fn gather_plain(&self, members: &[&SparseInput], moved: &mut usize) -> Result<Gathered> {
         let first = members[0];
         let rows: Vec<usize> = first.slices.iter().map(|s| s.rows).collect();
         let (offsets, total) = world_offsets(rows.iter().copied());
         let replicas = rows.len();
-        // Allocates `total` rows of `row_bytes` on every replica and copies each replica's part in.
+        let mut batch = Vec::new();
+        // Allocates `total` rows of `row_bytes` on every replica; each replica's part goes in.
         let mut gather = |row_bytes: usize, src: &dyn Fn(usize) -> usize| -> Result<PerReplica> {
             let mut outs = Vec::with_capacity(replicas);
             for dst in 0..replicas {
@@ -311,8 +306,13 @@ impl Executor {
                 }
                 let a = self.alloc_output(dst, total * row_bytes)?;
                 for (r, (&n, &at)) in rows.iter().zip(&offsets).enumerate() {
-                    let to = a.ptr() + at * row_bytes;
-                    self.copy_counted(moved, (r, src(r)), (dst, to), n * row_bytes)?;
+                    batch.push(Transfer {
+                        src_replica: r,
+                        src: src(r),
+                        dst_replica: dst,
+                        dst: a.ptr() + at * row_bytes,
+                        bytes: n * row_bytes,
+                    });
                 }
                 outs.push(Some(a));
             }
@@ -324,6 +324,7 @@ impl Executor {
         for m in members {
             values.push(gather(m.spec.row_bytes(), &|r| m.slices[r].values)?);
         }
+        self.transfer_counted(moved, &batch)?;
         Ok(Gathered {
             rows: total,
             indices,
@@ -379,22 +380,23 @@ impl Executor {
             for m in members {
                 values.push(self.alloc_output(ROOT, total * m.spec.row_bytes())?);
             }
+            let mut batch = Vec::new();
             for (r, part) in local.iter().enumerate() {
                 let Some(part) = part else { continue };
                 let at = offsets[r];
-                let to = indices.ptr() + at * index_bytes;
-                self.copy_counted(
-                    moved,
-                    (r, part.indices.ptr()),
-                    (ROOT, to),
-                    part.rows * index_bytes,
-                )?;
+                let to_root = |src: &Allocation, dst: &Allocation, row_bytes: usize| Transfer {
+                    src_replica: r,
+                    src: src.ptr(),
+                    dst_replica: ROOT,
+                    dst: dst.ptr() + at * row_bytes,
+                    bytes: part.rows * row_bytes,
+                };
+                batch.push(to_root(&part.indices, &indices, index_bytes));
                 for ((m, src), dst) in members.iter().zip(&part.values).zip(&values) {
-                    let row = m.spec.row_bytes();
-                    let to = dst.ptr() + at * row;
-                    self.copy_counted(moved, (r, src.ptr()), (ROOT, to), part.rows * row)?;
+                    batch.push(to_root(src, dst, m.spec.row_bytes()));
                 }
             }
+            self.transfer_counted(moved, &batch)?;
             // Copies to the root may still be reading the local slices (stream order): reused
             // from the next step on.
             for (r, part) in local.into_iter().enumerate() {
@@ -434,7 +436,8 @@ impl Executor {
                     .divide(ROOT, m.spec.value_dtype, a.ptr(), count, divisor)?;
             }
         }
-        // Copies of the root's result on every other replica.
+        // Copies of the root's result on every other replica, in one batch.
+        let mut batch = Vec::new();
         let mut broadcast = |a: Allocation, bytes: usize| -> Result<PerReplica> {
             let mut outs = Vec::with_capacity(replicas);
             for dst in 0..replicas {
@@ -443,7 +446,13 @@ impl Executor {
                     continue;
                 }
                 let copy = self.alloc_output(dst, bytes)?;
-                self.copy_counted(moved, (ROOT, a.ptr()), (dst, copy.ptr()), bytes)?;
+                batch.push(Transfer {
+                    src_replica: ROOT,
+                    src: a.ptr(),
+                    dst_replica: dst,
+                    dst: copy.ptr(),
+                    bytes,
+                });
                 outs.push(Some(copy));
             }
             outs[ROOT] = Some(a);
@@ -454,6 +463,7 @@ impl Executor {
         for (m, a) in members.iter().zip(result.values) {
             values.push(broadcast(a, rows * m.spec.row_bytes())?);
         }
+        self.transfer_counted(moved, &batch)?;
         Ok((
             Gathered {
                 rows,

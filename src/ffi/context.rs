@@ -9,7 +9,9 @@ use crate::context::Context;
 
 /// Creates a context driving every replica the options name. `*out` is set only on success.
 /// The options are copied: they may be changed or freed afterwards.
-/// Contexts with CUDA replicas return DPSYNC_STATUS_UNAVAILABLE in this version.
+/// With CUDA replicas it loads the CUDA driver, NVRTC and (transport NCCL or AUTO) NCCL:
+/// DPSYNC_STATUS_UNAVAILABLE, naming what is missing, when the driver or NVRTC cannot be
+/// loaded, an ordinal has no device, or NCCL was required and is missing.
 #[no_mangle]
 pub unsafe extern "C" fn dpsync_context_create(
     options: *const dpsync_options,

@@ -12,6 +12,11 @@
 //! is alone); between devices, one grouped NCCL allreduce or the plan's peer/staged sum and copy
 //! steps on the fusion buffers; then one kernel writes the (averaged) result into every local
 //! replica.
+//!
+//! Broadcasts and the sparse gather move bytes between replicas ([`Backend::transfer`]): with
+//! NCCL, the moves between devices are sends and receives in one group (each destination device
+//! receives a range once; its other replicas copy it locally); otherwise `cuMemcpyAsync` copies
+//! on the destination's stream, after an event from the source's.
 
 mod bmuf;
 mod driver;
@@ -34,6 +39,7 @@ use self::nccl::CommSet;
 use self::sparse::{CheckSlot, DeferredCheck};
 use super::{
     Allocation, Backend, BmufFilter, BmufSpan, BucketView, Coalesced, IndexCheck, SliceRef,
+    Transfer,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::options::Options;
@@ -409,6 +415,58 @@ impl CudaBackend {
         err
     }
 
+    /// An NCCL group may be half launched: aborts the communicators (their kernels end, so the
+    /// callers' streams do not wait forever) and refuses further collectives.
+    fn nccl_failed(&self, err: Error) -> Error {
+        let mut state = self.state.lock();
+        self.fail(&mut state, err)
+    }
+
+    /// [`Backend::transfer`] over NCCL: the transfers between devices become sends and receives
+    /// in one group (a destination device gets each source range once; its other replicas copy
+    /// it locally after the receive); transfers within a device are copies.
+    unsafe fn nccl_transfer(&self, batch: &[Transfer]) -> Result<()> {
+        let issued = Instant::now();
+        let mut moves = Vec::new();
+        let mut local = Vec::new();
+        // (source address, bytes, destination group) -> where that group received it.
+        let mut received: HashMap<(usize, usize, usize), (usize, usize)> = HashMap::new();
+        for t in batch.iter().filter(|t| t.bytes > 0) {
+            let (gs, gd) = (
+                self.replicas[t.src_replica].group,
+                self.replicas[t.dst_replica].group,
+            );
+            if gs == gd {
+                local.push(*t);
+                continue;
+            }
+            match received.entry((t.src, t.bytes, gd)) {
+                std::collections::hash_map::Entry::Occupied(at) => {
+                    let (src_replica, src) = *at.get();
+                    local.push(Transfer {
+                        src_replica,
+                        src,
+                        ..*t
+                    });
+                }
+                std::collections::hash_map::Entry::Vacant(slot) => {
+                    slot.insert((t.dst_replica, t.dst));
+                    moves.push((gs, t.src as u64, gd, t.dst as u64, t.bytes));
+                }
+            }
+        }
+        if !moves.is_empty() {
+            let comms = self.comms(issued)?;
+            let streams: Vec<sys::CUstream> = self.groups.iter().map(|g| g.stream.0).collect();
+            let bind = |rank: usize| self.groups[rank].ctx.bind();
+            comms
+                .send_recv(&moves, &streams, &bind, deadline(issued, self.timeout))
+                .map_err(|e| self.nccl_failed(e))?;
+        }
+        // On the destinations' streams, after their receives.
+        super::copy_each(self, &local)
+    }
+
     fn refuse_if_failed(state: &State) -> Result<()> {
         match &state.failed {
             Some(e) => Err(Error::new(
@@ -722,13 +780,11 @@ impl Backend for CudaBackend {
             tables.push(table);
         }
         if let Err(e) = self.exchange(dtype, total, &fusion, steps, issued) {
-            if self.transport != TransportChoice::Nccl {
-                return Err(e);
-            }
-            // An NCCL group may be half launched: abort the communicators (their kernels end,
-            // so the callers' streams do not wait forever) and refuse further collectives.
-            let mut state = self.state.lock();
-            return Err(self.fail(&mut state, e));
+            return Err(if self.transport == TransportChoice::Nccl {
+                self.nccl_failed(e)
+            } else {
+                e
+            });
         }
         for (i, g) in self.groups.iter().enumerate() {
             walk(g, tables[i], fusion[i], Walk::Unpack, avg)?;
@@ -738,6 +794,25 @@ impl Backend for CudaBackend {
 
     unsafe fn broadcast(&self, bucket: &BucketView<'_>, root: usize) -> Result<()> {
         let size = bucket.dtype.size();
+        if self.transport == TransportChoice::Nccl && self.groups.len() > 1 {
+            // Every segment to every other replica, as NCCL sends and receives in one group.
+            let batch: Vec<Transfer> = bucket
+                .segments
+                .iter()
+                .flat_map(|seg| {
+                    (0..self.replicas.len())
+                        .filter(|&r| r != root)
+                        .map(move |r| Transfer {
+                            src_replica: root,
+                            src: seg.ptrs[root],
+                            dst_replica: r,
+                            dst: seg.ptrs[r],
+                            bytes: seg.count * size,
+                        })
+                })
+                .collect();
+            return self.nccl_transfer(&batch);
+        }
         let root_group = self.replicas[root].group;
         for (r, replica) in self.replicas.iter().enumerate() {
             if r == root {
@@ -797,6 +872,14 @@ impl Backend for CudaBackend {
             unsafe { sys::cuMemcpyAsync(dst as u64, src as u64, bytes, g.stream.0) },
             "cuMemcpyAsync (replica copy)",
         )
+    }
+
+    unsafe fn transfer(&self, batch: &[Transfer]) -> Result<()> {
+        if self.transport == TransportChoice::Nccl && self.groups.len() > 1 {
+            self.nccl_transfer(batch)
+        } else {
+            super::copy_each(self, batch)
+        }
     }
 
     unsafe fn bmuf_load(&self, replica: usize, dtype: DType, spans: &[BmufSpan]) -> Result<()> {

@@ -28,6 +28,8 @@ type Comm = *mut c_void;
 const SUCCESS: u32 = 0;
 const IN_PROGRESS: u32 = 7;
 const SUM: u32 = 0;
+/// `ncclUint8`: point-to-point transfers move raw bytes.
+const BYTES: u32 = 1;
 
 struct Api {
     _lib: Library,
@@ -42,6 +44,8 @@ struct Api {
     comm_abort: unsafe extern "C" fn(Comm) -> u32,
     all_reduce:
         unsafe extern "C" fn(*const c_void, *mut c_void, usize, u32, u32, Comm, CUstream) -> u32,
+    send: unsafe extern "C" fn(*const c_void, usize, u32, c_int, Comm, CUstream) -> u32,
+    recv: unsafe extern "C" fn(*mut c_void, usize, u32, c_int, Comm, CUstream) -> u32,
     group_start: unsafe extern "C" fn() -> u32,
     group_end: unsafe extern "C" fn() -> u32,
     get_error_string: unsafe extern "C" fn(u32) -> *const c_char,
@@ -99,6 +103,8 @@ fn bind(lib: Library, path: String) -> Result<Api, String> {
         comm_destroy: sym!("ncclCommDestroy"),
         comm_abort: sym!("ncclCommAbort"),
         all_reduce: sym!("ncclAllReduce"),
+        send: sym!("ncclSend"),
+        recv: sym!("ncclRecv"),
         group_start: sym!("ncclGroupStart"),
         group_end: sym!("ncclGroupEnd"),
         get_error_string: sym!("ncclGetErrorString"),
@@ -350,6 +356,29 @@ impl CommSet {
         self.comms.len()
     }
 
+    /// Runs `issue` between `ncclGroupStart` and `ncclGroupEnd` with the communicators live and
+    /// group launches of contexts sharing the set serialised, then polls until every rank left
+    /// the in-progress state. `issue` queues calls and reports the first failure; the group is
+    /// closed either way.
+    fn grouped(
+        &self,
+        what: &str,
+        deadline: Option<Instant>,
+        issue: impl FnOnce(&Api) -> Result<()>,
+    ) -> Result<()> {
+        let api = api()?;
+        let _order = self.launch.lock();
+        let _live = self.live()?;
+        // SAFETY: group calls around calls on live communicators.
+        unsafe {
+            check(api, (api.group_start)(), "ncclGroupStart")?;
+            let queued = issue(api);
+            let end = check(api, (api.group_end)(), &format!("ncclGroupEnd ({what})"));
+            queued.and(end)?;
+        }
+        self.poll_ready(deadline)
+    }
+
     /// One in-place allreduce (sum) per rank on `bufs[rank]`, queued on `streams[rank]`, in one
     /// group. `bind(rank)` makes rank's context current while its call is queued.
     pub fn allreduce(
@@ -361,12 +390,7 @@ impl CommSet {
         bind: &dyn Fn(usize) -> Result<super::driver::Bound>,
         deadline: Option<Instant>,
     ) -> Result<()> {
-        let api = api()?;
-        let _order = self.launch.lock();
-        let _live = self.live()?;
-        // SAFETY: live communicators; buffers hold `count` elements on their ranks' devices.
-        unsafe {
-            check(api, (api.group_start)(), "ncclGroupStart")?;
+        self.grouped("allreduce", deadline, |api| {
             let mut queued = Ok(());
             for (rank, &comm) in self.comms.iter().enumerate() {
                 let _bound = match bind(rank) {
@@ -377,14 +401,63 @@ impl CommSet {
                     }
                 };
                 let buf = bufs[rank] as *mut c_void;
-                let code =
-                    (api.all_reduce)(buf, buf, count, nccl_type(dtype), SUM, comm, streams[rank]);
+                // SAFETY: a live communicator; the buffer holds `count` elements on its device.
+                let code = unsafe {
+                    (api.all_reduce)(buf, buf, count, nccl_type(dtype), SUM, comm, streams[rank])
+                };
                 queued = queued.and(check(api, code, &format!("ncclAllReduce (rank {rank})")));
             }
-            let end = check(api, (api.group_end)(), "ncclGroupEnd (allreduce)");
-            queued.and(end)?;
-        }
-        self.poll_ready(deadline)
+            queued
+        })
+    }
+
+    /// Point-to-point byte transfers in one group: for each `(from, src, to, dst, bytes)`, rank
+    /// `from` sends `bytes` at `src` (queued on its stream) and rank `to` receives them at `dst`
+    /// (on its stream). `from != to`. NCCL pairs the k-th send from a to b with the k-th
+    /// receive at b from a: both are queued in the order given.
+    pub fn send_recv(
+        &self,
+        moves: &[(usize, u64, usize, u64, usize)],
+        streams: &[CUstream],
+        bind: &dyn Fn(usize) -> Result<super::driver::Bound>,
+        deadline: Option<Instant>,
+    ) -> Result<()> {
+        self.grouped("send/recv", deadline, |api| {
+            let mut queued = Ok(());
+            for &(from, src, to, dst, bytes) in moves {
+                let (send_comm, recv_comm) = (self.comms[from], self.comms[to]);
+                let sent = bind(from).and_then(|_bound| {
+                    // SAFETY: a live communicator; `src` holds `bytes` on rank `from`'s device.
+                    let code = unsafe {
+                        (api.send)(
+                            src as *const c_void,
+                            bytes,
+                            BYTES,
+                            to as c_int,
+                            send_comm,
+                            streams[from],
+                        )
+                    };
+                    check(api, code, &format!("ncclSend (rank {from} to {to})"))
+                });
+                let received = bind(to).and_then(|_bound| {
+                    // SAFETY: as above, `dst` on rank `to`'s device.
+                    let code = unsafe {
+                        (api.recv)(
+                            dst as *mut c_void,
+                            bytes,
+                            BYTES,
+                            from as c_int,
+                            recv_comm,
+                            streams[to],
+                        )
+                    };
+                    check(api, code, &format!("ncclRecv (rank {to} from {from})"))
+                });
+                queued = queued.and(sent).and(received);
+            }
+            queued
+        })
     }
 
     /// Cancels everything and frees the communicators (error paths, timeouts).
