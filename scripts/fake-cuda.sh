@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # The GPU tests on a CPU: builds tests/fakecuda/fake_cuda.cpp (a libcuda.so.1 stand-in that runs
-# dpsync's kernels and the tests' own on CPU threads, synchronously) into target/fakecuda, and
-# runs tests/cuda*.rs against it. This exercises the whole CUDA backend's host side — contexts,
-# streams, events, memory, pointer attributes, tables, launches — without a GPU; it proves
-# nothing about asynchrony, NCCL or the hardware (docs/GPU-VALIDATION.md).
+# dpsync's kernels and the tests' own on CPU threads, synchronously) and tests/fakecuda/
+# fake_nccl.cpp (a libnccl.so.2 stand-in that matches every rank's calls and checks them) into
+# target/fakecuda, and runs tests/cuda*.rs against them: on one fake GPU; on four under three
+# peer-access patterns (all pairs, none, Caffe2's seed topology GPU1<->GPU2 only); with two NCCL
+# ranks on one GPU; and with NCCL faults injected. This exercises the whole CUDA backend's host
+# side — contexts, streams, events, memory, pointer attributes, tables, launches, peer and staged
+# copies, NCCL groups, sends and receives, timeouts and aborts — without a GPU; it proves nothing
+# about asynchrony, real NCCL transports or the hardware (docs/GPU-VALIDATION.md).
 #   bash scripts/fake-cuda.sh [extra cargo test arguments]
 # scripts/test.sh runs it; it also runs examples_c/cuda_train against the fake driver.
 source "$(dirname "$0")/common.sh"
@@ -28,22 +32,41 @@ PY
     cat tests/fakecuda/fake_cuda.cpp
   } >"$out/fake_cuda_all.cpp"
   c++ -std=c++20 -O2 -ffp-contract=off -fPIC -shared -pthread -DITEMS_PER_THREAD="$items" \
-    -o "$out/libcuda.so.1" "$out/fake_cuda_all.cpp"
+    -Wl,-soname,libcuda.so.1 -o "$out/libcuda.so.1" "$out/fake_cuda_all.cpp"
   ln -sf libcuda.so.1 "$out/libcuda.so"
+  # The NCCL stand-in; it finds the fake driver's fake_cuda_* helpers at run time (dlsym).
+  c++ -std=c++20 -O2 -fPIC -shared -pthread -Wl,-soname,libnccl.so.2 \
+    -o "$out/libnccl.so.2" tests/fakecuda/fake_nccl.cpp -ldl
+  ln -sf libnccl.so.2 "$out/libnccl.so"
 }
 
 ensure_tools
 cuda_tools
 step "fake CUDA driver: target/fakecuda/libcuda.so.1"
 build_fake_cuda
-step "GPU tests on the fake CUDA driver (DPSYNC_FAKE_CUDA=1)"
-# Not DPSYNC_REQUIRE_GPU: NCCL is not here, so the NCCL cases skip (the others must run).
-export DPSYNC_FAKE_CUDA=1 LD_LIBRARY_PATH="$PWD/target/fakecuda:${LD_LIBRARY_PATH:-}"
-cargo test --release --test cuda --test cuda_bmuf --test cuda_sparse "$@" -- --test-threads=1
+# DPSYNC_REQUIRE_GPU: with the fake driver and NCCL here, an UNAVAILABLE context is a failure.
+export DPSYNC_FAKE_CUDA=1 DPSYNC_REQUIRE_GPU=1 LD_LIBRARY_PATH="$PWD/target/fakecuda:${LD_LIBRARY_PATH:-}"
+unset FAKE_CUDA_DEVICES FAKE_CUDA_PEER FAKE_NCCL_FAULT DPSYNC_NCCL_LIBRARY
+TESTS=(--test cuda --test cuda_bmuf --test cuda_sparse)
+step "GPU tests on one fake GPU (DPSYNC_FAKE_CUDA=1)"
+cargo test --release "${TESTS[@]}" "$@" -- --test-threads=1
+for peer in "" 0 1-2; do
+  step "GPU tests across four fake GPUs, FAKE_CUDA_PEER='$peer' (${peer:-every pair has peer access})"
+  FAKE_CUDA_DEVICES=4 FAKE_CUDA_PEER=$peer cargo test --release "${TESTS[@]}" "$@" -- \
+    --test-threads=1 across
+done
+step "two NCCL ranks on one fake GPU (DPSYNC_NCCL_RANK_PER_REPLICA=1)"
+DPSYNC_NCCL_RANK_PER_REPLICA=1 NCCL_MULTI_RANK_GPU_ENABLE=1 \
+  cargo test --release --test cuda "$@" -- --test-threads=1 two_nccl_ranks
+for fault in hang error; do
+  step "NCCL fault injected: FAKE_NCCL_FAULT=$fault"
+  FAKE_CUDA_DEVICES=2 FAKE_NCCL_FAULT=$fault \
+    cargo test --release --test cuda "$@" -- --test-threads=1 a_failing_nccl
+done
 step "examples_c/cuda_train on the fake CUDA driver"
 build_library
 build_examples
-for args in "--gpus 0,0,0,0" "--gpus 0,0 --transport peer_copy"; do
-  # shellcheck disable=SC2086
-  build/examples/cuda_train $args
-done
+build/examples/cuda_train --gpus 0,0,0,0
+build/examples/cuda_train --gpus 0,0 --transport peer_copy
+FAKE_CUDA_DEVICES=4 build/examples/cuda_train --gpus 0,1,2,3 --transport nccl
+FAKE_CUDA_DEVICES=4 FAKE_CUDA_PEER=1-2 build/examples/cuda_train --gpus 2,0,1,1 --transport peer_copy

@@ -61,16 +61,26 @@ fn index_bytes(dtype: DType, v: &[i64]) -> Vec<u8> {
 /// What one replica reads back after a step: per gradient, (rows, indices bytes, values bytes).
 type Outputs = Vec<Vec<(usize, Vec<u8>, Vec<u8>)>>;
 
-/// Two steps of every gradient on `replicas` replicas in `place`; the outputs of both steps.
-fn run(place: &Place, replicas: usize, coalesce: bool, op: u32) -> Option<Vec<Outputs>> {
+/// Two steps of every gradient in `place`, replica r on GPU `ordinals[r]` (one host replica
+/// per ordinal on the host), over `transport`; the outputs of both steps. `None` when the
+/// context cannot be made here (no GPU, or the transport is missing).
+fn run(
+    place: &Place,
+    ordinals: &[i32],
+    transport: u32,
+    coalesce: bool,
+    op: u32,
+) -> Option<Vec<Outputs>> {
+    let replicas = ordinals.len();
     let ctx = match place {
         Place::Host => {
             let o = Options::host(replicas);
             o.set_sparse_coalesce(coalesce);
             Context::new(&o)
         }
-        Place::Gpu(_) => cuda_context("sparse run", &vec![0; replicas], |o| {
-            o.set_sparse_coalesce(coalesce)
+        Place::Gpu(_) => cuda_context("sparse run", ordinals, |o| {
+            o.set_sparse_coalesce(coalesce);
+            o.set_transport(transport);
         })?,
     };
     for g in &GRADS {
@@ -80,7 +90,7 @@ fn run(place: &Place, replicas: usize, coalesce: bool, op: u32) -> Option<Vec<Ou
     for step in 0..2 {
         // Buffers live until the step's allreduce_grads has run (and been synchronized).
         let mut keep: Vec<Mem> = Vec::new();
-        for r in 0..replicas {
+        for (r, &ordinal) in ordinals.iter().enumerate() {
             let n = rows(r, step);
             let mut g = Lcg::new((100 * step + r) as u64);
             let mut own_indices: Vec<usize> = Vec::new();
@@ -91,7 +101,7 @@ fn run(place: &Place, replicas: usize, coalesce: bool, op: u32) -> Option<Vec<Ou
                         let v: Vec<i64> = (0..n)
                             .map(|_| g.below(if k == 0 { 20 } else { TABLE as u64 }) as i64)
                             .collect();
-                        keep.push(place.mem(&index_bytes(grad.indices, &v)));
+                        keep.push(place.mem_on(ordinal, &index_bytes(grad.indices, &v)));
                         keep.last().unwrap().ptr()
                     }
                 };
@@ -100,7 +110,7 @@ fn run(place: &Place, replicas: usize, coalesce: bool, op: u32) -> Option<Vec<Ou
                 // bits differ between the GPU and the CPU).
                 let v: Vec<f64> = (0..n * grad.row_len).map(|_| g.spread() * 4.0).collect();
                 let values = encode(grad.values, &v);
-                keep.push(place.mem(&values));
+                keep.push(place.mem_on(ordinal, &values));
                 let st = ctx.sparse_set_raw(
                     grad.name,
                     r,
@@ -134,35 +144,62 @@ fn run(place: &Place, replicas: usize, coalesce: bool, op: u32) -> Option<Vec<Ou
     Some(steps)
 }
 
+/// Runs `ordinals` over `transport` in `gpu` and on the host with every combination of
+/// coalescing and op, and asserts equal outputs. False when the transport is missing here.
+fn matches_the_host(gpu: &Place, ordinals: &[i32], transport: u32) -> bool {
+    let replicas = ordinals.len();
+    for coalesce in [false, true] {
+        for op in [SUM, AVG] {
+            let Some(device) = run(gpu, ordinals, transport, coalesce, op) else {
+                return false;
+            };
+            let host = run(&Place::Host, ordinals, transport, coalesce, op).unwrap();
+            for (step, (d, h)) in device.iter().zip(&host).enumerate() {
+                for r in 0..replicas {
+                    for (k, grad) in GRADS.iter().enumerate() {
+                        let what = format!(
+                            "GPUs {ordinals:?}, transport {transport}, coalesce {coalesce}, op \
+                             {op}, step {step}, replica {r}, '{}'",
+                            grad.name
+                        );
+                        assert_eq!(d[r][k].0, h[r][k].0, "{what}: rows");
+                        assert!(d[r][k].1 == h[r][k].1, "{what}: indices differ");
+                        assert!(d[r][k].2 == h[r][k].2, "{what}: values differ");
+                    }
+                }
+            }
+            // Sanity of the comparison itself: the plain gather has every row.
+            if !coalesce {
+                let want: usize = (0..replicas).map(|r| rows(r, 0)).sum();
+                assert_eq!(device[0][0][0].0, want);
+            }
+        }
+    }
+    true
+}
+
 #[test]
 fn gathers_on_cuda_replicas_match_the_host_byte_for_byte() {
     let Some(gpu) = Place::gpu("gathers_on_cuda_replicas_match_the_host_byte_for_byte") else {
         return;
     };
-    for replicas in [1, 2, 4] {
-        for coalesce in [false, true] {
-            for op in [SUM, AVG] {
-                let device = run(&gpu, replicas, coalesce, op).unwrap();
-                let host = run(&Place::Host, replicas, coalesce, op).unwrap();
-                for (step, (d, h)) in device.iter().zip(&host).enumerate() {
-                    for r in 0..replicas {
-                        for (k, grad) in GRADS.iter().enumerate() {
-                            let what = format!(
-                                "{replicas} replicas, coalesce {coalesce}, op {op}, step {step}, \
-                                 replica {r}, '{}'",
-                                grad.name
-                            );
-                            assert_eq!(d[r][k].0, h[r][k].0, "{what}: rows");
-                            assert!(d[r][k].1 == h[r][k].1, "{what}: indices differ");
-                            assert!(d[r][k].2 == h[r][k].2, "{what}: values differ");
-                        }
-                    }
-                }
-                // Sanity of the comparison itself: the plain gather has every row.
-                if !coalesce {
-                    let want: usize = (0..replicas).map(|r| rows(r, 0)).sum();
-                    assert_eq!(device[0][0][0].0, want);
-                }
+    for ordinals in [&[0][..], &[0, 0], &[0, 0, 0, 0]] {
+        assert!(matches_the_host(&gpu, ordinals, T_AUTO));
+    }
+}
+
+/// Several GPUs (scripts/fake-cuda.sh: four fake ones, under each peer-access pattern): the
+/// gather crosses devices by NCCL sends and receives, or by peer copies.
+#[test]
+fn gathers_across_gpus_match_the_host_byte_for_byte() {
+    let Some(gpu) = Place::gpus("gathers_across_gpus_match_the_host_byte_for_byte", 4) else {
+        return;
+    };
+    for transport in [T_NCCL, T_PEER_COPY] {
+        for ordinals in [&[0, 1, 2, 3][..], &[1, 1, 2, 0], &[2, 1]] {
+            if !matches_the_host(&gpu, ordinals, transport) {
+                eprintln!("transport {transport} skipped: not available here");
+                break;
             }
         }
     }

@@ -15,6 +15,13 @@ pub fn gpu() -> Arc<CudaContext> {
     CudaContext::new(0).expect("a context on GPU 0 (dpsync found one)")
 }
 
+/// The legacy default stream of GPU `ordinal`.
+pub fn default_stream(ordinal: i32) -> Arc<CudaStream> {
+    CudaContext::new(ordinal as usize)
+        .expect("a context on a visible GPU")
+        .default_stream()
+}
+
 pub const SPIN: &str = r#"
 extern "C" __global__ void spin_then_fill(float* out, unsigned long long n, float value,
                                           long long cycles) {
@@ -102,28 +109,48 @@ pub fn upload(stream: &Arc<CudaStream>, bytes: &[u8]) -> CudaSlice<u8> {
     stream.clone_htod(bytes).unwrap()
 }
 
-/// Where a comparison run keeps replica memory: the host, or GPU 0 (every CUDA replica of these
-/// tests is on GPU 0, so that one GPU runs them).
+/// Where a comparison run keeps replica memory: the host, or GPUs (the default stream of every
+/// visible device, by ordinal).
 pub enum Place {
     Host,
-    Gpu(Arc<CudaStream>),
+    Gpu(Vec<Arc<CudaStream>>),
 }
 
-/// One buffer on one replica, in the place of its run. Host words keep every dtype aligned.
-pub enum Mem {
-    Host(Vec<u64>, usize),
-    Device(CudaSlice<u8>, Arc<CudaStream>),
+/// The number of CUDA devices cudarc sees (0 without a driver).
+pub fn device_count() -> usize {
+    CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
 }
 
 impl Place {
-    /// GPU 0's legacy default stream (the stream dpsync orders with by default); `None`, having
-    /// printed "`test`: skipped: no CUDA device", when dpsync finds no GPU.
+    /// Every visible GPU, by ordinal; `None`, having printed "`test`: skipped: no CUDA device",
+    /// when dpsync finds no GPU.
     pub fn gpu(test: &str) -> Option<Place> {
         super::cuda_context(test, &[0], |_| {})?;
-        Some(Place::Gpu(gpu().default_stream()))
+        let streams = (0..device_count())
+            .map(|d| default_stream(d as i32))
+            .collect();
+        Some(Place::Gpu(streams))
     }
 
+    /// As [`Place::gpu`], with at least `n` GPUs: otherwise prints "`test`: skipped: needs `n`
+    /// CUDA devices" (scripts/fake-cuda.sh runs these tests with four fake devices).
+    pub fn gpus(test: &str, n: usize) -> Option<Place> {
+        let place = Place::gpu(test)?;
+        let found = device_count();
+        if found < n {
+            eprintln!("{test}: skipped: needs {n} CUDA devices, found {found}");
+            return None;
+        }
+        Some(place)
+    }
+
+    /// `bytes` in memory of this place (on GPU 0 for a GPU place).
     pub fn mem(&self, bytes: &[u8]) -> Mem {
+        self.mem_on(0, bytes)
+    }
+
+    /// `bytes` in memory of this place, on GPU `ordinal` for a GPU place.
+    pub fn mem_on(&self, ordinal: i32, bytes: &[u8]) -> Mem {
         match self {
             Place::Host => {
                 let mut words = vec![0u64; bytes.len().div_ceil(8).max(1)];
@@ -137,13 +164,20 @@ impl Place {
                 };
                 Mem::Host(words, bytes.len())
             }
-            Place::Gpu(stream) => {
+            Place::Gpu(streams) => {
+                let stream = &streams[ordinal as usize];
                 let d = upload(stream, bytes);
                 stream.synchronize().unwrap();
                 Mem::Device(d, stream.clone())
             }
         }
     }
+}
+
+/// One buffer on one replica, in the place of its run. Host words keep every dtype aligned.
+pub enum Mem {
+    Host(Vec<u64>, usize),
+    Device(CudaSlice<u8>, Arc<CudaStream>),
 }
 
 impl Mem {
@@ -204,8 +238,8 @@ pub fn read_at(place: &Place, ptr: usize, bytes: usize) -> Vec<u8> {
     match place {
         // SAFETY: the caller names `bytes` of live host memory (a dpsync output).
         Place::Host => unsafe { std::slice::from_raw_parts(ptr as *const u8, bytes) }.to_vec(),
-        Place::Gpu(stream) => {
-            stream.synchronize().unwrap();
+        Place::Gpu(streams) => {
+            streams.iter().for_each(|s| s.synchronize().unwrap());
             download(ptr, bytes)
         }
     }

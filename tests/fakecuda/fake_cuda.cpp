@@ -8,9 +8,15 @@
 // controls, timeouts) skip under it (DPSYNC_FAKE_CUDA=1). "Device memory" is host memory that the
 // driver remembers, so cuPointerGetAttribute can tell it from host memory. Kernels are found by
 // name among those compiled in: dpsync's (kernels/*.cu under kernels/emulate.hpp) and the tests'.
-// FAKE_CUDA_DEVICES sets the device count (default 1), FAKE_CUDA_PEER=0 denies peer access.
+// FAKE_CUDA_DEVICES sets the device count (default 1, at most 8). FAKE_CUDA_PEER sets which
+// devices can access each other: unset, every pair of distinct devices; "0", none; a list of
+// pairs such as "1-2,0-3", exactly those pairs (both ways).
+//
+// The fake NCCL (fake_nccl.cpp, libnccl.so.2) checks its callers' buffers, streams and contexts
+// through the fake_cuda_* functions at the end.
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -79,6 +85,23 @@ CUresult copy_bytes(CUdeviceptr d, CUdeviceptr s, size_t n) {
   return OK;
 }
 
+// FAKE_CUDA_PEER (see the top); a malformed list aborts, so a test never runs on a wrong matrix.
+bool peer_access(int a, int b) {
+  const char* v = std::getenv("FAKE_CUDA_PEER");
+  if (a == b) return false;
+  if (!v || !std::strchr(v, '-')) return !(v && v[0] == '0');
+  for (const char* p = v;;) {
+    int x, y, used = 0;
+    if (std::sscanf(p, "%d-%d%n", &x, &y, &used) != 2 || (p[used] && p[used] != ',')) {
+      std::fprintf(stderr, "fake CUDA: FAKE_CUDA_PEER=%s: expected 0 or pairs like 1-2,0-3\n", v);
+      std::abort();
+    }
+    if ((x == a && y == b) || (x == b && y == a)) return true;
+    if (!p[used]) return false;
+    p += used + 1;
+  }
+}
+
 double now_ms() {
   using namespace std::chrono;
   return duration<double, std::milli>(steady_clock::now().time_since_epoch()).count();
@@ -113,8 +136,7 @@ CUresult cuDeviceGetAttribute(int* v, int attribute, CUdevice) {
   return OK;
 }
 CUresult cuDeviceCanAccessPeer(int* can, CUdevice a, CUdevice b) {
-  const char* v = std::getenv("FAKE_CUDA_PEER");
-  *can = a != b && !(v && v[0] == '0');
+  *can = peer_access(a, b);
   return OK;
 }
 CUresult cuDevicePrimaryCtxRetain(CUcontext* c, CUdevice d) { *c = &primaries[d]; return OK; }
@@ -206,5 +228,22 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned, unsigned, unsigned 
                         unsigned, unsigned, CUstream, void** params, void**) {
   dpsync_emu_launch(f, gx, bx, params);
   return OK;
+}
+
+// For the fake NCCL. The device whose allocation holds all of [p, p + bytes), or -1 (host or
+// unknown memory, or past the allocation's end).
+int fake_cuda_device_of(const void* p, size_t bytes) {
+  std::lock_guard<std::mutex> g(lock);
+  uintptr_t base = 0;
+  const Alloc* a = find((uintptr_t)p, &base);
+  if (!a || !a->device_memory || bytes > a->bytes || (uintptr_t)p - base > a->bytes - bytes) return -1;
+  return a->device;
+}
+// The current context's device, or -1 when none is current.
+int fake_cuda_current_device() { return current ? current->device : -1; }
+// The device of a stream's context; the default streams (0, 1, 2) are the current context's.
+int fake_cuda_stream_device(void* s) {
+  if ((uintptr_t)s <= 2) return fake_cuda_current_device();
+  return ((CUstream)s)->ctx->device;
 }
 }
