@@ -57,7 +57,7 @@ for peer in "" 0 1-2; do
 done
 step "two NCCL ranks on one fake GPU (DPSYNC_NCCL_RANK_PER_REPLICA=1)"
 DPSYNC_NCCL_RANK_PER_REPLICA=1 NCCL_MULTI_RANK_GPU_ENABLE=1 \
-  cargo test --release --test cuda "$@" -- --test-threads=1 two_nccl_ranks
+  cargo test --release "${TESTS[@]}" "$@" -- --test-threads=1 two_nccl_ranks
 for fault in hang error; do
   step "NCCL fault injected: FAKE_NCCL_FAULT=$fault"
   FAKE_CUDA_DEVICES=2 FAKE_NCCL_FAULT=$fault \

@@ -485,16 +485,10 @@ fn set_stream_checks_its_arguments() {
     }
 }
 
-/// Two NCCL ranks on the one GPU: runs only with DPSYNC_NCCL_RANK_PER_REPLICA=1 (read when
-/// options are created), which needs an NCCL that allows several ranks per GPU
-/// (NCCL_MULTI_RANK_GPU_ENABLE=1, NCCL >= 2.30). scripts/gpu-check.sh runs it that way.
+/// Two NCCL ranks on the one GPU ([`rank_per_replica`]): a 2-rank communicator on one GPU.
 #[test]
 fn two_nccl_ranks_on_one_gpu_when_enabled() {
-    if std::env::var("DPSYNC_NCCL_RANK_PER_REPLICA").as_deref() != Ok("1") {
-        eprintln!(
-            "two_nccl_ranks_on_one_gpu_when_enabled: skipped: set DPSYNC_NCCL_RANK_PER_REPLICA=1 \
-             (and NCCL_MULTI_RANK_GPU_ENABLE=1 on NCCL >= 2.30) to run it"
-        );
+    if !rank_per_replica("two_nccl_ranks_on_one_gpu_when_enabled") {
         return;
     }
     let Some(ctx) = cuda_context("two NCCL ranks", &[0, 0], |o| o.set_transport(T_NCCL)) else {

@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::gpu::{decode, encode, synchronize, Mem, Place};
+use common::gpu::{decode, encode, rank_per_replica, synchronize, Mem, Place};
 use common::*;
 
 /// Tensor sizes: one that spans several kernel chunks and starts the bucket, one small.
@@ -188,6 +188,17 @@ fn bmuf_across_gpus_follows_the_host_run() {
             ));
         }
     }
+}
+
+/// One NCCL rank per replica on one GPU ([`rank_per_replica`]): the averaging is a 2-rank NCCL
+/// allreduce on one GPU.
+#[test]
+fn bmuf_over_two_nccl_ranks_on_one_gpu_when_enabled() {
+    let test = "bmuf_over_two_nccl_ranks_on_one_gpu_when_enabled";
+    let Some(gpu) = Place::gpu(test).filter(|_| rank_per_replica(test)) else {
+        return;
+    };
+    assert!(two_replicas_give_the_host_bytes(&gpu, &[0, 0], T_NCCL));
 }
 
 /// The update runs in stream order: a kernel on the caller's stream that spins before it writes

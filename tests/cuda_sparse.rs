@@ -7,7 +7,7 @@ mod common;
 
 use std::ffi::c_void;
 
-use common::gpu::{encode, read_at, synchronize, Mem, Place};
+use common::gpu::{encode, rank_per_replica, read_at, synchronize, Mem, Place};
 use common::*;
 
 /// A sparse gradient of the comparison: name, row length, value dtype, index dtype, and the
@@ -202,6 +202,19 @@ fn gathers_across_gpus_match_the_host_byte_for_byte() {
                 break;
             }
         }
+    }
+}
+
+/// One NCCL rank per replica on one GPU ([`rank_per_replica`]): the gather's moves between
+/// replicas become NCCL sends and receives between ranks of one GPU.
+#[test]
+fn gathers_over_two_nccl_ranks_on_one_gpu_when_enabled() {
+    let test = "gathers_over_two_nccl_ranks_on_one_gpu_when_enabled";
+    let Some(gpu) = Place::gpu(test).filter(|_| rank_per_replica(test)) else {
+        return;
+    };
+    for ordinals in [&[0, 0][..], &[0, 0, 0]] {
+        assert!(matches_the_host(&gpu, ordinals, T_NCCL));
     }
 }
 

@@ -295,3 +295,18 @@ pub fn needs_real_gpu(test: &str) -> bool {
     }
     fake
 }
+
+/// True when DPSYNC_NCCL_RANK_PER_REPLICA=1 (read when options are created) gives every replica
+/// its own NCCL rank; otherwise prints why `test` is skipped. Several ranks on one GPU need an
+/// NCCL that allows them (NCCL_MULTI_RANK_GPU_ENABLE=1, NCCL >= 2.30): scripts/gpu-check.sh and
+/// scripts/fake-cuda.sh run the tests named `*two_nccl_ranks*` that way.
+pub fn rank_per_replica(test: &str) -> bool {
+    let on = std::env::var("DPSYNC_NCCL_RANK_PER_REPLICA").as_deref() == Ok("1");
+    if !on {
+        eprintln!(
+            "{test}: skipped: set DPSYNC_NCCL_RANK_PER_REPLICA=1 (and NCCL_MULTI_RANK_GPU_ENABLE=1 \
+             on NCCL >= 2.30) to run it"
+        );
+    }
+    on
+}
