@@ -13,10 +13,14 @@
 //! steps on the fusion buffers; then one kernel writes the (averaged) result into every local
 //! replica.
 //!
-//! Broadcasts and the sparse gather move bytes between replicas ([`Backend::transfer`]): with
-//! NCCL, the moves between devices are sends and receives in one group (each destination device
-//! receives a range once; its other replicas copy it locally); otherwise `cuMemcpyAsync` copies
-//! on the destination's stream, after an event from the source's.
+//! A broadcast over NCCL is fused the same way: the root's tensors packed into its device's
+//! fusion buffer, one grouped `ncclBroadcast`, one unpack walk per device; over PEER_COPY it is
+//! one `cuMemcpyAsync` per tensor and destination.
+//!
+//! The sparse gather moves bytes between replicas ([`Backend::transfer`]): with NCCL, the moves
+//! between devices are sends and receives in one group (each destination device receives a
+//! range once; its other replicas copy it locally); otherwise `cuMemcpyAsync` copies on the
+//! destination's stream, after an event from the source's.
 
 mod bmuf;
 mod driver;
@@ -467,6 +471,82 @@ impl CudaBackend {
         super::copy_each(self, &local)
     }
 
+    /// One table walk of `bucket` over `nrep` replicas of `table`, on `g`'s stream.
+    #[allow(clippy::too_many_arguments)]
+    fn walk(
+        &self,
+        g: &Group,
+        bucket: &BucketView<'_>,
+        table: u64,
+        nrep: usize,
+        fusion: u64,
+        mode: Walk,
+        avg: Option<usize>,
+    ) -> Result<()> {
+        let _bound = g.ctx.bind()?;
+        let (nseg, total) = (bucket.segments.len(), bucket.elements());
+        g.kernels.walk(
+            g.stream.0,
+            bucket.dtype,
+            table,
+            nseg,
+            nrep,
+            total,
+            fusion,
+            mode,
+            avg,
+        )
+    }
+
+    /// [`Backend::broadcast`] over NCCL, one call per bucket: the root's tensors are packed into
+    /// its device's fusion buffer, one grouped `ncclBroadcast` copies it to every device's, and
+    /// a walk writes it into every local replica (the root's own tensors get their own bytes).
+    unsafe fn nccl_broadcast(&self, bucket: &BucketView<'_>, root: usize) -> Result<()> {
+        let total = bucket.elements();
+        if total == 0 {
+            return Ok(());
+        }
+        let issued = Instant::now();
+        let bytes = bucket.dtype.size() * total;
+        let root_group = self.replicas[root].group;
+        let mut fusion = Vec::with_capacity(self.groups.len());
+        for g in &self.groups {
+            fusion.push(self.scratch(g, bytes, false)?);
+        }
+        let rg = &self.groups[root_group];
+        let counts = bucket.segments.iter().map(|seg| seg.count);
+        let root_only = bucket.segments.iter().map(|seg| [seg.ptrs[root] as u64]);
+        let root_table = self.upload_table(rg, table_of(counts, root_only))?;
+        self.walk(
+            rg,
+            bucket,
+            root_table,
+            1,
+            fusion[root_group],
+            Walk::Pack,
+            None,
+        )?;
+        let comms = self.comms(issued)?;
+        let streams: Vec<sys::CUstream> = self.groups.iter().map(|g| g.stream.0).collect();
+        let bind = |rank: usize| self.groups[rank].ctx.bind();
+        comms
+            .broadcast(
+                bucket.dtype,
+                total,
+                root_group,
+                &fusion,
+                &streams,
+                &bind,
+                deadline(issued, self.timeout),
+            )
+            .map_err(|e| self.nccl_failed(e))?;
+        for (g, &fb) in self.groups.iter().zip(&fusion) {
+            let table = self.table(g, bucket)?;
+            self.walk(g, bucket, table, g.local.len(), fb, Walk::Unpack, None)?;
+        }
+        Ok(())
+    }
+
     fn refuse_if_failed(state: &State) -> Result<()> {
         match &state.failed {
             Some(e) => Err(Error::new(
@@ -756,13 +836,8 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let dtype = bucket.dtype;
-        // One table walk of the bucket over `g`'s local replicas, on its stream.
         let walk = |g: &Group, table: u64, fusion: u64, mode: Walk, avg: Option<usize>| {
-            let _bound = g.ctx.bind()?;
-            let (nseg, nrep) = (bucket.segments.len(), g.local.len());
-            g.kernels.walk(
-                g.stream.0, dtype, table, nseg, nrep, total, fusion, mode, avg,
-            )
+            self.walk(g, bucket, table, g.local.len(), fusion, mode, avg)
         };
         if self.groups.len() == 1 {
             let g = &self.groups[0];
@@ -795,23 +870,7 @@ impl Backend for CudaBackend {
     unsafe fn broadcast(&self, bucket: &BucketView<'_>, root: usize) -> Result<()> {
         let size = bucket.dtype.size();
         if self.transport == TransportChoice::Nccl && self.groups.len() > 1 {
-            // Every segment to every other replica, as NCCL sends and receives in one group.
-            let batch: Vec<Transfer> = bucket
-                .segments
-                .iter()
-                .flat_map(|seg| {
-                    (0..self.replicas.len())
-                        .filter(|&r| r != root)
-                        .map(move |r| Transfer {
-                            src_replica: root,
-                            src: seg.ptrs[root],
-                            dst_replica: r,
-                            dst: seg.ptrs[r],
-                            bytes: seg.count * size,
-                        })
-                })
-                .collect();
-            return self.nccl_transfer(&batch);
+            return self.nccl_broadcast(bucket, root);
         }
         let root_group = self.replicas[root].group;
         for (r, replica) in self.replicas.iter().enumerate() {

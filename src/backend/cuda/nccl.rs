@@ -44,6 +44,8 @@ struct Api {
     comm_abort: unsafe extern "C" fn(Comm) -> u32,
     all_reduce:
         unsafe extern "C" fn(*const c_void, *mut c_void, usize, u32, u32, Comm, CUstream) -> u32,
+    broadcast:
+        unsafe extern "C" fn(*const c_void, *mut c_void, usize, u32, c_int, Comm, CUstream) -> u32,
     send: unsafe extern "C" fn(*const c_void, usize, u32, c_int, Comm, CUstream) -> u32,
     recv: unsafe extern "C" fn(*mut c_void, usize, u32, c_int, Comm, CUstream) -> u32,
     group_start: unsafe extern "C" fn() -> u32,
@@ -103,6 +105,7 @@ fn bind(lib: Library, path: String) -> Result<Api, String> {
         comm_destroy: sym!("ncclCommDestroy"),
         comm_abort: sym!("ncclCommAbort"),
         all_reduce: sym!("ncclAllReduce"),
+        broadcast: sym!("ncclBroadcast"),
         send: sym!("ncclSend"),
         recv: sym!("ncclRecv"),
         group_start: sym!("ncclGroupStart"),
@@ -406,6 +409,43 @@ impl CommSet {
                     (api.all_reduce)(buf, buf, count, nccl_type(dtype), SUM, comm, streams[rank])
                 };
                 queued = queued.and(check(api, code, &format!("ncclAllReduce (rank {rank})")));
+            }
+            queued
+        })
+    }
+
+    /// One in-place broadcast per rank of `count` elements from rank `root`'s `bufs[root]` into
+    /// every rank's `bufs[rank]`, in one group (as [`CommSet::allreduce`]).
+    pub fn broadcast(
+        &self,
+        dtype: DType,
+        count: usize,
+        root: usize,
+        bufs: &[u64],
+        streams: &[CUstream],
+        bind: &dyn Fn(usize) -> Result<super::driver::Bound>,
+        deadline: Option<Instant>,
+    ) -> Result<()> {
+        self.grouped("broadcast", deadline, |api| {
+            let mut queued = Ok(());
+            for (rank, &comm) in self.comms.iter().enumerate() {
+                let buf = bufs[rank] as *mut c_void;
+                let done = bind(rank).and_then(|_bound| {
+                    // SAFETY: a live communicator; the buffer holds `count` elements.
+                    let code = unsafe {
+                        (api.broadcast)(
+                            buf,
+                            buf,
+                            count,
+                            nccl_type(dtype),
+                            root as c_int,
+                            comm,
+                            streams[rank],
+                        )
+                    };
+                    check(api, code, &format!("ncclBroadcast (rank {rank})"))
+                });
+                queued = queued.and(done);
             }
             queued
         })
