@@ -280,6 +280,15 @@ impl CudaBackend {
         Ok(set)
     }
 
+    /// How this context's NCCL groups are queued: rank r is device group r.
+    fn launch(&self, issued: Instant) -> nccl::Launch<'_> {
+        nccl::Launch {
+            streams: self.groups.iter().map(|g| g.stream.0).collect(),
+            ctxs: self.groups.iter().map(|g| g.ctx.as_ref()).collect(),
+            deadline: deadline(issued, self.timeout),
+        }
+    }
+
     /// The segment table of `bucket` for `group`, in device memory (uploaded once per layout).
     fn table(&self, group: &Group, bucket: &BucketView<'_>) -> Result<u64> {
         let counts = bucket.segments.iter().map(|seg| seg.count);
@@ -460,11 +469,8 @@ impl CudaBackend {
             }
         }
         if !moves.is_empty() {
-            let comms = self.comms(issued)?;
-            let streams: Vec<sys::CUstream> = self.groups.iter().map(|g| g.stream.0).collect();
-            let bind = |rank: usize| self.groups[rank].ctx.bind();
-            comms
-                .send_recv(&moves, &streams, &bind, deadline(issued, self.timeout))
+            self.comms(issued)?
+                .send_recv(&moves, &self.launch(issued))
                 .map_err(|e| self.nccl_failed(e))?;
         }
         // On the destinations' streams, after their receives.
@@ -526,18 +532,13 @@ impl CudaBackend {
             Walk::Pack,
             None,
         )?;
-        let comms = self.comms(issued)?;
-        let streams: Vec<sys::CUstream> = self.groups.iter().map(|g| g.stream.0).collect();
-        let bind = |rank: usize| self.groups[rank].ctx.bind();
-        comms
+        self.comms(issued)?
             .broadcast(
                 bucket.dtype,
                 total,
                 root_group,
                 &fusion,
-                &streams,
-                &bind,
-                deadline(issued, self.timeout),
+                &self.launch(issued),
             )
             .map_err(|e| self.nccl_failed(e))?;
         for (g, &fb) in self.groups.iter().zip(&fusion) {
@@ -584,17 +585,9 @@ impl CudaBackend {
     ) -> Result<()> {
         let bytes = dtype.size() * total;
         if self.transport == TransportChoice::Nccl {
-            let comms = self.comms(issued)?;
-            let streams: Vec<sys::CUstream> = self.groups.iter().map(|g| g.stream.0).collect();
-            let bind = |rank: usize| self.groups[rank].ctx.bind();
-            return comms.allreduce(
-                dtype,
-                total,
-                fusion,
-                &streams,
-                &bind,
-                deadline(issued, self.timeout),
-            );
+            return self
+                .comms(issued)?
+                .allreduce(dtype, total, fusion, &self.launch(issued));
         }
         // (source, reader) pairs: the source's fusion buffer must not be rewritten (next bucket's
         // pack) before the reader's stream has read it.

@@ -177,6 +177,14 @@ fn nccl_type(dtype: DType) -> u32 {
     }
 }
 
+/// How a group's calls are queued: rank r's on `streams[r]` with `ctxs[r]` current; the group
+/// must leave the in-progress state by `deadline`.
+pub struct Launch<'a> {
+    pub streams: Vec<CUstream>,
+    pub ctxs: Vec<&'a PrimaryContext>,
+    pub deadline: Option<Instant>,
+}
+
 /// One communicator per device of a device set (rank i = i-th device), in one clique.
 pub struct CommSet {
     ordinals: Vec<i32>,
@@ -382,33 +390,34 @@ impl CommSet {
         self.poll_ready(deadline)
     }
 
-    /// One in-place allreduce (sum) per rank on `bufs[rank]`, queued on `streams[rank]`, in one
-    /// group. `bind(rank)` makes rank's context current while its call is queued.
+    /// One in-place allreduce (sum) per rank on `bufs[rank]`, in one group.
     pub fn allreduce(
         &self,
         dtype: DType,
         count: usize,
         bufs: &[u64],
-        streams: &[CUstream],
-        bind: &dyn Fn(usize) -> Result<super::driver::Bound>,
-        deadline: Option<Instant>,
+        launch: &Launch<'_>,
     ) -> Result<()> {
-        self.grouped("allreduce", deadline, |api| {
+        self.grouped("allreduce", launch.deadline, |api| {
             let mut queued = Ok(());
             for (rank, &comm) in self.comms.iter().enumerate() {
-                let _bound = match bind(rank) {
-                    Ok(b) => b,
-                    Err(e) => {
-                        queued = queued.and(Err(e));
-                        continue;
-                    }
-                };
                 let buf = bufs[rank] as *mut c_void;
-                // SAFETY: a live communicator; the buffer holds `count` elements on its device.
-                let code = unsafe {
-                    (api.all_reduce)(buf, buf, count, nccl_type(dtype), SUM, comm, streams[rank])
-                };
-                queued = queued.and(check(api, code, &format!("ncclAllReduce (rank {rank})")));
+                let done = launch.ctxs[rank].bind().and_then(|_bound| {
+                    // SAFETY: a live communicator; the buffer holds `count` elements.
+                    let code = unsafe {
+                        (api.all_reduce)(
+                            buf,
+                            buf,
+                            count,
+                            nccl_type(dtype),
+                            SUM,
+                            comm,
+                            launch.streams[rank],
+                        )
+                    };
+                    check(api, code, &format!("ncclAllReduce (rank {rank})"))
+                });
+                queued = queued.and(done);
             }
             queued
         })
@@ -422,15 +431,13 @@ impl CommSet {
         count: usize,
         root: usize,
         bufs: &[u64],
-        streams: &[CUstream],
-        bind: &dyn Fn(usize) -> Result<super::driver::Bound>,
-        deadline: Option<Instant>,
+        launch: &Launch<'_>,
     ) -> Result<()> {
-        self.grouped("broadcast", deadline, |api| {
+        self.grouped("broadcast", launch.deadline, |api| {
             let mut queued = Ok(());
             for (rank, &comm) in self.comms.iter().enumerate() {
                 let buf = bufs[rank] as *mut c_void;
-                let done = bind(rank).and_then(|_bound| {
+                let done = launch.ctxs[rank].bind().and_then(|_bound| {
                     // SAFETY: a live communicator; the buffer holds `count` elements.
                     let code = unsafe {
                         (api.broadcast)(
@@ -440,7 +447,7 @@ impl CommSet {
                             nccl_type(dtype),
                             root as c_int,
                             comm,
-                            streams[rank],
+                            launch.streams[rank],
                         )
                     };
                     check(api, code, &format!("ncclBroadcast (rank {rank})"))
@@ -458,15 +465,13 @@ impl CommSet {
     pub fn send_recv(
         &self,
         moves: &[(usize, u64, usize, u64, usize)],
-        streams: &[CUstream],
-        bind: &dyn Fn(usize) -> Result<super::driver::Bound>,
-        deadline: Option<Instant>,
+        launch: &Launch<'_>,
     ) -> Result<()> {
-        self.grouped("send/recv", deadline, |api| {
+        self.grouped("send/recv", launch.deadline, |api| {
             let mut queued = Ok(());
             for &(from, src, to, dst, bytes) in moves {
                 let (send_comm, recv_comm) = (self.comms[from], self.comms[to]);
-                let sent = bind(from).and_then(|_bound| {
+                let sent = launch.ctxs[from].bind().and_then(|_bound| {
                     // SAFETY: a live communicator; `src` holds `bytes` on rank `from`'s device.
                     let code = unsafe {
                         (api.send)(
@@ -475,12 +480,12 @@ impl CommSet {
                             BYTES,
                             to as c_int,
                             send_comm,
-                            streams[from],
+                            launch.streams[from],
                         )
                     };
                     check(api, code, &format!("ncclSend (rank {from} to {to})"))
                 });
-                let received = bind(to).and_then(|_bound| {
+                let received = launch.ctxs[to].bind().and_then(|_bound| {
                     // SAFETY: as above, `dst` on rank `to`'s device.
                     let code = unsafe {
                         (api.recv)(
@@ -489,7 +494,7 @@ impl CommSet {
                             BYTES,
                             from as c_int,
                             recv_comm,
-                            streams[to],
+                            launch.streams[to],
                         )
                     };
                     check(api, code, &format!("ncclRecv (rank {to} from {from})"))
