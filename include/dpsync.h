@@ -206,7 +206,9 @@ enum dpsync_status dpsync_average(struct dpsync_context *context, uint32_t roles
 /**
  * Creates a context driving every replica the options name. `*out` is set only on success.
  * The options are copied: they may be changed or freed afterwards.
- * Contexts with CUDA replicas return DPSYNC_STATUS_UNAVAILABLE in this version.
+ * With CUDA replicas it loads the CUDA driver, NVRTC and (transport NCCL or AUTO) NCCL:
+ * DPSYNC_STATUS_UNAVAILABLE, naming what is missing, when the driver or NVRTC cannot be
+ * loaded, an ordinal has no device, or NCCL was required and is missing.
  */
 enum dpsync_status dpsync_context_create(const struct dpsync_options *options,
                                          struct dpsync_context **out);
