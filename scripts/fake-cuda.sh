@@ -51,7 +51,12 @@ TESTS=(--test cuda --test cuda_bmuf --test cuda_sparse)
 step "GPU tests on one fake GPU (DPSYNC_FAKE_CUDA=1)"
 cargo test --release "${TESTS[@]}" "$@" -- --test-threads=1
 for peer in "" 0 1-2; do
-  step "GPU tests across four fake GPUs, FAKE_CUDA_PEER='$peer' (${peer:-every pair has peer access})"
+  case $peer in
+    "") pattern="every pair has peer access" ;;
+    0) pattern="no pair has peer access: staged copies" ;;
+    *) pattern="only GPU1<->GPU2, Caffe2's seed topology" ;;
+  esac
+  step "GPU tests across four fake GPUs, FAKE_CUDA_PEER='$peer' ($pattern)"
   FAKE_CUDA_DEVICES=4 FAKE_CUDA_PEER=$peer cargo test --release "${TESTS[@]}" "$@" -- \
     --test-threads=1 across
 done
