@@ -183,7 +183,8 @@ fn gathers_on_cuda_replicas_match_the_host_byte_for_byte() {
     let Some(gpu) = Place::gpu("gathers_on_cuda_replicas_match_the_host_byte_for_byte") else {
         return;
     };
-    for ordinals in [&[0][..], &[0, 0], &[0, 0, 0, 0]] {
+    // Caffe2's test_sparse_shared_indices sizes (two of the gradients share an index buffer).
+    for ordinals in [&[0][..], &[0, 0], &[0, 0, 0, 0], &[0; 8]] {
         assert!(matches_the_host(&gpu, ordinals, T_AUTO));
     }
 }
@@ -202,6 +203,34 @@ fn gathers_across_gpus_match_the_host_byte_for_byte() {
                 break;
             }
         }
+    }
+}
+
+/// Caffe2's `test_equiv_sparse` on CUDA replicas (tests/common/embedding.rs): 1, 2 and 4
+/// replicas on GPU 0, and across GPUs where there are four.
+#[test]
+fn equiv_sparse_embedding_model_trains_alike_on_cuda_replicas() {
+    let Some(gpu) = Place::gpu("equiv_sparse_embedding_model_trains_alike_on_cuda_replicas") else {
+        return;
+    };
+    assert!(common::embedding::equiv_sparse(
+        &gpu,
+        [&[0], &[0, 0], &[0, 0, 0, 0]],
+        T_AUTO
+    ));
+}
+
+#[test]
+fn equiv_sparse_across_gpus() {
+    let Some(gpu) = Place::gpus("equiv_sparse_across_gpus", 4) else {
+        return;
+    };
+    for transport in [T_NCCL, T_PEER_COPY] {
+        assert!(common::embedding::equiv_sparse(
+            &gpu,
+            [&[2], &[3, 1], &[0, 1, 2, 3]],
+            transport
+        ));
     }
 }
 

@@ -5,6 +5,7 @@
 //! tests/collectives.rs).
 #![allow(dead_code)]
 
+pub mod embedding;
 pub mod gpu;
 
 use dpsync::*;
