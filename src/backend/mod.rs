@@ -49,7 +49,9 @@ pub struct Transfer {
 }
 
 /// Memory the library owns on one replica (host memory for host replicas, device memory for
-/// CUDA ones): sparse outputs, BMUF state, staging. Zero-filled when made, freed on drop.
+/// CUDA ones): sparse outputs, BMUF state, staging. Zero-filled when made, freed on drop — by a
+/// stream-ordered backend only once the work issued before the drop has completed (it may still
+/// read or write the memory: a replaced output, an error path), so dropping is always safe.
 pub struct Allocation {
     ptr: usize,
     bytes: usize,
@@ -130,12 +132,6 @@ pub trait Backend: Send {
 
     /// `bytes` zero-filled bytes of library-owned memory on `replica`.
     fn alloc(&self, replica: usize, bytes: usize) -> Result<Allocation>;
-
-    /// Frees library memory that work already issued may still read: a stream-ordered backend
-    /// keeps it until that work has completed. The host backend frees it now.
-    fn retire(&self, allocation: Allocation) {
-        drop(allocation);
-    }
 
     /// Copies `bytes` from `src` on replica `src_replica` to `dst` on replica `dst_replica`.
     ///

@@ -136,8 +136,8 @@ fn values_refs(members: &[&SparseInput], ptrs: impl Iterator<Item = usize>) -> V
 impl Executor {
     /// Takes back the outputs of a step that are no longer valid (replaced by a newer step, or
     /// never installed because the step failed) for the next gather to write into: outputs are
-    /// double-buffered instead of allocated every step. The spares they replace are handed to
-    /// the backend to free once the work issued so far has completed.
+    /// double-buffered instead of allocated every step. The spares they replace are freed
+    /// (after the work issued so far, on a stream-ordered backend).
     ///
     /// Reuse is safe in stream order: the next gather writes after its collective's `begin`,
     /// which waits for everything the callers queued before it (their reads of these outputs
@@ -145,9 +145,8 @@ impl Executor {
     pub fn retire_outputs(&self, outputs: SparseOutputs) {
         let fresh = outputs.into_allocations();
         let old = std::mem::replace(&mut *self.spare_outputs.lock(), fresh);
-        for (_, a) in old {
-            self.backend.retire(a);
-        }
+        // Freed by the backend once the work issued so far has completed (`Allocation`).
+        drop(old);
     }
 
     /// Memory for a gathered output of `bytes` on `replica`: a spare from an earlier step when

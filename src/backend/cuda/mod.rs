@@ -88,10 +88,41 @@ struct Replica {
 struct Leftovers {
     /// Device index checks whose answers arrive with the collective.
     checks: Vec<DeferredCheck>,
-    /// Memory its queued work still reads (coalescing maps).
+    /// Memory its queued work, or work issued before it, may still use: coalescing maps, and
+    /// [`Allocation`]s dropped meanwhile ([`Dropped`]).
     keep: Vec<DeviceMemory>,
-    /// Library memory retired while work issued before may still read it.
-    retired: Vec<Allocation>,
+}
+
+/// Where this backend's dropped [`Allocation`]s go. Work already queued may still use them, so
+/// `end` attaches them to the collective it ends, and they are freed when that completes. Once
+/// the backend is gone (its `Drop` waited for all work), they are freed at once — or leaked, like
+/// the rest, when the backend failed and queued work may never finish.
+#[derive(Default)]
+struct Dropped {
+    mems: Vec<DeviceMemory>,
+    /// `Some(leak)` after the backend's `Drop`.
+    closed: Option<bool>,
+}
+
+/// The owner of an [`Allocation`]'s device memory: hands it to [`Dropped`] on drop.
+struct Handed {
+    mem: Option<DeviceMemory>,
+    sink: Arc<Mutex<Dropped>>,
+}
+
+impl Drop for Handed {
+    fn drop(&mut self) {
+        let Some(mem) = self.mem.take() else { return };
+        let mut sink = self.sink.lock();
+        match sink.closed {
+            None => sink.mems.push(mem),
+            Some(false) => {
+                drop(sink);
+                drop(mem);
+            }
+            Some(true) => std::mem::forget(mem),
+        }
+    }
 }
 
 /// A collective whose completion has not been observed yet.
@@ -124,6 +155,7 @@ pub struct CudaBackend {
     nccl_library: Option<String>,
     comms: Mutex<Option<Arc<CommSet>>>,
     state: Mutex<State>,
+    dropped: Arc<Mutex<Dropped>>,
     timeout: Option<Duration>,
     driver_version: i32,
 }
@@ -228,6 +260,7 @@ impl CudaBackend {
             nccl_library,
             comms: Mutex::new(None),
             state: Mutex::new(State::default()),
+            dropped: Arc::default(),
             timeout,
             driver_version: driver::driver_version(),
         };
@@ -807,7 +840,8 @@ impl Backend for CudaBackend {
                 ev.wait_on(r.stream as sys::CUstream)?;
             }
         }
-        let leftovers = std::mem::take(&mut state.issuing);
+        let mut leftovers = std::mem::take(&mut state.issuing);
+        leftovers.keep.append(&mut self.dropped.lock().mems);
         state.pending.push_back(Pending {
             issued: Instant::now(),
             done,
@@ -895,11 +929,12 @@ impl Backend for CudaBackend {
     fn alloc(&self, replica: usize, bytes: usize) -> Result<Allocation> {
         let g = &self.groups[self.replicas[replica].group];
         let mem = DeviceMemory::zeroed(&g.ctx, bytes, g.stream.0)?;
-        Ok(Allocation::new(mem.ptr as usize, bytes, Box::new(mem)))
-    }
-
-    fn retire(&self, allocation: Allocation) {
-        self.state.lock().issuing.retired.push(allocation);
+        let ptr = mem.ptr as usize;
+        let owner = Handed {
+            mem: Some(mem),
+            sink: self.dropped.clone(),
+        };
+        Ok(Allocation::new(ptr, bytes, Box::new(owner)))
     }
 
     unsafe fn copy(
@@ -1054,6 +1089,16 @@ impl Drop for CudaBackend {
             } else {
                 let _ = self.sync_group(g);
                 *g.scratch.lock() = Scratch::default();
+            }
+        }
+        {
+            // Allocations dropped since the last collective, and from now on.
+            let mut dropped = self.dropped.lock();
+            dropped.closed = Some(failed);
+            let mems = std::mem::take(&mut dropped.mems);
+            drop(dropped);
+            if failed {
+                std::mem::forget(mems);
             }
         }
         if failed {

@@ -85,23 +85,30 @@ impl CudaBackend {
         let group = &self.groups[g];
         let stream = group.stream.0;
         let _bound = group.ctx.bind()?;
-        // SAFETY: the slot's 16 bytes on this device and in pinned host memory.
-        check(
-            unsafe { sys::cuMemsetD8Async(slot.device.ptr, 0xff, 16, stream) },
-            "cuMemsetD8Async (index check)",
-        )?;
-        group.kernels.index_check(
-            stream,
-            c.dtype,
-            c.indices as u64,
-            c.rows,
-            c.bound,
-            slot.device.ptr,
-        )?;
-        check(
-            unsafe { sys::cuMemcpyDtoHAsync_v2(slot.host.ptr, slot.device.ptr, 16, stream) },
-            "cuMemcpyDtoHAsync (index check)",
-        )?;
+        let queued = (|| {
+            // SAFETY: the slot's 16 bytes on this device and in pinned host memory.
+            check(
+                unsafe { sys::cuMemsetD8Async(slot.device.ptr, 0xff, 16, stream) },
+                "cuMemsetD8Async (index check)",
+            )?;
+            group.kernels.index_check(
+                stream,
+                c.dtype,
+                c.indices as u64,
+                c.rows,
+                c.bound,
+                slot.device.ptr,
+            )?;
+            check(
+                unsafe { sys::cuMemcpyDtoHAsync_v2(slot.host.ptr, slot.device.ptr, 16, stream) },
+                "cuMemcpyDtoHAsync (index check)",
+            )
+        })();
+        if let Err(e) = queued {
+            // What was queued may still write the slot: leak its 32 bytes rather than free them.
+            std::mem::forget(slot);
+            return Err(e);
+        }
         self.state.lock().issuing.checks.push(DeferredCheck {
             slot,
             tensor: c.tensor.to_owned(),
@@ -168,8 +175,11 @@ impl CudaBackend {
             .flat_map(|&p| (p as u64).to_ne_bytes())
             .collect();
         let map_mem = DeviceMemory::uninit(&group.ctx, map.len())?;
-        driver::upload(map_mem.ptr, &map, group.stream.0)?;
-        let bounds_ptr = map_mem.ptr + (positions.len() * 8) as u64;
+        let map_ptr = map_mem.ptr;
+        // Kept until the collective completes, whatever happens below.
+        self.state.lock().issuing.keep.push(map_mem);
+        driver::upload(map_ptr, &map, group.stream.0)?;
+        let bounds_ptr = map_ptr + (positions.len() * 8) as u64;
         for v in slice.values {
             let out = alloc(rows * v.row_bytes())?;
             let _bound = group.ctx.bind()?;
@@ -177,7 +187,7 @@ impl CudaBackend {
                 group.stream.0,
                 v.dtype,
                 v.ptr as u64,
-                map_mem.ptr,
+                map_ptr,
                 bounds_ptr,
                 rows,
                 v.row_len,
@@ -185,7 +195,6 @@ impl CudaBackend {
             )?;
             values.push(out);
         }
-        self.state.lock().issuing.keep.push(map_mem);
         Ok(Coalesced {
             rows,
             indices,
