@@ -84,7 +84,7 @@ fn resnet_sizes() -> Vec<usize> {
         .collect()
 }
 
-fn resnet(gpu: &Arc<CudaContext>, sizes: &[usize], quick: bool) {
+fn resnet(gpu: &Arc<CudaContext>, sizes: &[usize], quick: bool, issue_only: bool) {
     let stream = gpu.new_stream().unwrap();
     let bufs: Vec<[CudaSlice<f32>; 2]> = sizes
         .iter()
@@ -127,6 +127,9 @@ fn resnet(gpu: &Arc<CudaContext>, sizes: &[usize], quick: bool) {
         "  fused / per-tensor GPU time: {:.2}",
         results[0] / results[1]
     );
+    if issue_only {
+        return;
+    }
     // The baseline: one ncclAllReduce per tensor, two ranks on GPU 0, one stream each.
     let second = gpu.new_stream().unwrap();
     match raw_nccl::Comms::two_ranks_on_gpu0() {
@@ -246,13 +249,19 @@ fn bmuf_bandwidth(gpu: &Arc<CudaContext>, sizes: &[usize], quick: bool) {
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
+    // --issue: only the dpsync ResNet-50 cases (issue cost), e.g. on the fake driver with
+    // FAKE_CUDA_NOEXEC=1 FAKE_CUDA_STATS=1 (docs/PERFORMANCE.md, "issue cost anatomy").
+    let issue_only = std::env::args().any(|a| a == "--issue");
     // Probe through dpsync first: it reports a missing driver without panicking.
     if cuda_ctx(&[0], 0, 0).is_none() {
         return;
     }
     let gpu = CudaContext::new(0).expect("GPU 0");
     let sizes = resnet_sizes();
-    resnet(&gpu, &sizes, quick);
+    resnet(&gpu, &sizes, quick, issue_only);
+    if issue_only {
+        return;
+    }
     sum_bandwidth(&gpu, quick);
     bmuf_bandwidth(&gpu, &sizes, quick);
 }

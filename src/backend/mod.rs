@@ -110,6 +110,13 @@ pub trait Backend: Send {
         Ok(())
     }
 
+    /// True when the size of a bucket buys nothing here — no fusion buffer, every replica
+    /// reduced in place (CUDA replicas all on one GPU) — so the executor passes all consecutive
+    /// buckets of one dtype as one: one kernel launch instead of one per bucket.
+    fn in_place(&self) -> bool {
+        false
+    }
+
     /// Reduces every segment across replicas in place by the plan's `steps`; with
     /// `ReduceOp::Avg` the sum is divided by `divisor` (replicas in the world).
     ///

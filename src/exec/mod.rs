@@ -64,6 +64,26 @@ fn buckets_for(tensors: &[&TensorView], fusion_bytes: usize) -> Vec<Bucket> {
     plan_buckets(items, fusion_bytes)
 }
 
+/// `buckets` with every run of consecutive device buckets of one dtype joined into one
+/// ([`Backend::in_place`]); host buckets as they are.
+fn merge_device_buckets(buckets: &[Bucket]) -> Vec<Bucket> {
+    let mut out: Vec<Bucket> = Vec::with_capacity(buckets.len());
+    for b in buckets {
+        match out.last_mut() {
+            Some(last)
+                if b.memory == Memory::Device
+                    && last.memory == Memory::Device
+                    && last.dtype == b.dtype =>
+            {
+                last.tensors.extend_from_slice(&b.tensors);
+                last.elements += b.elements;
+            }
+            _ => out.push(b.clone()),
+        }
+    }
+    out
+}
+
 impl Executor {
     /// `device` is the backend of CUDA replicas; `None` for host replicas.
     pub fn new(device: Option<Box<dyn Backend>>) -> Executor {
@@ -145,6 +165,13 @@ impl Executor {
         divisor: usize,
         plan: &Plan,
     ) -> Result<()> {
+        let merged;
+        let buckets = if self.backend.in_place() {
+            merged = merge_device_buckets(buckets);
+            &merged
+        } else {
+            buckets
+        };
         self.collective(buckets, || {
             for bucket in buckets {
                 let steps = match (bucket.memory, &self.host) {
@@ -200,5 +227,47 @@ impl Executor {
 
     pub fn synchronize(&self) -> Result<()> {
         self.backend.synchronize()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::DType;
+
+    fn bucket(dtype: DType, memory: Memory, tensors: &[usize]) -> Bucket {
+        Bucket {
+            dtype,
+            memory,
+            tensors: tensors.to_vec(),
+            elements: 10 * tensors.len(),
+        }
+    }
+
+    #[test]
+    fn in_place_backends_get_one_bucket_per_run_of_a_device_dtype() {
+        let (d, h) = (Memory::Device, Memory::Host);
+        let merged = merge_device_buckets(&[
+            bucket(DType::F32, d, &[0, 1]),
+            bucket(DType::F32, d, &[2]),
+            bucket(DType::F16, d, &[3]),
+            bucket(DType::F16, h, &[4]),
+            bucket(DType::F16, h, &[5]),
+            bucket(DType::F32, d, &[6]),
+        ]);
+        let shape: Vec<(DType, Memory, Vec<usize>, usize)> = merged
+            .into_iter()
+            .map(|b| (b.dtype, b.memory, b.tensors, b.elements))
+            .collect();
+        assert_eq!(
+            shape,
+            vec![
+                (DType::F32, d, vec![0, 1, 2], 30),
+                (DType::F16, d, vec![3], 10),
+                (DType::F16, h, vec![4], 10),
+                (DType::F16, h, vec![5], 10),
+                (DType::F32, d, vec![6], 10),
+            ]
+        );
     }
 }

@@ -12,8 +12,13 @@
 // devices can access each other: unset, every pair of distinct devices; "0", none; a list of
 // pairs such as "1-2,0-3", exactly those pairs (both ways).
 //
+// FAKE_CUDA_NOEXEC=1 skips the work itself (kernels, copies, memsets), so that a benchmark on
+// the fake measures dpsync's own host-side cost of issuing work; FAKE_CUDA_STATS=1 prints, at
+// exit, how many driver calls of each kind were made (benches/cuda_allreduce.rs --issue).
+//
 // The fake NCCL (fake_nccl.cpp, libnccl.so.2) checks its callers' buffers, streams and contexts
 // through the fake_cuda_* functions at the end.
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -80,8 +85,28 @@ CUresult forget(void* p) {
   return OK;
 }
 
+bool flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v && v[0] == '1';
+}
+const bool noexec = flag("FAKE_CUDA_NOEXEC");
+
+// Driver calls that queue work or order streams, counted for FAKE_CUDA_STATS.
+struct Counts {
+  std::atomic<long> launches{0}, copies{0}, memsets{0}, records{0}, waits{0}, queries{0};
+  ~Counts() {
+    if (!flag("FAKE_CUDA_STATS")) return;
+    std::fprintf(stderr,
+                 "fake CUDA calls: %ld kernel launches, %ld copies, %ld memsets, %ld event "
+                 "records, %ld stream waits, %ld event queries\n",
+                 launches.load(), copies.load(), memsets.load(), records.load(), waits.load(),
+                 queries.load());
+  }
+} counts;
+
 CUresult copy_bytes(CUdeviceptr d, CUdeviceptr s, size_t n) {
-  std::memmove((void*)d, (void*)s, n);
+  counts.copies++;
+  if (!noexec) std::memmove((void*)d, (void*)s, n);
   return OK;
 }
 
@@ -154,7 +179,7 @@ CUresult cuStreamCreate(CUstream* s, unsigned) {
 CUresult cuStreamCreateWithPriority(CUstream* s, unsigned f, int) { return cuStreamCreate(s, f); }
 CUresult cuStreamDestroy_v2(CUstream s) { delete s; return OK; }
 CUresult cuStreamSynchronize(CUstream) { return OK; }
-CUresult cuStreamWaitEvent(CUstream, CUevent, unsigned) { return OK; }
+CUresult cuStreamWaitEvent(CUstream, CUevent, unsigned) { counts.waits++; return OK; }
 CUresult cuStreamGetCtx(CUstream s, CUcontext* c) {
   // The legacy (0) and per-thread (2) default streams belong to the current context.
   if ((uintptr_t)s <= 2) {
@@ -168,8 +193,8 @@ CUresult cuStreamGetCtx(CUstream s, CUcontext* c) {
 
 CUresult cuEventCreate(CUevent* e, unsigned) { *e = new FakeEvent; return OK; }
 CUresult cuEventDestroy_v2(CUevent e) { delete e; return OK; }
-CUresult cuEventRecord(CUevent e, CUstream) { e->ms = now_ms(); return OK; }
-CUresult cuEventQuery(CUevent) { return OK; }
+CUresult cuEventRecord(CUevent e, CUstream) { counts.records++; e->ms = now_ms(); return OK; }
+CUresult cuEventQuery(CUevent) { counts.queries++; return OK; }
 CUresult cuEventSynchronize(CUevent) { return OK; }
 CUresult cuEventElapsedTime(float* ms, CUevent a, CUevent b) { *ms = float(b->ms - a->ms); return OK; }
 CUresult cuEventElapsedTime_v2(float* ms, CUevent a, CUevent b) { return cuEventElapsedTime(ms, a, b); }
@@ -178,7 +203,11 @@ CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) { return remember((void**)p, n,
 CUresult cuMemFree_v2(CUdeviceptr p) { return forget((void*)p); }
 CUresult cuMemAllocHost_v2(void** p, size_t n) { return remember(p, n, false); }
 CUresult cuMemFreeHost(void* p) { return forget(p); }
-CUresult cuMemsetD8_v2(CUdeviceptr p, unsigned char v, size_t n) { std::memset((void*)p, v, n); return OK; }
+CUresult cuMemsetD8_v2(CUdeviceptr p, unsigned char v, size_t n) {
+  counts.memsets++;
+  if (!noexec) std::memset((void*)p, v, n);
+  return OK;
+}
 CUresult cuMemsetD8Async(CUdeviceptr p, unsigned char v, size_t n, CUstream) { return cuMemsetD8_v2(p, v, n); }
 CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream) { return copy_bytes(d, s, n); }
 CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void* s, size_t n) { return copy_bytes(d, (CUdeviceptr)s, n); }
@@ -226,7 +255,8 @@ CUresult cuModuleGetFunction(CUfunction* f, CUmodule, const char* name) {
 }
 CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned, unsigned, unsigned bx, unsigned,
                         unsigned, unsigned, CUstream, void** params, void**) {
-  dpsync_emu_launch(f, gx, bx, params);
+  counts.launches++;
+  if (!noexec) dpsync_emu_launch(f, gx, bx, params);
   return OK;
 }
 

@@ -313,6 +313,21 @@ impl CudaBackend {
         Ok(set)
     }
 
+    /// The first replica of each distinct caller stream (a stream handle names one stream of
+    /// one device; the legacy default stream, 0, is per device).
+    fn caller_streams(&self) -> Vec<usize> {
+        let mut seen: Vec<(usize, usize)> = Vec::with_capacity(self.replicas.len());
+        let mut first = Vec::with_capacity(self.replicas.len());
+        for (i, r) in self.replicas.iter().enumerate() {
+            let key = (self.groups[r.group].ctx.ordinal as usize, r.stream);
+            if !seen.contains(&key) {
+                seen.push(key);
+                first.push(i);
+            }
+        }
+        first
+    }
+
     /// How this context's NCCL groups are queued: rank r is device group r.
     fn launch(&self, issued: Instant) -> nccl::Launch<'_> {
         nccl::Launch {
@@ -805,16 +820,22 @@ impl Backend for CudaBackend {
 
     fn begin(&self) -> Result<()> {
         self.observe(false)?;
-        for r in &self.replicas {
+        // One event per distinct caller stream (replicas often share one): fewer driver calls.
+        let callers = self.caller_streams();
+        for r in callers.iter().map(|&r| &self.replicas[r]) {
             let _bound = self.groups[r.group].ctx.bind()?;
             r.start.record(r.stream as sys::CUstream)?;
         }
         for g in &self.groups {
-            for r in &self.replicas {
+            for r in callers.iter().map(|&r| &self.replicas[r]) {
                 r.start.wait_on(g.stream.0)?;
             }
         }
         Ok(())
+    }
+
+    fn in_place(&self) -> bool {
+        self.groups.len() == 1
     }
 
     fn end(&self) -> Result<()> {
@@ -834,7 +855,7 @@ impl Backend for CudaBackend {
             let _bound = g.ctx.bind()?;
             ev.record(g.stream.0)?;
         }
-        for r in &self.replicas {
+        for r in self.caller_streams().iter().map(|&r| &self.replicas[r]) {
             let _bound = self.groups[r.group].ctx.bind()?;
             for ev in &done {
                 ev.wait_on(r.stream as sys::CUstream)?;
