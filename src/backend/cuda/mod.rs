@@ -489,7 +489,9 @@ impl CudaBackend {
     unsafe fn nccl_transfer(&self, batch: &[Transfer]) -> Result<()> {
         let issued = Instant::now();
         let mut moves = Vec::new();
+        // Copies within a device: from the source itself, or from where a receive put it.
         let mut local = Vec::new();
+        let mut after_receive = Vec::new();
         // (source address, bytes, destination group) -> where that group received it.
         let mut received: HashMap<(usize, usize, usize), (usize, usize)> = HashMap::new();
         for t in batch.iter().filter(|t| t.bytes > 0) {
@@ -504,7 +506,7 @@ impl CudaBackend {
             match received.entry((t.src, t.bytes, gd)) {
                 std::collections::hash_map::Entry::Occupied(at) => {
                     let (src_replica, src) = *at.get();
-                    local.push(Transfer {
+                    after_receive.push(Transfer {
                         src_replica,
                         src,
                         ..*t
@@ -516,13 +518,15 @@ impl CudaBackend {
                 }
             }
         }
+        // Not behind the receives on their streams: they do not need them.
+        super::copy_each(self, &local)?;
         if !moves.is_empty() {
             self.comms(issued)?
                 .send_recv(&moves, &self.launch(issued))
                 .map_err(|e| self.nccl_failed(e))?;
         }
         // On the destinations' streams, after their receives.
-        super::copy_each(self, &local)
+        super::copy_each(self, &after_receive)
     }
 
     /// One table walk of `bucket` over `nrep` replicas of `table`, on `g`'s stream.
@@ -563,9 +567,13 @@ impl CudaBackend {
         let issued = Instant::now();
         let bytes = bucket.dtype.size() * total;
         let root_group = self.replicas[root].group;
+        // Buffers and tables first, as for the allreduce: nothing that may allocate or wait is
+        // left between the broadcast and the unpacks.
         let mut fusion = Vec::with_capacity(self.groups.len());
+        let mut tables = Vec::with_capacity(self.groups.len());
         for g in &self.groups {
             fusion.push(self.scratch(g, bytes, false)?);
+            tables.push(self.table(g, bucket)?);
         }
         let rg = &self.groups[root_group];
         let counts = bucket.segments.iter().map(|seg| seg.count);
@@ -589,8 +597,7 @@ impl CudaBackend {
                 &self.launch(issued),
             )
             .map_err(|e| self.nccl_failed(e))?;
-        for (g, &fb) in self.groups.iter().zip(&fusion) {
-            let table = self.table(g, bucket)?;
+        for (g, (&fb, &table)) in self.groups.iter().zip(fusion.iter().zip(&tables)) {
             self.walk(g, bucket, table, g.local.len(), fb, Walk::Unpack, None)?;
         }
         Ok(())

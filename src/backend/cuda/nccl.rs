@@ -177,6 +177,18 @@ fn nccl_type(dtype: DType) -> u32 {
     }
 }
 
+/// Closes an NCCL group if `issue` unwinds: NCCL's group depth is per thread, and a group left
+/// open would make every later group call on this thread launch nothing (the panic itself
+/// poisons the context at the C boundary).
+struct OpenGroup<'a>(&'a Api);
+
+impl Drop for OpenGroup<'_> {
+    fn drop(&mut self) {
+        // SAFETY: the group this guard was made for is open.
+        unsafe { (self.0.group_end)() };
+    }
+}
+
 /// How a group's calls are queued: rank r's on `streams[r]` with `ctxs[r]` current; the group
 /// must leave the in-progress state by `deadline`.
 pub struct Launch<'a> {
@@ -381,12 +393,17 @@ impl CommSet {
         let _order = self.launch.lock();
         let _live = self.live()?;
         // SAFETY: group calls around calls on live communicators.
-        unsafe {
-            check(api, (api.group_start)(), "ncclGroupStart")?;
-            let queued = issue(api);
-            let end = check(api, (api.group_end)(), &format!("ncclGroupEnd ({what})"));
-            queued.and(end)?;
-        }
+        check(api, unsafe { (api.group_start)() }, "ncclGroupStart")?;
+        let open = OpenGroup(api);
+        let queued = issue(api);
+        std::mem::forget(open);
+        // SAFETY: closes the group opened above.
+        let end = check(
+            api,
+            unsafe { (api.group_end)() },
+            &format!("ncclGroupEnd ({what})"),
+        );
+        queued.and(end)?;
         self.poll_ready(deadline)
     }
 
