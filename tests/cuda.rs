@@ -92,20 +92,27 @@ fn allreduce_case<T: Elem>(ordinals: &[i32], transport: u32, n: usize) -> bool {
     true
 }
 
+/// [`allreduce_case`] for every dtype; false when the transport is missing here.
+fn allreduce_every_dtype(ordinals: &[i32], transport: u32, n: usize) -> bool {
+    if !allreduce_case::<f32>(ordinals, transport, n) {
+        return false;
+    }
+    allreduce_case::<f64>(ordinals, transport, n);
+    allreduce_case::<H16>(ordinals, transport, n);
+    allreduce_case::<B16>(ordinals, transport, n);
+    allreduce_case::<i32>(ordinals, transport, n);
+    allreduce_case::<i64>(ordinals, transport, n)
+}
+
 #[test]
 fn allreduce_every_dtype_size_and_transport_on_shared_gpus() {
     // A transport that is not available here (NCCL missing) is skipped, not the others.
     'transports: for transport in [T_NCCL, T_PEER_COPY, T_AUTO] {
         for ordinals in [&[0][..], &[0, 0], &[0, 0, 0, 0]] {
             for n in [1usize, 7, 1000, 65_537] {
-                if !allreduce_case::<f32>(ordinals, transport, n) {
+                if !allreduce_every_dtype(ordinals, transport, n) {
                     continue 'transports;
                 }
-                allreduce_case::<f64>(ordinals, transport, n);
-                allreduce_case::<H16>(ordinals, transport, n);
-                allreduce_case::<B16>(ordinals, transport, n);
-                allreduce_case::<i32>(ordinals, transport, n);
-                allreduce_case::<i64>(ordinals, transport, n);
             }
         }
     }
@@ -134,15 +141,10 @@ fn allreduce_across_gpus_every_dtype_and_transport() {
     'transports: for transport in [T_NCCL, T_PEER_COPY] {
         for ordinals in sets {
             for n in [1usize, 1000, 65_537] {
-                if !allreduce_case::<f32>(ordinals, transport, n) {
+                if !allreduce_every_dtype(ordinals, transport, n) {
                     eprintln!("transport {transport} skipped: not available here");
                     continue 'transports;
                 }
-                allreduce_case::<f64>(ordinals, transport, n);
-                allreduce_case::<H16>(ordinals, transport, n);
-                allreduce_case::<B16>(ordinals, transport, n);
-                allreduce_case::<i32>(ordinals, transport, n);
-                allreduce_case::<i64>(ordinals, transport, n);
             }
         }
         fused_gradients_broadcast_and_average_on(&[2, 0, 1], transport);

@@ -7,7 +7,7 @@ mod common;
 
 use std::ffi::c_void;
 
-use common::gpu::{encode, rank_per_replica, read_at, synchronize, Mem, Place};
+use common::gpu::{encode, encode_indices, rank_per_replica, read_at, synchronize, Mem, Place};
 use common::*;
 
 /// A sparse gradient of the comparison: name, row length, value dtype, index dtype, and the
@@ -51,13 +51,6 @@ fn rows(r: usize, step: usize) -> usize {
     [7, 0, 33, 5, 12][(r + step) % 5]
 }
 
-fn index_bytes(dtype: DType, v: &[i64]) -> Vec<u8> {
-    match dtype {
-        DType::I32 => v.iter().flat_map(|&i| (i as i32).to_ne_bytes()).collect(),
-        _ => v.iter().flat_map(|&i| i.to_ne_bytes()).collect(),
-    }
-}
-
 /// What one replica reads back after a step: per gradient, (rows, indices bytes, values bytes).
 type Outputs = Vec<Vec<(usize, Vec<u8>, Vec<u8>)>>;
 
@@ -72,17 +65,7 @@ fn run(
     op: u32,
 ) -> Option<Vec<Outputs>> {
     let replicas = ordinals.len();
-    let ctx = match place {
-        Place::Host => {
-            let o = Options::host(replicas);
-            o.set_sparse_coalesce(coalesce);
-            Context::new(&o)
-        }
-        Place::Gpu(_) => cuda_context("sparse run", ordinals, |o| {
-            o.set_sparse_coalesce(coalesce);
-            o.set_transport(transport);
-        })?,
-    };
+    let ctx = place.context("sparse run", ordinals, transport, coalesce)?;
     for g in &GRADS {
         ctx.reg_sparse_all(g.name, g.row_len, g.values.code(), g.indices.code(), TABLE);
     }
@@ -101,7 +84,7 @@ fn run(
                         let v: Vec<i64> = (0..n)
                             .map(|_| g.below(if k == 0 { 20 } else { TABLE as u64 }) as i64)
                             .collect();
-                        keep.push(place.mem_on(ordinal, &index_bytes(grad.indices, &v)));
+                        keep.push(place.mem_on(ordinal, &encode_indices(grad.indices, &v)));
                         keep.last().unwrap().ptr()
                     }
                 };
@@ -258,8 +241,8 @@ fn indices_out_of_range_are_reported_by_synchronize() {
         return;
     };
     ctx.reg_sparse_all("emb", 2, F32, I64, 10);
-    let good = gpu.mem(&index_bytes(DType::I64, &[1, 2, 3]));
-    let bad = gpu.mem(&index_bytes(DType::I64, &[4, 10, -1]));
+    let good = gpu.mem(&encode_indices(DType::I64, &[1, 2, 3]));
+    let bad = gpu.mem(&encode_indices(DType::I64, &[4, 10, -1]));
     let values = gpu.mem(&Buf::random(DType::F32, 6, 1).bytes());
     for (r, idx) in [(0, &good), (1, &bad)] {
         let st = ctx.sparse_set_raw("emb", r, idx.ptr() as _, values.ptr() as _, 3);

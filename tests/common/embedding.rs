@@ -4,7 +4,7 @@
 //! gradients dpsync reduces — dense `w_grad`/`b_grad` and the sparse `table_grad` slices — live
 //! in the run's [`Place`], so on CUDA replicas the gather and the allreduce run on the GPUs.
 
-use super::gpu::{read_at, synchronize, Mem, Place};
+use super::gpu::{encode_indices, read_at, synchronize, Mem, Place};
 use super::*;
 
 const VOCAB: usize = 40;
@@ -73,13 +73,6 @@ fn f32s(bytes: &[u8]) -> Vec<f32> {
         .collect()
 }
 
-fn index_bytes(dtype: DType, v: &[i64]) -> Vec<u8> {
-    match dtype {
-        DType::I32 => v.iter().flat_map(|&i| (i as i32).to_ne_bytes()).collect(),
-        _ => v.iter().flat_map(|&i| i.to_ne_bytes()).collect(),
-    }
-}
-
 fn indices_of(dtype: DType, bytes: &[u8]) -> Vec<i64> {
     match dtype {
         DType::I32 => bytes
@@ -104,17 +97,7 @@ pub fn train_embedding(
     coalesce: bool,
 ) -> Option<Trained> {
     let n = ordinals.len();
-    let ctx = match place {
-        Place::Host => {
-            let o = Options::host(n);
-            o.set_sparse_coalesce(coalesce);
-            Context::new(&o)
-        }
-        Place::Gpu(_) => super::cuda_context("embedding model", ordinals, |o| {
-            o.set_sparse_coalesce(coalesce);
-            o.set_transport(transport);
-        })?,
-    };
+    let ctx = place.context("embedding model", ordinals, transport, coalesce)?;
     let mut init = Lcg::new(7);
     let table: Vec<f32> = (0..VOCAB * EMB)
         .map(|_| init.uniform(-0.3, 0.3) as f32)
@@ -167,7 +150,7 @@ pub fn train_embedding(
             dense[r][0].write(&f32_bytes(&w_grad));
             dense[r][1].write(&f32_bytes(&[b_grad]));
             let slice = [
-                place.mem_on(ordinal, &index_bytes(index, &indices)),
+                place.mem_on(ordinal, &encode_indices(index, &indices)),
                 place.mem_on(ordinal, &f32_bytes(&values)),
             ];
             let st = ctx.sparse_set_raw(

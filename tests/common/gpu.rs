@@ -144,6 +144,29 @@ impl Place {
         Some(place)
     }
 
+    /// A context with one replica per entry of `ordinals` in this place (host replicas, or CUDA
+    /// replicas on those GPUs over `transport`), with sparse coalescing as given; `None` when
+    /// the CUDA context cannot be made here.
+    pub fn context(
+        &self,
+        test: &str,
+        ordinals: &[i32],
+        transport: u32,
+        coalesce: bool,
+    ) -> Option<super::Context> {
+        match self {
+            Place::Host => {
+                let o = super::Options::host(ordinals.len());
+                o.set_sparse_coalesce(coalesce);
+                Some(super::Context::new(&o))
+            }
+            Place::Gpu(_) => super::cuda_context(test, ordinals, |o| {
+                o.set_sparse_coalesce(coalesce);
+                o.set_transport(transport);
+            }),
+        }
+    }
+
     /// `bytes` in memory of this place (on GPU 0 for a GPU place).
     pub fn mem(&self, bytes: &[u8]) -> Mem {
         self.mem_on(0, bytes)
@@ -265,6 +288,14 @@ pub fn decode(dtype: DType, bytes: &[u8]) -> Vec<f64> {
             .map(|b| bf16_to_f32(u16::from_ne_bytes([b[0], b[1]])) as f64)
             .collect(),
         _ => panic!("not a float dtype"),
+    }
+}
+
+/// Indices as bytes of the index `dtype` (I32 or I64).
+pub fn encode_indices(dtype: DType, v: &[i64]) -> Vec<u8> {
+    match dtype {
+        DType::I32 => v.iter().flat_map(|&i| (i as i32).to_ne_bytes()).collect(),
+        _ => v.iter().flat_map(|&i| i.to_ne_bytes()).collect(),
     }
 }
 

@@ -407,6 +407,27 @@ impl CommSet {
         self.poll_ready(deadline)
     }
 
+    /// One call per rank in one group: `call(api, rank, comm, stream)` with rank's context
+    /// current; `what` names the NCCL function in errors.
+    fn per_rank(
+        &self,
+        what: &str,
+        launch: &Launch<'_>,
+        call: impl Fn(&Api, usize, Comm, CUstream) -> u32,
+    ) -> Result<()> {
+        self.grouped(what, launch.deadline, |api| {
+            let mut queued = Ok(());
+            for (rank, &comm) in self.comms.iter().enumerate() {
+                let done = launch.ctxs[rank].bind().and_then(|_bound| {
+                    let code = call(api, rank, comm, launch.streams[rank]);
+                    check(api, code, &format!("{what} (rank {rank})"))
+                });
+                queued = queued.and(done);
+            }
+            queued
+        })
+    }
+
     /// One in-place allreduce (sum) per rank on `bufs[rank]`, in one group.
     pub fn allreduce(
         &self,
@@ -415,33 +436,15 @@ impl CommSet {
         bufs: &[u64],
         launch: &Launch<'_>,
     ) -> Result<()> {
-        self.grouped("allreduce", launch.deadline, |api| {
-            let mut queued = Ok(());
-            for (rank, &comm) in self.comms.iter().enumerate() {
-                let buf = bufs[rank] as *mut c_void;
-                let done = launch.ctxs[rank].bind().and_then(|_bound| {
-                    // SAFETY: a live communicator; the buffer holds `count` elements.
-                    let code = unsafe {
-                        (api.all_reduce)(
-                            buf,
-                            buf,
-                            count,
-                            nccl_type(dtype),
-                            SUM,
-                            comm,
-                            launch.streams[rank],
-                        )
-                    };
-                    check(api, code, &format!("ncclAllReduce (rank {rank})"))
-                });
-                queued = queued.and(done);
-            }
-            queued
+        self.per_rank("ncclAllReduce", launch, |api, rank, comm, stream| {
+            let buf = bufs[rank] as *mut c_void;
+            // SAFETY: a live communicator; the buffer holds `count` elements on rank's device.
+            unsafe { (api.all_reduce)(buf, buf, count, nccl_type(dtype), SUM, comm, stream) }
         })
     }
 
     /// One in-place broadcast per rank of `count` elements from rank `root`'s `bufs[root]` into
-    /// every rank's `bufs[rank]`, in one group (as [`CommSet::allreduce`]).
+    /// every rank's `bufs[rank]`, in one group.
     pub fn broadcast(
         &self,
         dtype: DType,
@@ -450,28 +453,11 @@ impl CommSet {
         bufs: &[u64],
         launch: &Launch<'_>,
     ) -> Result<()> {
-        self.grouped("broadcast", launch.deadline, |api| {
-            let mut queued = Ok(());
-            for (rank, &comm) in self.comms.iter().enumerate() {
-                let buf = bufs[rank] as *mut c_void;
-                let done = launch.ctxs[rank].bind().and_then(|_bound| {
-                    // SAFETY: a live communicator; the buffer holds `count` elements.
-                    let code = unsafe {
-                        (api.broadcast)(
-                            buf,
-                            buf,
-                            count,
-                            nccl_type(dtype),
-                            root as c_int,
-                            comm,
-                            launch.streams[rank],
-                        )
-                    };
-                    check(api, code, &format!("ncclBroadcast (rank {rank})"))
-                });
-                queued = queued.and(done);
-            }
-            queued
+        let root = root as c_int;
+        self.per_rank("ncclBroadcast", launch, |api, rank, comm, stream| {
+            let buf = bufs[rank] as *mut c_void;
+            // SAFETY: as for allreduce.
+            unsafe { (api.broadcast)(buf, buf, count, nccl_type(dtype), root, comm, stream) }
         })
     }
 
