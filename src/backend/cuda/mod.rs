@@ -13,9 +13,9 @@
 //! steps on the fusion buffers; then one kernel writes the (averaged) result into every local
 //! replica.
 //!
-//! A broadcast over NCCL is fused the same way: the root's tensors packed into its device's
-//! fusion buffer, one grouped `ncclBroadcast`, one unpack walk per device; over PEER_COPY it is
-//! one `cuMemcpyAsync` per tensor and destination.
+//! A broadcast is fused the same way: the root's tensors packed into its device's fusion
+//! buffer, one grouped `ncclBroadcast` or one peer copy per other device, one unpack walk per
+//! device.
 //!
 //! The sparse gather moves bytes between replicas ([`Backend::transfer`]): with NCCL, the moves
 //! between devices are sends and receives in one group (each destination device receives a
@@ -556,19 +556,22 @@ impl CudaBackend {
         )
     }
 
-    /// [`Backend::broadcast`] over NCCL, one call per bucket: the root's tensors are packed into
-    /// its device's fusion buffer, one grouped `ncclBroadcast` copies it to every device's, and
-    /// a walk writes it into every local replica (the root's own tensors get their own bytes).
-    unsafe fn nccl_broadcast(&self, bucket: &BucketView<'_>, root: usize) -> Result<()> {
+    /// [`Backend::broadcast`], fused: the root's tensors are packed into its device's fusion
+    /// buffer (one walk), which reaches every other device's by one grouped `ncclBroadcast`
+    /// or, over PEER_COPY, one peer copy each (staged by the driver where a pair has no peer
+    /// access); then one walk per device writes it into every local replica (the root's own
+    /// tensors get their own bytes). Two launches per device instead of a copy per tensor and
+    /// replica.
+    unsafe fn fused_broadcast(&self, bucket: &BucketView<'_>, root: usize) -> Result<()> {
         let total = bucket.elements();
-        if total == 0 {
+        if total == 0 || self.replicas.len() == 1 {
             return Ok(());
         }
         let issued = Instant::now();
         let bytes = bucket.dtype.size() * total;
         let root_group = self.replicas[root].group;
         // Buffers and tables first, as for the allreduce: nothing that may allocate or wait is
-        // left between the broadcast and the unpacks.
+        // left between the exchange and the unpacks.
         let mut fusion = Vec::with_capacity(self.groups.len());
         let mut tables = Vec::with_capacity(self.groups.len());
         for g in &self.groups {
@@ -579,24 +582,45 @@ impl CudaBackend {
         let counts = bucket.segments.iter().map(|seg| seg.count);
         let root_only = bucket.segments.iter().map(|seg| [seg.ptrs[root] as u64]);
         let root_table = self.upload_table(rg, table_of(counts, root_only))?;
-        self.walk(
-            rg,
-            bucket,
-            root_table,
-            1,
-            fusion[root_group],
-            Walk::Pack,
-            None,
-        )?;
-        self.comms(issued)?
-            .broadcast(
-                bucket.dtype,
-                total,
-                root_group,
-                &fusion,
-                &self.launch(issued),
-            )
-            .map_err(|e| self.nccl_failed(e))?;
+        let root_fusion = fusion[root_group];
+        self.walk(rg, bucket, root_table, 1, root_fusion, Walk::Pack, None)?;
+        if self.groups.len() > 1 && self.transport == TransportChoice::Nccl {
+            self.comms(issued)?
+                .broadcast(
+                    bucket.dtype,
+                    total,
+                    root_group,
+                    &fusion,
+                    &self.launch(issued),
+                )
+                .map_err(|e| self.nccl_failed(e))?;
+        } else {
+            for (gi, g) in self.groups.iter().enumerate() {
+                if gi == root_group {
+                    continue;
+                }
+                self.order(root_group, gi)?;
+                let _bound = g.ctx.bind()?;
+                // SAFETY: both fusion buffers hold `bytes`; ordered after the pack.
+                driver::check(
+                    unsafe {
+                        sys::cuMemcpyPeerAsync(
+                            fusion[gi],
+                            g.ctx.ctx,
+                            root_fusion,
+                            rg.ctx.ctx,
+                            bytes,
+                            g.stream.0,
+                        )
+                    },
+                    "cuMemcpyPeerAsync (broadcast)",
+                )?;
+            }
+            // The root's fusion buffer must not be repacked before every copy has read it.
+            for gi in (0..self.groups.len()).filter(|&gi| gi != root_group) {
+                self.order(gi, root_group)?;
+            }
+        }
         for (g, (&fb, &table)) in self.groups.iter().zip(fusion.iter().zip(&tables)) {
             self.walk(g, bucket, table, g.local.len(), fb, Walk::Unpack, None)?;
         }
@@ -923,35 +947,7 @@ impl Backend for CudaBackend {
     }
 
     unsafe fn broadcast(&self, bucket: &BucketView<'_>, root: usize) -> Result<()> {
-        let size = bucket.dtype.size();
-        if self.transport == TransportChoice::Nccl && self.groups.len() > 1 {
-            return self.nccl_broadcast(bucket, root);
-        }
-        let root_group = self.replicas[root].group;
-        for (r, replica) in self.replicas.iter().enumerate() {
-            if r == root {
-                continue;
-            }
-            // After whatever this collective already queued on the root's device.
-            self.order(root_group, replica.group)?;
-            let g = &self.groups[replica.group];
-            let _bound = g.ctx.bind()?;
-            for seg in &bucket.segments {
-                // SAFETY: registered memory of `count` elements on both replicas (UVA copy).
-                driver::check(
-                    unsafe {
-                        sys::cuMemcpyAsync(
-                            seg.ptrs[r] as u64,
-                            seg.ptrs[root] as u64,
-                            seg.count * size,
-                            g.stream.0,
-                        )
-                    },
-                    "cuMemcpyAsync (broadcast)",
-                )?;
-            }
-        }
-        Ok(())
+        self.fused_broadcast(bucket, root)
     }
 
     fn alloc(&self, replica: usize, bytes: usize) -> Result<Allocation> {
