@@ -11,12 +11,19 @@
  * The program exits non-zero unless the BMUF loss falls to a tenth of its start and every
  * replica holds the same bytes after every BMUF step.
  *
- *   bmuf_train [--replicas N] [--blocks B] [--local-steps K] [--batch M] [--lr LR]
- *              [--block-lr ETA] [--block-momentum MU] [--nesterov]
+ * With --gpus the BMUF run's params live on CUDA replicas (one per listed GPU ordinal, e.g.
+ * 0,0,0,0): each block uploads the replicas' params on their own streams, dpsync_bmuf_step runs
+ * in stream order, and the result is read back on the same streams (the local steps stay on the
+ * host, as this example's "framework"). It exits 77 (CTest: skipped) without a usable GPU.
+ *
+ *   bmuf_train [--replicas N | --gpus 0,0,...] [--transport auto|nccl|peer_copy] [--blocks B]
+ *              [--local-steps K] [--batch M] [--lr LR] [--block-lr ETA] [--block-momentum MU]
+ *              [--nesterov]
  *   MU < 0 (the default) selects 1 - 1/N.
  */
 #include <dpsync.h>
 
+#include "cuda_driver.h"
 #include "example_util.h"
 
 #include <errno.h>
@@ -27,7 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { DIM = 32, DATASET = 4096 };
+enum { DIM = 32, DATASET = 4096, MAX_GPUS = 64 };
 
 typedef struct {
   float w[DIM];
@@ -49,7 +56,8 @@ static double lcg_uniform(lcg_t *g, double lo, double hi) {
 
 static void usage(void) {
   fprintf(stderr,
-          "usage: bmuf_train [--replicas N] [--blocks B] [--local-steps K] [--batch M] [--lr LR]\n"
+          "usage: bmuf_train [--replicas N | --gpus 0,0,...] [--transport auto|nccl|peer_copy]\n"
+          "                  [--blocks B] [--local-steps K] [--batch M] [--lr LR]\n"
           "                  [--block-lr ETA] [--block-momentum MU] [--nesterov]\n");
   exit(2);
 }
@@ -117,14 +125,64 @@ static void initialise(replica_t *reps, size_t replicas) {
   }
 }
 
-static dpsync_context *make_context(size_t replicas) {
+/* Host replicas, or CUDA replicas on `gpus` (when ngpus > 0) over `transport`. */
+static dpsync_context *make_context(size_t replicas, const int32_t *gpus, size_t ngpus,
+                                    uint32_t transport) {
   dpsync_options *opts = NULL;
   dpsync_context *ctx = NULL;
   CHECK(dpsync_options_new(&opts));
-  CHECK(dpsync_options_set_host_replicas(opts, replicas));
+  if (ngpus > 0) {
+    CHECK(dpsync_options_set_cuda_replicas(opts, gpus, ngpus));
+    CHECK(dpsync_options_set_transport(opts, transport));
+  } else {
+    CHECK(dpsync_options_set_host_replicas(opts, replicas));
+  }
   CHECK(dpsync_context_create(opts, &ctx));
   dpsync_options_free(opts);
   return ctx;
+}
+
+/* ------------------------------------------------------------------ params on CUDA replicas */
+
+typedef struct {
+  CUdeviceptr w, b;
+  CUstream stream;
+} device_params_t;
+
+/* Device memory and a stream per replica on its GPU, registered as the BMUF context's PARAMs. */
+static device_params_t *device_params(dpsync_context *ctx, const int32_t *gpus, size_t n) {
+  device_params_t *dev = calloc(n, sizeof *dev);
+  if (dev == NULL) exit(1);
+  for (size_t r = 0; r < n; r++) {
+    use_gpu(gpus[r]);
+    CU(cu.mem_alloc(&dev[r].w, DIM * sizeof(float)));
+    CU(cu.mem_alloc(&dev[r].b, sizeof(float)));
+    CU(cu.stream_create(&dev[r].stream, 1 /* non-blocking */));
+    CHECK(dpsync_set_stream(ctx, r, dev[r].stream));
+    CHECK(dpsync_register(ctx, "w", DPSYNC_ROLE_PARAM, r, (void *)(uintptr_t)dev[r].w, DIM,
+                          DPSYNC_DTYPE_F32));
+    CHECK(dpsync_register(ctx, "b", DPSYNC_ROLE_PARAM, r, (void *)(uintptr_t)dev[r].b, 1,
+                          DPSYNC_DTYPE_F32));
+  }
+  return dev;
+}
+
+/* The host params into the device params, queued on each replica's stream. */
+static void upload(const replica_t *reps, const device_params_t *dev, size_t n) {
+  for (size_t r = 0; r < n; r++) {
+    CU(cu.htod_async(dev[r].w, reps[r].w, sizeof reps[r].w, dev[r].stream));
+    CU(cu.htod_async(dev[r].b, reps[r].b, sizeof reps[r].b, dev[r].stream));
+  }
+}
+
+/* The device params back, queued on each replica's stream after whatever dpsync queued there
+   (its completion events order the copies), then waited for. */
+static void download(replica_t *reps, const device_params_t *dev, size_t n) {
+  for (size_t r = 0; r < n; r++) {
+    CU(cu.dtoh_async(reps[r].w, dev[r].w, sizeof reps[r].w, dev[r].stream));
+    CU(cu.dtoh_async(reps[r].b, dev[r].b, sizeof reps[r].b, dev[r].stream));
+    CU(cu.stream_sync(dev[r].stream));
+  }
 }
 
 static int same_params(const replica_t *reps, size_t replicas) {
@@ -138,9 +196,11 @@ static int same_params(const replica_t *reps, size_t replicas) {
 /* ------------------------------------------------------------------ main */
 
 int main(int argc, char **argv) {
-  size_t replicas = 4, blocks = 25, local_steps = 8, batch = 16;
+  size_t replicas = 4, blocks = 25, local_steps = 8, batch = 16, ngpus = 0;
   double lr = 0.05, block_lr = 1.0, block_momentum = -1.0;
   bool nesterov = false;
+  int32_t gpus[MAX_GPUS];
+  uint32_t transport = DPSYNC_TRANSPORT_AUTO;
 
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
@@ -153,6 +213,14 @@ int main(int argc, char **argv) {
     i++;
     if (strcmp(a, "--replicas") == 0) {
       if (!parse_size(v, &replicas) || replicas == 0 || replicas > DATASET) usage();
+    } else if (strcmp(a, "--gpus") == 0) {
+      ngpus = parse_gpus(argv[i], gpus, MAX_GPUS);
+      if (ngpus == 0) usage();
+      replicas = ngpus;
+    } else if (strcmp(a, "--transport") == 0) {
+      int ok;
+      transport = parse_transport(v, &ok);
+      if (!ok) usage();
     } else if (strcmp(a, "--blocks") == 0) {
       if (!parse_size(v, &blocks) || blocks == 0) usage();
     } else if (strcmp(a, "--local-steps") == 0) {
@@ -170,6 +238,7 @@ int main(int argc, char **argv) {
       usage();
     }
   }
+  if (ngpus > 0 && !cuda_usable("bmuf_train", gpus, ngpus)) return CUDA_SKIP;
   make_dataset();
 
   replica_t *bm = calloc(replicas, sizeof *bm);   /* the BMUF run */
@@ -181,19 +250,27 @@ int main(int argc, char **argv) {
   initialise(bm, replicas);
   initialise(sync, replicas);
 
-  /* BMUF filters the PARAM tensors; it needs no gradients registered. */
-  dpsync_context *bctx = make_context(replicas);
-  for (size_t r = 0; r < replicas; r++) {
-    CHECK(dpsync_register(bctx, "w", DPSYNC_ROLE_PARAM, r, bm[r].w, DIM, DPSYNC_DTYPE_F32));
-    CHECK(dpsync_register(bctx, "b", DPSYNC_ROLE_PARAM, r, bm[r].b, 1, DPSYNC_DTYPE_F32));
+  /* BMUF filters the PARAM tensors; it needs no gradients registered. On CUDA replicas the
+     params it filters are device copies of bm[r], uploaded before and read back after. */
+  dpsync_context *bctx = make_context(replicas, gpus, ngpus, transport);
+  device_params_t *dev = NULL;
+  if (ngpus > 0) {
+    dev = device_params(bctx, gpus, ngpus);
+    upload(bm, dev, replicas);
+  } else {
+    for (size_t r = 0; r < replicas; r++) {
+      CHECK(dpsync_register(bctx, "w", DPSYNC_ROLE_PARAM, r, bm[r].w, DIM, DPSYNC_DTYPE_F32));
+      CHECK(dpsync_register(bctx, "b", DPSYNC_ROLE_PARAM, r, bm[r].b, 1, DPSYNC_DTYPE_F32));
+    }
   }
   CHECK(dpsync_bmuf_init(bctx, block_lr, block_momentum, nesterov));
+  if (dev) download(bm, dev, replicas);
   if (!same_params(bm, replicas)) {
     fprintf(stderr, "FAIL: dpsync_bmuf_init did not broadcast replica 0's params\n");
     return 1;
   }
 
-  dpsync_context *sctx = make_context(replicas);
+  dpsync_context *sctx = make_context(replicas, NULL, 0, transport);
   for (size_t r = 0; r < replicas; r++) {
     CHECK(dpsync_register(sctx, "w", DPSYNC_ROLE_PARAM, r, sync[r].w, DIM, DPSYNC_DTYPE_F32));
     CHECK(dpsync_register(sctx, "b", DPSYNC_ROLE_PARAM, r, sync[r].b, 1, DPSYNC_DTYPE_F32));
@@ -202,9 +279,9 @@ int main(int argc, char **argv) {
   }
   CHECK(dpsync_broadcast(sctx, DPSYNC_ROLE_PARAM, 0));
 
-  printf("bmuf_train: %zu host replicas, %zu blocks of %zu local SGD steps (batch %zu per replica, "
+  printf("bmuf_train: %zu %s replicas, %zu blocks of %zu local SGD steps (batch %zu per replica, "
          "lr %g), BMUF block_lr %g, block_momentum %g%s, %s\n",
-         replicas, blocks, local_steps, batch, lr, block_lr, block_momentum,
+         replicas, ngpus > 0 ? "CUDA" : "host", blocks, local_steps, batch, lr, block_lr, block_momentum,
          block_momentum < 0.0 ? " (default 1 - 1/N)" : "", nesterov ? "Nesterov" : "classical");
   const double first = loss(&bm[0]);
   printf("%5s %6s %14s %16s\n", "block", "step", "BMUF loss", "sync SGD loss");
@@ -229,7 +306,9 @@ int main(int argc, char **argv) {
         sync[r].b[0] -= (float)lr * sync[r].gb[0];
       }
     }
+    if (dev) upload(bm, dev, replicas);
     CHECK(dpsync_bmuf_step(bctx));
+    if (dev) download(bm, dev, replicas);
     if (!same_params(bm, replicas)) {
       fprintf(stderr, "FAIL: after BMUF step %zu the replicas' params differ\n", block);
       return 1;
@@ -241,6 +320,12 @@ int main(int argc, char **argv) {
   const double sync_last = loss(&sync[0]);
   CHECK(dpsync_context_destroy(bctx));
   CHECK(dpsync_context_destroy(sctx));
+  for (size_t r = 0; dev && r < ngpus; r++) {
+    CU(cu.mem_free(dev[r].w));
+    CU(cu.mem_free(dev[r].b));
+    CU(cu.stream_destroy(dev[r].stream));
+  }
+  free(dev);
   free(bm);
   free(sync);
   if (!(last < 0.1 * first)) {

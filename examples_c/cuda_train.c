@@ -14,61 +14,16 @@
  */
 #include <dpsync.h>
 
-#include <dlfcn.h>
+#include "cuda_driver.h"
+
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-enum { DIM = 64, BIAS = 1, BATCH = 64, MAX_REPLICAS = 16, SKIP = 77 };
+enum { DIM = 64, BIAS = 1, BATCH = 64, MAX_REPLICAS = 16 };
 
-/* The few driver entry points used, declared here instead of including cuda.h. */
-typedef int CUresult;
-typedef void *CUcontext;
-typedef void *CUstream;
-typedef unsigned long long CUdeviceptr;
-static struct {
-  CUresult (*init)(unsigned);
-  CUresult (*device_get)(int *, int);
-  CUresult (*primary_retain)(CUcontext *, int);
-  CUresult (*set_current)(CUcontext);
-  CUresult (*mem_alloc)(CUdeviceptr *, size_t);
-  CUresult (*mem_free)(CUdeviceptr);
-  CUresult (*htod_async)(CUdeviceptr, const void *, size_t, CUstream);
-  CUresult (*dtoh_async)(void *, CUdeviceptr, size_t, CUstream);
-  CUresult (*stream_create)(CUstream *, unsigned);
-  CUresult (*stream_sync)(CUstream);
-  CUresult (*stream_destroy)(CUstream);
-} cu;
-
-static int load_cuda(void) {
-  void *lib = dlopen("libcuda.so.1", RTLD_NOW);
-  if (!lib) return 0;
-#define SYM(field, name) *(void **)(&cu.field) = dlsym(lib, name); if (!cu.field) return 0
-  SYM(init, "cuInit");
-  SYM(device_get, "cuDeviceGet");
-  SYM(primary_retain, "cuDevicePrimaryCtxRetain");
-  SYM(set_current, "cuCtxSetCurrent");
-  SYM(mem_alloc, "cuMemAlloc_v2");
-  SYM(mem_free, "cuMemFree_v2");
-  SYM(htod_async, "cuMemcpyHtoDAsync_v2");
-  SYM(dtoh_async, "cuMemcpyDtoHAsync_v2");
-  SYM(stream_create, "cuStreamCreate");
-  SYM(stream_sync, "cuStreamSynchronize");
-  SYM(stream_destroy, "cuStreamDestroy_v2");
-#undef SYM
-  return cu.init(0) == 0;
-}
-
-#define CU(call)                                                              \
-  do {                                                                        \
-    CUresult r_ = (call);                                                     \
-    if (r_ != 0) {                                                            \
-      fprintf(stderr, "cuda_train.c:%d: %s failed: CUresult %d\n", __LINE__, #call, r_); \
-      exit(1);                                                                \
-    }                                                                         \
-  } while (0)
 #define DP(call)                                                              \
   do {                                                                        \
     dpsync_status s_ = (call);                                                \
@@ -130,11 +85,7 @@ static double train(const int32_t *gpus, int replicas, int steps, uint32_t trans
   for (int r = 0; r < replicas; ++r) {
     memset(weights[r], 0, sizeof weights[r]);
     if (gpus) {
-      CUcontext c;
-      int dev;
-      CU(cu.device_get(&dev, gpus[r]));
-      CU(cu.primary_retain(&c, dev));
-      CU(cu.set_current(c));
+      use_gpu(gpus[r]);
       CU(cu.mem_alloc(&dgrad[r], sizeof grads[r]));
       CU(cu.stream_create(&streams[r], 1 /* non-blocking */));
       DP(dpsync_set_stream(ctx, (size_t)r, streams[r]));
@@ -183,18 +134,19 @@ int main(int argc, char **argv) {
   int replicas = 4, steps = 200;
   uint32_t transport = DPSYNC_TRANSPORT_AUTO;
   for (int i = 1; i + 1 < argc; i += 2) {
+    int ok = 1;
     if (!strcmp(argv[i], "--steps")) {
       steps = atoi(argv[i + 1]);
     } else if (!strcmp(argv[i], "--transport")) {
-      transport = !strcmp(argv[i + 1], "nccl")        ? DPSYNC_TRANSPORT_NCCL
-                  : !strcmp(argv[i + 1], "peer_copy") ? DPSYNC_TRANSPORT_PEER_COPY
-                                                      : DPSYNC_TRANSPORT_AUTO;
+      transport = parse_transport(argv[i + 1], &ok);
     } else if (!strcmp(argv[i], "--gpus")) {
-      replicas = 0;
-      for (char *p = strtok(argv[i + 1], ","); p && replicas < MAX_REPLICAS; p = strtok(NULL, ","))
-        gpus[replicas++] = (int32_t)atoi(p);
+      replicas = (int)parse_gpus(argv[i + 1], gpus, MAX_REPLICAS);
+      ok = replicas > 0;
     } else {
-      fprintf(stderr, "unknown argument %s\n", argv[i]);
+      ok = 0;
+    }
+    if (!ok) {
+      fprintf(stderr, "bad argument %s %s\n", argv[i], argv[i + 1]);
       return 2;
     }
   }
@@ -202,22 +154,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "the batch of %d must split evenly over %d replicas\n", BATCH, replicas);
     return 2;
   }
-  if (!load_cuda()) {
-    printf("cuda_train: skipped: no CUDA driver\n");
-    return SKIP;
-  }
-  dpsync_options *probe;
-  DP(dpsync_options_new(&probe));
-  DP(dpsync_options_set_cuda_replicas(probe, gpus, (size_t)replicas));
-  dpsync_context *ctx = NULL;
-  dpsync_status st = dpsync_context_create(probe, &ctx);
-  dpsync_options_free(probe);
-  if (st == DPSYNC_STATUS_UNAVAILABLE) {
-    printf("cuda_train: skipped: %s\n", dpsync_last_error());
-    return SKIP;
-  }
-  DP(st);
-  DP(dpsync_context_destroy(ctx));
+  if (!cuda_usable("cuda_train", gpus, (size_t)replicas)) return CUDA_SKIP;
 
   float w_cuda[DIM + BIAS], w_host[DIM + BIAS];
   double first, first_host;

@@ -9,7 +9,8 @@
 # copies, NCCL groups, sends and receives, timeouts and aborts — without a GPU; it proves nothing
 # about asynchrony, real NCCL transports or the hardware (docs/GPU-VALIDATION.md).
 #   bash scripts/fake-cuda.sh [extra cargo test arguments]
-# scripts/test.sh runs it; it also runs examples_c/cuda_train against the fake driver.
+# scripts/test.sh runs it; it also runs examples_c/cuda_train and bmuf_train --gpus against the
+# fake driver.
 source "$(dirname "$0")/common.sh"
 
 build_fake_cuda() {
@@ -75,3 +76,8 @@ build/examples/cuda_train --gpus 0,0,0,0
 build/examples/cuda_train --gpus 0,0 --transport peer_copy
 FAKE_CUDA_DEVICES=4 build/examples/cuda_train --gpus 0,1,2,3 --transport nccl
 FAKE_CUDA_DEVICES=4 FAKE_CUDA_PEER=1-2 build/examples/cuda_train --gpus 2,0,1,1 --transport peer_copy
+step "examples_c/bmuf_train with CUDA replicas on the fake CUDA driver"
+build/examples/bmuf_train --gpus 0,0,0,0 | tail -1
+FAKE_CUDA_DEVICES=4 build/examples/bmuf_train --gpus 0,1,2,3 --transport nccl | tail -1
+FAKE_CUDA_DEVICES=4 FAKE_CUDA_PEER=1-2 build/examples/bmuf_train --gpus 2,0,1,1 \
+  --transport peer_copy --nesterov | tail -1

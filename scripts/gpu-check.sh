@@ -36,13 +36,13 @@ for line in sys.stdin:
         print(m["executable"])' | while read -r exe; do cp "$exe" "$BUNDLE/benches/"; done
   build_examples
   cp target/release/libdpsync.so "$BUNDLE/"
-  cp build/examples/cuda_train build/examples/train_dense build/examples/checkpoint_sync "$BUNDLE/"
+  cp build/examples/{cuda_train,bmuf_train,train_dense,checkpoint_sync} "$BUNDLE/"
   cp -r benches/data "$BUNDLE/data"
   cp -r tests/python "$BUNDLE/python"
   # Only what the GPU run uses, without debug info: the device tool carries at most 64 MiB.
   rm -f "$BUNDLE"/tests/{checkpoint,equivalence,header,host_threads,bmuf,sparse}-* "$BUNDLE"/benches/host_allreduce-*
   strip "$BUNDLE"/tests/* "$BUNDLE"/benches/* "$BUNDLE"/libdpsync.so "$BUNDLE"/cuda_train \
-    "$BUNDLE"/train_dense "$BUNDLE"/checkpoint_sync
+    "$BUNDLE"/bmuf_train "$BUNDLE"/train_dense "$BUNDLE"/checkpoint_sync
   du -sh "$BUNDLE"; ls -la "$BUNDLE" "$BUNDLE/tests" "$BUNDLE/benches"
 }
 
@@ -91,10 +91,12 @@ run() {
       "$t" two_nccl_ranks --test-threads=1 --nocapture >>"$report" 2>&1 || echo "FAILED (informative)" >>"$report"
   done
   endsection
-  for args in "--gpus 0,0,0,0" "--gpus 0,0 --transport peer_copy" "--gpus 0 --transport nccl"; do
-    section "cuda_train $args"
+  for run in "cuda_train --gpus 0,0,0,0" "cuda_train --gpus 0,0 --transport peer_copy" \
+    "cuda_train --gpus 0 --transport nccl" "bmuf_train --gpus 0,0,0,0" \
+    "bmuf_train --gpus 0,0 --transport peer_copy --nesterov"; do
+    section "$run"
     # shellcheck disable=SC2086
-    "$dir/cuda_train" $args >>"$report" 2>&1; rc=$?
+    "$dir"/$run >>"$report" 2>&1; rc=$?
     echo "exit $rc" >>"$report"; [ $rc = 0 ] || failures=$((failures + 1))
     endsection
   done
