@@ -86,7 +86,7 @@ run() {
   done
   # Two NCCL ranks on the one GPU: informative (needs NCCL >= 2.30), not counted as a failure.
   section "two NCCL ranks on one GPU (DPSYNC_NCCL_RANK_PER_REPLICA=1 NCCL_MULTI_RANK_GPU_ENABLE=1)"
-  for t in "$dir"/tests/cuda-*; do
+  for t in "$dir"/tests/cuda-* "$dir"/tests/cuda_bmuf-* "$dir"/tests/cuda_sparse-*; do
     DPSYNC_NCCL_RANK_PER_REPLICA=1 NCCL_MULTI_RANK_GPU_ENABLE=1 \
       "$t" two_nccl_ranks --test-threads=1 --nocapture >>"$report" 2>&1 || echo "FAILED (informative)" >>"$report"
   done
