@@ -118,9 +118,14 @@ fn follows_the_host_run(gpu: &Place, ordinals: &[i32], transport: u32, dtypes: &
             };
             let host = run(&Place::Host, ordinals, transport, dtype, nesterov, -1.0).unwrap();
             let (d, h) = (decode(dtype, &device[0]), decode(dtype, &host[0]));
-            // Sums of four in another order: a few ulps of the state type at the size of the
-            // partial sums, amplified by the momentum over the blocks, and one rounding step of
-            // a half type.
+            // Sums of four in another order: a few ulps of the state type, amplified by the
+            // momentum over the blocks, and one rounding step of a half type. Between GPUs the
+            // partial sums (up to about 16 here) set the size of an ulp, not the mean.
+            let floor = if ordinals.iter().all(|&o| o == ordinals[0]) {
+                1.0
+            } else {
+                16.0
+            };
             let rel = match dtype {
                 DType::F64 => 1e-12,
                 DType::F32 => 1e-5,
@@ -129,7 +134,7 @@ fn follows_the_host_run(gpu: &Place, ordinals: &[i32], transport: u32, dtypes: &
             };
             for (i, (a, b)) in d.iter().zip(&h).enumerate() {
                 assert!(
-                    (a - b).abs() <= rel * b.abs().max(16.0),
+                    (a - b).abs() <= rel * b.abs().max(floor),
                     "GPUs {ordinals:?} {dtype:?} nesterov {nesterov}: element {i}: device {a} \
                      vs host {b}"
                 );

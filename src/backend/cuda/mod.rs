@@ -151,6 +151,8 @@ struct State {
 pub struct CudaBackend {
     groups: Vec<Group>,
     replicas: Vec<Replica>,
+    /// [`distinct_callers`] of `replicas`, kept current by `set_stream`.
+    callers: Vec<usize>,
     transport: TransportChoice,
     nccl_library: Option<String>,
     comms: Mutex<Option<Arc<CommSet>>>,
@@ -253,9 +255,11 @@ impl CudaBackend {
             });
         }
         let timeout = (options.timeout_ms > 0).then(|| Duration::from_millis(options.timeout_ms));
+        let callers = distinct_callers(&groups, &replicas);
         let mut backend = CudaBackend {
             groups,
             replicas,
+            callers,
             transport,
             nccl_library,
             comms: Mutex::new(None),
@@ -311,21 +315,6 @@ impl CudaBackend {
         let set = CommSet::get(&ctxs, deadline(issued, self.timeout))?;
         *slot = Some(set.clone());
         Ok(set)
-    }
-
-    /// The first replica of each distinct caller stream (a stream handle names one stream of
-    /// one device; the legacy default stream, 0, is per device).
-    fn caller_streams(&self) -> Vec<usize> {
-        let mut seen: Vec<(usize, usize)> = Vec::with_capacity(self.replicas.len());
-        let mut first = Vec::with_capacity(self.replicas.len());
-        for (i, r) in self.replicas.iter().enumerate() {
-            let key = (self.groups[r.group].ctx.ordinal as usize, r.stream);
-            if !seen.contains(&key) {
-                seen.push(key);
-                first.push(i);
-            }
-        }
-        first
     }
 
     /// How this context's NCCL groups are queued: rank r is device group r.
@@ -732,6 +721,22 @@ impl CudaBackend {
     }
 }
 
+/// The first replica of each distinct caller stream (a stream handle names one stream of one
+/// device; the legacy default stream, 0, is per device): begin and end record and wait once per
+/// caller stream, since replicas often share one.
+fn distinct_callers(groups: &[Group], replicas: &[Replica]) -> Vec<usize> {
+    let mut seen: Vec<(i32, usize)> = Vec::with_capacity(replicas.len());
+    let mut first = Vec::with_capacity(replicas.len());
+    for (i, r) in replicas.iter().enumerate() {
+        let key = (groups[r.group].ctx.ordinal, r.stream);
+        if !seen.contains(&key) {
+            seen.push(key);
+            first.push(i);
+        }
+    }
+    first
+}
+
 /// A kernel table: `{offset, count}` per segment, then each segment's pointers (one per local
 /// replica for the walks; params, W and D for BMUF).
 fn table_of<P: IntoIterator<Item = u64>>(
@@ -846,19 +851,18 @@ impl Backend for CudaBackend {
             }
         }
         self.replicas[replica].stream = stream;
+        self.callers = distinct_callers(&self.groups, &self.replicas);
         Ok(())
     }
 
     fn begin(&self) -> Result<()> {
         self.observe(false)?;
-        // One event per distinct caller stream (replicas often share one): fewer driver calls.
-        let callers = self.caller_streams();
-        for r in callers.iter().map(|&r| &self.replicas[r]) {
+        for r in self.callers.iter().map(|&r| &self.replicas[r]) {
             let _bound = self.groups[r.group].ctx.bind()?;
             r.start.record(r.stream as sys::CUstream)?;
         }
         for g in &self.groups {
-            for r in callers.iter().map(|&r| &self.replicas[r]) {
+            for r in self.callers.iter().map(|&r| &self.replicas[r]) {
                 r.start.wait_on(g.stream.0)?;
             }
         }
@@ -886,7 +890,7 @@ impl Backend for CudaBackend {
             let _bound = g.ctx.bind()?;
             ev.record(g.stream.0)?;
         }
-        for r in self.caller_streams().iter().map(|&r| &self.replicas[r]) {
+        for r in self.callers.iter().map(|&r| &self.replicas[r]) {
             let _bound = self.groups[r.group].ctx.bind()?;
             for ev in &done {
                 ev.wait_on(r.stream as sys::CUstream)?;
