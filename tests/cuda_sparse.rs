@@ -278,3 +278,79 @@ fn host_memory_slices_on_a_cuda_replica_are_refused() {
     let st = ctx.sparse_set("emb", 0, &idx, &val);
     expect_err(st, INVALID_ARGUMENT, &["'emb'", "indices", "host memory"]);
 }
+
+/// The fake driver's count of device allocations so far; `None` (after printing why `test` is
+/// skipped) on a real driver, which has no such counter.
+fn fake_allocations(test: &str) -> Option<i64> {
+    // SAFETY: opens the driver library this process already loaded (dpsync did), and looks up
+    // a plain getter that only the fake defines.
+    let found = unsafe {
+        let lib = libloading::Library::new("libcuda.so.1").ok();
+        lib.and_then(|l| {
+            let f = l
+                .get::<extern "C" fn() -> i64>(b"fake_cuda_allocations")
+                .ok()?;
+            Some(*f)
+        })
+    };
+    if found.is_none() {
+        eprintln!("{test}: skipped: needs the fake CUDA driver's allocation counter");
+    }
+    found.map(|f| f())
+}
+
+/// Coalescing allocates its per-step device buffers (maps of equal indices, coalesced slices);
+/// once warm, steps reuse those of completed steps instead of calling cuMemAlloc and cuMemFree
+/// (which may wait for the device) every step — also when the row counts vary. (The spares
+/// grow to the largest demand seen: a step needing more than ever before still allocates.)
+#[test]
+fn coalesced_steps_reuse_device_memory_once_warm() {
+    let test = "coalesced_steps_reuse_device_memory_once_warm";
+    let Some(gpu) = Place::gpu(test) else {
+        return;
+    };
+    let Some(ctx) = gpu.context(test, &[0, 0], T_PEER_COPY, true) else {
+        return;
+    };
+    ctx.reg_sparse_all("emb", 4, F32, I64, 0);
+    const MAX_ROWS: usize = 64;
+    let mut bufs: Vec<(Mem, Mem)> = (0..2)
+        .map(|_| {
+            let idx = gpu.mem(&encode_indices(DType::I64, &[0; MAX_ROWS]));
+            let val = gpu.mem(&Buf::random(DType::F32, 4 * MAX_ROWS, 1).bytes());
+            (idx, val)
+        })
+        .collect();
+    let mut before = None;
+    // Four different steps, repeated: once each has run, the spares cover every request.
+    for step in 0..24 {
+        if step == 8 {
+            before = fake_allocations(test);
+            if before.is_none() {
+                return;
+            }
+        }
+        let rows = [40, 61, 47, 54][step % 4];
+        let mut g = Lcg::new((step % 4) as u64);
+        for (r, (idx, val)) in bufs.iter_mut().enumerate() {
+            let v: Vec<i64> = (0..MAX_ROWS).map(|_| g.below(30) as i64).collect();
+            idx.write(&encode_indices(DType::I64, &v));
+            let st = ctx.sparse_set_raw("emb", r, idx.ptr() as _, val.ptr() as _, rows);
+            check(st, "sparse_set");
+        }
+        check(ctx.allreduce_grads(SUM), "allreduce_grads");
+        check(synchronize(&ctx), "synchronize");
+        let out = ctx.sparse_get("emb", 1).expect("sparse_get");
+        assert!(
+            out.rows > 0 && out.rows <= 30,
+            "coalesced rows {}",
+            out.rows
+        );
+    }
+    let after = fake_allocations(test).expect("counter");
+    assert_eq!(
+        after - before.expect("read at step 8"),
+        0,
+        "device allocations in 16 warm coalesced steps"
+    );
+}

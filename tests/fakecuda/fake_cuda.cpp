@@ -94,13 +94,17 @@ const bool noexec = flag("FAKE_CUDA_NOEXEC");
 // Driver calls that queue work or order streams, counted for FAKE_CUDA_STATS.
 struct Counts {
   std::atomic<long> launches{0}, copies{0}, memsets{0}, records{0}, waits{0}, queries{0};
+  // Calls that block the host on a real GPU: device allocations and frees (cuMemFree waits for
+  // the device) and explicit synchronisations.
+  std::atomic<long> allocs{0}, frees{0}, syncs{0};
   ~Counts() {
     if (!flag("FAKE_CUDA_STATS")) return;
     std::fprintf(stderr,
                  "fake CUDA calls: %ld kernel launches, %ld copies, %ld memsets, %ld event "
-                 "records, %ld stream waits, %ld event queries\n",
+                 "records, %ld stream waits, %ld event queries; %ld device allocations, %ld "
+                 "frees, %ld host synchronisations\n",
                  launches.load(), copies.load(), memsets.load(), records.load(), waits.load(),
-                 queries.load());
+                 queries.load(), allocs.load(), frees.load(), syncs.load());
   }
 } counts;
 
@@ -168,7 +172,7 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext* c, CUdevice d) { *c = &primaries[d]
 CUresult cuDevicePrimaryCtxRelease_v2(CUdevice) { return OK; }
 CUresult cuCtxGetCurrent(CUcontext* c) { *c = current; return OK; }
 CUresult cuCtxSetCurrent(CUcontext c) { current = c; return OK; }
-CUresult cuCtxSynchronize() { return OK; }
+CUresult cuCtxSynchronize() { counts.syncs++; return OK; }
 CUresult cuCtxEnablePeerAccess(CUcontext, unsigned) { return OK; }
 
 CUresult cuStreamCreate(CUstream* s, unsigned) {
@@ -178,7 +182,7 @@ CUresult cuStreamCreate(CUstream* s, unsigned) {
 }
 CUresult cuStreamCreateWithPriority(CUstream* s, unsigned f, int) { return cuStreamCreate(s, f); }
 CUresult cuStreamDestroy_v2(CUstream s) { delete s; return OK; }
-CUresult cuStreamSynchronize(CUstream) { return OK; }
+CUresult cuStreamSynchronize(CUstream) { counts.syncs++; return OK; }
 CUresult cuStreamWaitEvent(CUstream, CUevent, unsigned) { counts.waits++; return OK; }
 CUresult cuStreamGetCtx(CUstream s, CUcontext* c) {
   // The legacy (0) and per-thread (2) default streams belong to the current context.
@@ -195,12 +199,18 @@ CUresult cuEventCreate(CUevent* e, unsigned) { *e = new FakeEvent; return OK; }
 CUresult cuEventDestroy_v2(CUevent e) { delete e; return OK; }
 CUresult cuEventRecord(CUevent e, CUstream) { counts.records++; e->ms = now_ms(); return OK; }
 CUresult cuEventQuery(CUevent) { counts.queries++; return OK; }
-CUresult cuEventSynchronize(CUevent) { return OK; }
+CUresult cuEventSynchronize(CUevent) { counts.syncs++; return OK; }
 CUresult cuEventElapsedTime(float* ms, CUevent a, CUevent b) { *ms = float(b->ms - a->ms); return OK; }
 CUresult cuEventElapsedTime_v2(float* ms, CUevent a, CUevent b) { return cuEventElapsedTime(ms, a, b); }
 
-CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) { return remember((void**)p, n, true); }
-CUresult cuMemFree_v2(CUdeviceptr p) { return forget((void*)p); }
+CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
+  counts.allocs++;
+  return remember((void**)p, n, true);
+}
+CUresult cuMemFree_v2(CUdeviceptr p) {
+  counts.frees++;
+  return forget((void*)p);
+}
 CUresult cuMemAllocHost_v2(void** p, size_t n) { return remember(p, n, false); }
 CUresult cuMemFreeHost(void* p) { return forget(p); }
 CUresult cuMemsetD8_v2(CUdeviceptr p, unsigned char v, size_t n) {
@@ -269,6 +279,8 @@ int fake_cuda_device_of(const void* p, size_t bytes) {
   if (!a || !a->device_memory || bytes > a->bytes || (uintptr_t)p - base > a->bytes - bytes) return -1;
   return a->device;
 }
+// For tests: device allocations so far (cuMemAlloc), to assert that steady-state steps make none.
+long fake_cuda_allocations() { return counts.allocs.load(); }
 // The current context's device, or -1 when none is current.
 int fake_cuda_current_device() { return current ? current->device : -1; }
 // The device of a stream's context; the default streams (0, 1, 2) are the current context's.

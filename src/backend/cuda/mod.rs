@@ -125,6 +125,37 @@ impl Drop for Handed {
     }
 }
 
+/// Idle device memory of completed collectives (coalescing maps, outputs replaced by newer
+/// ones), reused for the next per-step buffers: freeing and allocating them every step would
+/// call `cuMemFree`, which may wait for the whole device and so block the host.
+#[derive(Default)]
+struct Spares {
+    mems: Vec<DeviceMemory>,
+}
+
+/// Spares kept at most; the oldest beyond that are freed.
+const MAX_SPARES: usize = 32;
+
+impl Spares {
+    /// The smallest spare on `ctx`'s device that holds `bytes` without wasting more than half
+    /// of itself (small requests take anything up to 64 KiB).
+    fn take(&mut self, ctx: &Arc<PrimaryContext>, bytes: usize) -> Option<DeviceMemory> {
+        let most = bytes.saturating_mul(2).max(64 << 10);
+        let i = (self.mems.iter().enumerate())
+            .filter(|(_, m)| m.is_on(ctx) && m.bytes >= bytes && m.bytes <= most)
+            .min_by_key(|(_, m)| m.bytes)
+            .map(|(i, _)| i)?;
+        Some(self.mems.remove(i))
+    }
+
+    /// Takes memory no queued work uses any more.
+    fn put(&mut self, mems: Vec<DeviceMemory>) {
+        self.mems.extend(mems);
+        let excess = self.mems.len().saturating_sub(MAX_SPARES);
+        self.mems.drain(..excess);
+    }
+}
+
 /// A collective whose completion has not been observed yet.
 struct Pending {
     issued: Instant,
@@ -146,6 +177,8 @@ struct State {
     index_errors: Vec<Error>,
     /// Set by a timeout or a device fault: every later collective is refused.
     failed: Option<Error>,
+    /// Memory of completed collectives for reuse.
+    spares: Spares,
 }
 
 pub struct CudaBackend {
@@ -358,6 +391,15 @@ impl CudaBackend {
         Ok(ptr)
     }
 
+    /// `bytes` of device memory on `group`'s device for work about to be queued on its stream,
+    /// contents undefined: a spare of a completed collective when one fits ([`Spares`]).
+    fn device_memory(&self, group: &Group, bytes: usize) -> Result<DeviceMemory> {
+        if let Some(mem) = self.state.lock().spares.take(&group.ctx, bytes) {
+            return Ok(mem);
+        }
+        DeviceMemory::uninit(&group.ctx, bytes)
+    }
+
     fn sync_group(&self, group: &Group) -> Result<()> {
         // SAFETY: our stream.
         driver::check(
@@ -452,6 +494,7 @@ impl CudaBackend {
                 state.index_errors.extend(error);
                 state.check_slots.push(slot);
             }
+            state.spares.put(leftovers.keep);
         }
         Ok(())
     }
@@ -956,7 +999,8 @@ impl Backend for CudaBackend {
 
     fn alloc(&self, replica: usize, bytes: usize) -> Result<Allocation> {
         let g = &self.groups[self.replicas[replica].group];
-        let mem = DeviceMemory::zeroed(&g.ctx, bytes, g.stream.0)?;
+        let mem = self.device_memory(g, bytes)?;
+        mem.zero(bytes, g.stream.0)?;
         let ptr = mem.ptr as usize;
         let owner = Handed {
             mem: Some(mem),
@@ -1134,6 +1178,8 @@ impl Drop for CudaBackend {
             let state = self.state.get_mut();
             std::mem::forget(std::mem::take(&mut state.pending));
             std::mem::forget(std::mem::take(&mut state.issuing));
+            // Idle, but freeing may wait for a device whose work never finishes.
+            std::mem::forget(std::mem::take(&mut state.spares));
             if let Some(comms) = self.comms.get_mut().take() {
                 comms.abort();
             }

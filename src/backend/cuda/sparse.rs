@@ -174,7 +174,7 @@ impl CudaBackend {
             .chain(&bounds)
             .flat_map(|&p| (p as u64).to_ne_bytes())
             .collect();
-        let map_mem = DeviceMemory::uninit(&group.ctx, map.len())?;
+        let map_mem = self.device_memory(group, map.len())?;
         let map_ptr = map_mem.ptr;
         // Kept until the collective completes, whatever happens below.
         self.state.lock().issuing.keep.push(map_mem);
