@@ -77,6 +77,19 @@ impl Registry {
                 self.replicas
             )));
         }
+        // Every later byte count and slice is `count * size` from `ptr`: it must not wrap.
+        let fits = (reg.count.checked_mul(reg.dtype.size()))
+            .filter(|&bytes| bytes <= isize::MAX as usize && reg.ptr.checked_add(bytes).is_some());
+        if fits.is_none() {
+            return Err(Error::invalid(format!(
+                "count {} is too large: {} elements of {} bytes at {:#x} exceed the address space \
+                 (tensor '{name}', replica {replica})",
+                reg.count,
+                reg.count,
+                reg.dtype.size(),
+                reg.ptr
+            )));
+        }
         if let Some(&i) = self.index.get(name) {
             let slot = &mut self.entries[i].per_replica[replica];
             match slot {

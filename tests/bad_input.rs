@@ -532,6 +532,19 @@ fn register_rejects_bad_arguments_and_changes_nothing() {
         run("data NULL".into(), "data", st);
         let st = dpsync_register(ctx, name.as_ptr(), GRAD, 0, d, 0, F32);
         run("count 0".into(), "count", st);
+        // Byte sizes that wrap (SIZE_MAX/4 + 2 floats are 4 bytes modulo 2^64), or that run past
+        // the end of the address space: refused here, not left to crash a collective.
+        for (count, dtype) in [
+            (usize::MAX / 4 + 2, F32),
+            (usize::MAX, I64),
+            (1usize << 62, F32),
+        ] {
+            let st = dpsync_register(ctx, name.as_ptr(), GRAD, 0, d, count, dtype);
+            run(format!("count {count} of dtype {dtype}"), "count", st);
+        }
+        let top = (usize::MAX - 8) as *mut c_void;
+        let st = dpsync_register(ctx, name.as_ptr(), GRAD, 0, top, 4, F32);
+        run("data near the top of the address space".into(), "count", st);
         for dtype in [6u32, 7, 0xFFFF_FFFF] {
             let st = dpsync_register(ctx, name.as_ptr(), GRAD, 0, d, 4, dtype);
             run(format!("dtype {dtype}"), "dtype", st);
