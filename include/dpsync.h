@@ -181,7 +181,9 @@ enum dpsync_status dpsync_bmuf_step(struct dpsync_context *context);
  * registered first, and gather the sparse gradients set for this step (see
  * dpsync_sparse_set / dpsync_sparse_get). Every replica ends with identical bytes. Everything
  * is checked first (dense registrations, every sparse slice set on every replica, sparse index
- * ranges): a failed call changes no tensor, dense or sparse, and consumes no slice.
+ * ranges): a failed call changes no tensor, dense or sparse, and consumes no slice. Buckets
+ * already reduced this step by dpsync_grad_ready are not reduced again (under AVG they are
+ * divided); the step then ends.
  */
 enum dpsync_status dpsync_allreduce_grads(struct dpsync_context *context, uint32_t op);
 
@@ -202,6 +204,23 @@ enum dpsync_status dpsync_broadcast(struct dpsync_context *context,
  * Replace every tensor whose role is in `roles` by its mean over all replicas.
  */
 enum dpsync_status dpsync_average(struct dpsync_context *context, uint32_t roles);
+
+/**
+ * Overlap: tell the library that GRAD tensor `name` is final on `replica` for this step. A
+ * bucket starts reducing as soon as all its tensors are ready on all replicas (on host
+ * replicas within this call; on CUDA replicas it is queued after the work already on the
+ * replicas' streams); dpsync_allreduce_grads then only finishes what is left and ends the
+ * step. Optional: without these calls everything starts in dpsync_allreduce_grads. Early
+ * buckets are summed (the op comes with dpsync_allreduce_grads, which divides them under
+ * AVG). Declaring a tensor twice in a step is a no-op. NOT_FOUND for an unregistered name;
+ * INVALID_ARGUMENT for a replica out of range or a tensor that is not a dense GRAD;
+ * INCONSISTENT while any GRAD is inconsistent across replicas (as dpsync_allreduce_grads
+ * would report). While a bucket of the step has been reduced early, registering or
+ * unregistering dense tensors is INVALID_STATE.
+ */
+enum dpsync_status dpsync_grad_ready(struct dpsync_context *context,
+                                     const char *name,
+                                     size_t replica);
 
 /**
  * Creates a context driving every replica the options name. `*out` is set only on success.

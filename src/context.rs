@@ -1,17 +1,19 @@
 //! A context: the options it was made with, the topology, the registry, the cached plan and the
 //! executor. This is the whole library seen from Rust; `ffi` only translates C calls into it.
 
+mod overlap;
 mod sparse;
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::exec::bmuf::{self, BmufState};
 use crate::exec::{Executor, SparseOutputs};
 use crate::options::Options;
-use crate::plan::{self, Plan, Topology};
+use crate::plan::{self, Bucket, Plan, Topology};
 use crate::registry::sparse::SparseRegistry;
 use crate::registry::{Registration, Registry, Snapshot, TensorView};
 use crate::types::{DType, Device, Memory, ReduceOp, Role, RoleMask};
@@ -29,6 +31,8 @@ pub struct Context {
     sparse: SparseRegistry,
     /// The last successful step's gathered sparse slices.
     sparse_out: SparseOutputs,
+    /// This step's `dpsync_grad_ready` marks and the buckets they reduced (context/overlap.rs).
+    overlap: overlap::Overlap,
 }
 
 /// The description of the options' topology with no tensors and no device: a dry run.
@@ -67,6 +71,7 @@ impl Context {
             prepared: None,
             executor: Executor::new(device),
             bmuf: None,
+            overlap: overlap::Overlap::default(),
         })
     }
 
@@ -116,6 +121,7 @@ impl Context {
                 .map_err(|e| Error::new(e.kind, format!("tensor '{name}': {}", e.message)))?,
         };
         self.check_not_sparse(name)?;
+        self.check_not_mid_step(name, "register")?;
         self.registry.register(
             name,
             replica,
@@ -132,6 +138,9 @@ impl Context {
     pub fn unregister(&mut self, name: &str) -> Result<()> {
         if self.unregister_sparse(name) {
             return Ok(());
+        }
+        if self.registry.contains(name) {
+            self.check_not_mid_step(name, "unregister")?;
         }
         self.registry.unregister(name)
     }
@@ -159,6 +168,7 @@ impl Context {
         let mut json = plan::describe(&self.topology, &plan, &snapshot, self.options.fusion_bytes);
         sparse::describe_into(&mut json, &self.sparse, &self.options);
         json["sparse_last_step"] = sparse::describe_stats(&self.sparse_out.stats);
+        json["overlap"] = self.describe_overlap();
         json["backend"] = self.executor.describe_backend();
         if let Some(state) = &self.bmuf {
             json["bmuf"] = state.describe();
@@ -173,16 +183,24 @@ impl Context {
     pub fn allreduce_grads(&mut self, op: ReduceOp) -> Result<()> {
         let (snapshot, plan) = self.prepare();
         snapshot.select(Role::Grad.into())?;
+        let tensors: Vec<&TensorView> = snapshot.tensors.iter().collect();
+        // Buckets dpsync_grad_ready reduced this step are not reduced again (context/overlap.rs).
+        let (left, summed) = self.split_buckets(&plan, &tensors, op)?;
+        let buckets: Cow<'_, [Bucket]> = if left.len() == plan.buckets.len() {
+            Cow::Borrowed(&plan.buckets)
+        } else {
+            Cow::Owned(left.iter().map(|&b| plan.buckets[b].clone()).collect())
+        };
         // Sparse slices are checked and gathered into new library-owned outputs first: a bad
         // slice then fails the call before any dense gradient is written.
         // On CUDA replicas both run as one collective, in stream order.
-        let tensors: Vec<&TensorView> = snapshot.tensors.iter().collect();
         let sparse = self.executor.bracket(|| {
             let sparse = self.gather_sparse(op)?;
             // SAFETY: registered memory stays valid while registered (the C contract).
             let dense = unsafe {
-                self.executor
-                    .allreduce_buckets(&plan.buckets, &tensors, op, self.divisor(), &plan)
+                (self.executor)
+                    .allreduce_buckets(&buckets, &tensors, op, self.divisor(), &plan)
+                    .and_then(|()| self.executor.divide(&summed, self.divisor()))
             };
             if let Err(e) = dense {
                 // Queued copies may still write the new outputs: freed when they are done.
@@ -192,10 +210,20 @@ impl Context {
             Ok(sparse)
         })?;
         self.install_sparse(sparse);
+        self.end_overlap_step(op);
         Ok(())
     }
 
     pub fn allreduce(&mut self, name: &str, op: ReduceOp) -> Result<()> {
+        if self.sparse.contains(name) {
+            return Err(Error::new(
+                ErrorKind::NotFound,
+                format!(
+                    "tensor '{name}' is not a dense tensor: it is a sparse gradient, gathered by \
+                     dpsync_allreduce_grads"
+                ),
+            ));
+        }
         let (snapshot, plan) = self.prepare();
         let tensor = snapshot.lookup(name)?;
         // SAFETY: as in allreduce_grads.

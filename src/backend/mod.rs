@@ -256,8 +256,9 @@ pub trait Backend: Send {
         ))
     }
 
-    /// `x := x / divisor` for `count` elements of the float `dtype` at `ptr` on `replica`
-    /// (f16/bf16 computed in f32 and rounded once): sparse gradients under DPSYNC_REDUCE_AVG.
+    /// `x := x / divisor` for `count` elements of `dtype` at `ptr` on `replica` (f16/bf16
+    /// computed in f32 and rounded once, integers truncated toward zero): sparse gradients, and
+    /// dense buckets summed early by `dpsync_grad_ready`, under DPSYNC_REDUCE_AVG.
     ///
     /// # Safety
     /// `ptr` is valid for `count` aligned elements of `dtype` on `replica`.

@@ -205,6 +205,21 @@ impl Executor {
         self.allreduce_buckets(&buckets, tensors, op, divisor, plan)
     }
 
+    /// `x := x / divisor` for every replica's copy of `tensors` (gradients summed earlier,
+    /// finished as an AVG). Device tensors must be inside a [`Executor::bracket`].
+    ///
+    /// # Safety
+    /// As for [`Executor::allreduce_buckets`].
+    pub unsafe fn divide(&self, tensors: &[&TensorView], divisor: usize) -> Result<()> {
+        for t in tensors {
+            for (replica, &ptr) in t.ptrs.iter().enumerate() {
+                self.backend_for(t.memory)
+                    .divide(replica, t.dtype, ptr, t.count, divisor)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Copies `tensors` from replica `root` to every other replica.
     ///
     /// # Safety

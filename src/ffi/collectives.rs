@@ -29,7 +29,9 @@ fn role_mask(roles: u32) -> Result<RoleMask> {
 /// registered first, and gather the sparse gradients set for this step (see
 /// dpsync_sparse_set / dpsync_sparse_get). Every replica ends with identical bytes. Everything
 /// is checked first (dense registrations, every sparse slice set on every replica, sparse index
-/// ranges): a failed call changes no tensor, dense or sparse, and consumes no slice.
+/// ranges): a failed call changes no tensor, dense or sparse, and consumes no slice. Buckets
+/// already reduced this step by dpsync_grad_ready are not reduced again (under AVG they are
+/// divided); the step then ends.
 #[no_mangle]
 pub unsafe extern "C" fn dpsync_allreduce_grads(
     context: *mut dpsync_context,
@@ -68,4 +70,26 @@ pub unsafe extern "C" fn dpsync_broadcast(
 #[no_mangle]
 pub unsafe extern "C" fn dpsync_average(context: *mut dpsync_context, roles: u32) -> dpsync_status {
     with_context(context, |ctx| ctx.average(role_mask(roles)?))
+}
+
+/// Overlap: tell the library that GRAD tensor `name` is final on `replica` for this step. A
+/// bucket starts reducing as soon as all its tensors are ready on all replicas (on host
+/// replicas within this call; on CUDA replicas it is queued after the work already on the
+/// replicas' streams); dpsync_allreduce_grads then only finishes what is left and ends the
+/// step. Optional: without these calls everything starts in dpsync_allreduce_grads. Early
+/// buckets are summed (the op comes with dpsync_allreduce_grads, which divides them under
+/// AVG). Declaring a tensor twice in a step is a no-op. NOT_FOUND for an unregistered name;
+/// INVALID_ARGUMENT for a replica out of range or a tensor that is not a dense GRAD;
+/// INCONSISTENT while any GRAD is inconsistent across replicas (as dpsync_allreduce_grads
+/// would report). While a bucket of the step has been reduced early, registering or
+/// unregistering dense tensors is INVALID_STATE.
+#[no_mangle]
+pub unsafe extern "C" fn dpsync_grad_ready(
+    context: *mut dpsync_context,
+    name: *const c_char,
+    replica: usize,
+) -> dpsync_status {
+    with_context(context, |ctx| {
+        ctx.grad_ready(try_str(name, "name")?, replica)
+    })
 }

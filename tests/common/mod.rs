@@ -282,6 +282,12 @@ impl Context {
         unsafe { dpsync_allreduce_grads(self.0, op) }
     }
 
+    pub fn grad_ready(&self, name: &str, replica: usize) -> dpsync_status {
+        let c = cstr(name);
+        // SAFETY: valid handle and name.
+        unsafe { dpsync_grad_ready(self.0, c.as_ptr(), replica) }
+    }
+
     pub fn allreduce(&self, name: &str, op: u32) -> dpsync_status {
         let c = cstr(name);
         // SAFETY: valid handle and name.

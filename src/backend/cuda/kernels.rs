@@ -557,10 +557,10 @@ mod tests {
             let n = dtype.name();
             names.push(format!("walk_{n}"));
             names.push(format!("add_{n}"));
+            names.push(format!("divide_{n}"));
             if dtype.is_float() {
                 names.push(format!("bmuf_{n}"));
                 names.push(format!("sum_runs_{n}"));
-                names.push(format!("divide_{n}"));
             } else {
                 names.push(format!("index_check_{n}"));
                 names.push(format!("index_report_{n}"));

@@ -57,17 +57,21 @@ __device__ void divide_all(T* x, u64 n, double divisor) {
   DPSYNC_KERNEL(index_check_##NAME)                                                           \
   DPSYNC_KERNEL(index_report_##NAME)
 
+// Every dtype: sparse values under AVG, and dense buckets summed early (dpsync_grad_ready).
+#define DIVIDE_KERNEL(T, NAME)                                                                \
+  extern "C" __global__ void divide_##NAME(T* x, u64 n, double divisor) {                     \
+    divide_all<T>(x, n, divisor);                                                             \
+  }                                                                                           \
+  DPSYNC_KERNEL(divide_##NAME)
+
 #define SPARSE_VALUE_KERNELS(T, NAME)                                                         \
   extern "C" __global__ void sum_runs_##NAME(const T* src, const u64* positions,              \
                                              const u64* bounds, u64 runs, u64 row_len,        \
                                              T* dst) {                                        \
     sum_runs<T>(src, positions, bounds, runs, row_len, dst);                                  \
   }                                                                                           \
-  extern "C" __global__ void divide_##NAME(T* x, u64 n, double divisor) {                     \
-    divide_all<T>(x, n, divisor);                                                             \
-  }                                                                                           \
   DPSYNC_KERNEL(sum_runs_##NAME)                                                              \
-  DPSYNC_KERNEL(divide_##NAME)
+  DIVIDE_KERNEL(T, NAME)
 
 SPARSE_INDEX_KERNELS(int, i32)
 SPARSE_INDEX_KERNELS(i64, i64)
@@ -75,3 +79,5 @@ SPARSE_VALUE_KERNELS(float, f32)
 SPARSE_VALUE_KERNELS(double, f64)
 SPARSE_VALUE_KERNELS(f16_t, f16)
 SPARSE_VALUE_KERNELS(bf16_t, bf16)
+DIVIDE_KERNEL(int, i32)
+DIVIDE_KERNEL(i64, i64)

@@ -1,0 +1,209 @@
+//! Overlap (`dpsync_grad_ready`): gradients declared final during backward; a bucket whose
+//! tensors are all final on every replica is reduced at once, and `dpsync_allreduce_grads`
+//! finishes the rest.
+//!
+//! The op only comes with `allreduce_grads`, so early buckets use the op of the previous one
+//! (frameworks keep it from step to step): the step then gives exactly the bytes it gives
+//! without the calls. Before the first `allreduce_grads` nothing starts early. If the op
+//! changes, SUM buckets are divided for AVG (docs/API.md, "Overlap": rounding), and AVG buckets
+//! cannot be turned back into sums: that call is refused. Marks belong to one plan generation: registrations that would change the buckets are refused
+//! while a bucket of the step has been reduced early (they would reduce it twice or not at all),
+//! and merely forget the marks otherwise (the marked buckets are then reduced by
+//! `allreduce_grads`, as without the calls).
+
+use std::sync::Arc;
+
+use serde_json::{json, Value};
+
+use super::Context;
+use crate::error::{Error, ErrorKind, Result};
+use crate::plan::Plan;
+use crate::registry::TensorView;
+use crate::types::{ReduceOp, Role};
+
+/// This step's `dpsync_grad_ready` marks.
+#[derive(Default)]
+pub(super) struct Overlap {
+    /// The plan the marks refer to; `None` before the first mark of a step.
+    plan: Option<Arc<Plan>>,
+    /// Per snapshot tensor, its bucket (GRADs only).
+    bucket_of: Vec<Option<usize>>,
+    /// Per (tensor, replica), `tensor * replicas + replica`: declared final this step.
+    ready: Vec<bool>,
+    /// Per bucket: marks still missing.
+    missing: Vec<usize>,
+    /// Per bucket: reduced by `grad_ready` this step, with `op`.
+    reduced: Vec<bool>,
+    /// The op of the last successful `allreduce_grads`: what early buckets use.
+    op: Option<ReduceOp>,
+    /// Buckets reduced early in the last completed step, for `describe`.
+    last_step_early: usize,
+}
+
+impl Overlap {
+    fn any_reduced(&self) -> bool {
+        self.reduced.iter().any(|&r| r)
+    }
+
+    /// Marks for `plan`, kept if they already refer to it.
+    fn start(&mut self, plan: &Arc<Plan>, tensors: usize, replicas: usize) {
+        if self.plan.as_ref().is_some_and(|p| Arc::ptr_eq(p, plan)) {
+            return;
+        }
+        debug_assert!(
+            !self.any_reduced(),
+            "registrations are frozen while buckets are reduced"
+        );
+        let mut bucket_of = vec![None; tensors];
+        for (b, bucket) in plan.buckets.iter().enumerate() {
+            for &t in &bucket.tensors {
+                bucket_of[t] = Some(b);
+            }
+        }
+        self.missing = (plan.buckets.iter())
+            .map(|b| b.tensors.len() * replicas)
+            .collect();
+        self.reduced = vec![false; plan.buckets.len()];
+        self.ready = vec![false; tensors * replicas];
+        self.bucket_of = bucket_of;
+        self.plan = Some(plan.clone());
+    }
+
+    /// Every mark forgotten (a new step, or registrations changed the buckets).
+    fn forget(&mut self) {
+        *self = Overlap {
+            op: self.op,
+            last_step_early: self.last_step_early,
+            ..Overlap::default()
+        };
+    }
+}
+
+impl Context {
+    /// Refuses a registration change that would alter the buckets of a step some of whose
+    /// buckets `grad_ready` already reduced.
+    pub(super) fn check_not_mid_step(&self, name: &str, what: &str) -> Result<()> {
+        let reduced = self.overlap.reduced.iter().filter(|&&r| r).count();
+        if reduced == 0 {
+            return Ok(());
+        }
+        Err(Error::new(
+            ErrorKind::InvalidState,
+            format!(
+                "cannot {what} tensor '{name}' now: dpsync_grad_ready already reduced {reduced} \
+                 bucket(s) of this step; call dpsync_allreduce_grads first"
+            ),
+        ))
+    }
+
+    pub fn grad_ready(&mut self, name: &str, replica: usize) -> Result<()> {
+        self.check_replica(replica, "replica")?;
+        if self.sparse.contains(name) {
+            return Err(Error::invalid(format!(
+                "tensor '{name}' is a sparse gradient: dpsync_allreduce_grads gathers it; \
+                 dpsync_grad_ready takes dense GRAD tensors"
+            )));
+        }
+        let (snapshot, plan) = self.prepare();
+        let tensor = snapshot.lookup(name)?;
+        if tensor.role != Role::Grad {
+            return Err(Error::invalid(format!(
+                "tensor '{name}' is a {} tensor: dpsync_grad_ready takes GRAD tensors",
+                tensor.role.name()
+            )));
+        }
+        // A bucket reduced now must be one allreduce_grads would reduce: refuse while any GRAD
+        // is inconsistent, as allreduce_grads would.
+        snapshot.select(Role::Grad.into())?;
+        let t = (snapshot.tensors.iter())
+            .position(|v| std::ptr::eq(v, tensor))
+            .expect("lookup returns a tensor of the snapshot");
+        let replicas = self.replica_count();
+        self.overlap.start(&plan, snapshot.tensors.len(), replicas);
+        let b = self.overlap.bucket_of[t].expect("every GRAD is in a bucket");
+        let mark = &mut self.overlap.ready[t * replicas + replica];
+        if *mark {
+            return Ok(()); // declared twice: nothing new
+        }
+        if let (1, Some(op)) = (self.overlap.missing[b], self.overlap.op) {
+            let tensors: Vec<&TensorView> = snapshot.tensors.iter().collect();
+            let bucket = std::slice::from_ref(&plan.buckets[b]);
+            // SAFETY: registered memory stays valid while registered (the C contract).
+            unsafe {
+                self.executor
+                    .allreduce_buckets(bucket, &tensors, op, self.divisor(), &plan)?
+            };
+            self.overlap.reduced[b] = true;
+        }
+        self.overlap.ready[t * replicas + replica] = true;
+        self.overlap.missing[b] -= 1;
+        Ok(())
+    }
+
+    /// The buckets of `plan` that `allreduce_grads(op)` must still reduce, and the tensors of
+    /// those `grad_ready` reduced that it must divide (summed early, `op` AVG). INVALID_ARGUMENT
+    /// if they were averaged and `op` is SUM.
+    pub(super) fn split_buckets<'s>(
+        &self,
+        plan: &Arc<Plan>,
+        tensors: &[&'s TensorView],
+        op: ReduceOp,
+    ) -> Result<(Vec<usize>, Vec<&'s TensorView>)> {
+        let current = self
+            .overlap
+            .plan
+            .as_ref()
+            .is_some_and(|p| Arc::ptr_eq(p, plan));
+        let (left, early): (Vec<usize>, Vec<usize>) =
+            (0..plan.buckets.len()).partition(|&b| !(current && self.overlap.reduced[b]));
+        let mut divide = Vec::new();
+        match (self.overlap.op, op) {
+            _ if early.is_empty() => {}
+            (Some(ReduceOp::Avg), ReduceOp::Sum) => {
+                return Err(Error::invalid(format!(
+                    "op is DPSYNC_REDUCE_SUM, but dpsync_grad_ready already averaged {} \
+                     bucket(s) of this step with the previous step's op, DPSYNC_REDUCE_AVG; finish \
+                     the step with AVG (the next step's early buckets follow the new op)",
+                    early.len()
+                )));
+            }
+            (Some(ReduceOp::Sum), ReduceOp::Avg) => {
+                for &b in &early {
+                    divide.extend(plan.buckets[b].tensors.iter().map(|&t| tensors[t]));
+                }
+            }
+            _ => {}
+        }
+        Ok((left, divide))
+    }
+
+    /// Called when `allreduce_grads(op)` succeeded: the step is over, and `op` is the one the
+    /// next step's early buckets use.
+    pub(super) fn end_overlap_step(&mut self, op: ReduceOp) {
+        self.overlap.last_step_early = self.overlap.reduced.iter().filter(|&&r| r).count();
+        self.overlap.op = Some(op);
+        self.overlap.forget();
+    }
+
+    pub(super) fn describe_overlap(&self) -> Value {
+        // Marks of an older plan are forgotten by the next grad_ready.
+        let o = &self.overlap;
+        let current = (o.plan.as_ref()).is_some_and(|p| p.generation == self.registry.generation());
+        let count = |v: &[bool]| {
+            if current {
+                v.iter().filter(|&&r| r).count()
+            } else {
+                0
+            }
+        };
+        json!({
+            "buckets_reduced_early_this_step": count(&o.reduced),
+            "marks_this_step": count(&o.ready),
+            "buckets_reduced_early_last_step": o.last_step_early,
+            "op": o.op.map(|op| match op {
+                ReduceOp::Sum => "SUM",
+                ReduceOp::Avg => "AVG",
+            }),
+        })
+    }
+}
