@@ -182,7 +182,7 @@ impl Context {
 
     pub fn allreduce_grads(&mut self, op: ReduceOp) -> Result<()> {
         let (snapshot, plan) = self.prepare();
-        snapshot.select(Role::Grad.into())?;
+        snapshot.grads_to_reduce()?;
         let tensors: Vec<&TensorView> = snapshot.tensors.iter().collect();
         // Buckets dpsync_grad_ready reduced this step are not reduced again (context/overlap.rs).
         let (left, summed) = self.split_buckets(&plan, &tensors, op)?;

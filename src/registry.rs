@@ -143,6 +143,7 @@ impl Registry {
             tensors: Vec::new(),
             problems: Vec::new(),
             index: HashMap::with_capacity(self.entries.len()),
+            grads_overlap: None,
         };
         for entry in &self.entries {
             let lookup = match check_entry(entry) {
@@ -159,8 +160,40 @@ impl Registry {
             };
             snapshot.index.insert(entry.name.clone(), lookup);
         }
+        snapshot.grads_overlap = grads_overlap(&snapshot.tensors);
         snapshot
     }
+}
+
+/// Two GRAD tensors sharing memory (on any replicas): `allreduce_grads` would reduce those bytes
+/// twice. (Other roles may alias: broadcasting or averaging twice gives the same bytes.)
+fn grads_overlap(tensors: &[TensorView]) -> Option<Error> {
+    let mut spans: Vec<(usize, usize, usize, usize)> = Vec::new();
+    for (t, view) in tensors.iter().enumerate() {
+        if view.role != Role::Grad {
+            continue;
+        }
+        let bytes = view.count * view.dtype.size();
+        spans.extend(view.ptrs.iter().enumerate().map(|(r, &p)| (p, p + bytes, t, r)));
+    }
+    spans.sort_unstable();
+    // The span reaching furthest so far: any later start below its end overlaps it.
+    let mut reach: Option<(usize, usize, usize)> = None;
+    for &(start, end, t, r) in &spans {
+        if let Some((far, ft, fr)) = reach {
+            if start < far && ft != t {
+                return Some(Error::inconsistent(format!(
+                    "GRAD tensors '{}' (replica {r}) and '{}' (replica {fr}) share memory: \
+                     dpsync_allreduce_grads would reduce it twice",
+                    tensors[t].name, tensors[ft].name
+                )));
+            }
+        }
+        if reach.is_none_or(|(far, _, _)| end > far) {
+            reach = Some((end, t, r));
+        }
+    }
+    None
 }
 
 fn not_found(name: &str) -> Error {
@@ -257,6 +290,8 @@ pub struct Snapshot {
     /// Inconsistent names: the roles they were registered with (a bit mask) and the error.
     problems: Vec<(u32, Error)>,
     index: HashMap<String, Result<usize, usize>>,
+    /// Set when two GRAD tensors share memory ([`Snapshot::grads_to_reduce`]).
+    grads_overlap: Option<Error>,
 }
 
 impl Snapshot {
@@ -284,6 +319,15 @@ impl Snapshot {
             .iter()
             .filter(|t| mask.contains(t.role))
             .collect())
+    }
+
+    /// What `allreduce_grads` may reduce: every GRAD consistent, and no two sharing memory.
+    pub fn grads_to_reduce(&self) -> Result<()> {
+        self.select(Role::Grad.into())?;
+        match &self.grads_overlap {
+            Some(err) => Err(err.clone()),
+            None => Ok(()),
+        }
     }
 
     pub fn problems(&self) -> impl Iterator<Item = &Error> {

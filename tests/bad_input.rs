@@ -888,3 +888,39 @@ fn only_touched_tensors_are_checked() {
     );
     assert_eq!((p0, p1, p2), (vec![2.0; 3], vec![2.0; 3], vec![2.0; 3]));
 }
+
+/// Two GRAD tensors sharing memory on a replica would be reduced twice by allreduce_grads: it
+/// (and dpsync_grad_ready) refuse with INCONSISTENT naming both, changing nothing. A single
+/// tensor's allreduce, and aliasing among other roles, stay allowed.
+#[test]
+fn grads_sharing_memory_are_refused_by_allreduce_grads() {
+    let ctx = Context::host(2, None);
+    let mut r0 = vec![1f32; 8];
+    let mut r1 = vec![2f32; 8];
+    ctx.reg("flat", GRAD, 0, &mut r0[..], F32);
+    ctx.reg("flat", GRAD, 1, &mut r1[..], F32);
+    // A view into the flat buffer, also as a GRAD.
+    ctx.reg("view", GRAD, 0, &mut r0[2..4], F32);
+    ctx.reg("view", GRAD, 1, &mut r1[2..4], F32);
+    expect_err(
+        ctx.allreduce_grads(SUM),
+        INCONSISTENT,
+        &["'flat'", "'view'", "share memory", "twice"],
+    );
+    assert!(r0.iter().all(|&x| x == 1.0) && r1.iter().all(|&x| x == 2.0));
+    expect_err(ctx.grad_ready("view", 0), INCONSISTENT, &["'flat'", "'view'"]);
+    check(ctx.allreduce("view", SUM), "one tensor's allreduce");
+    assert_eq!((r0[2], r1[3], r0[0]), (3.0, 3.0, 1.0));
+    check(ctx.unregister("view"), "unregister");
+    check(ctx.allreduce_grads(SUM), "allreduce_grads without the alias");
+    assert_eq!((r0[0], r1[2]), (3.0, 6.0));
+    // PARAMs may alias: broadcasting twice gives the same bytes.
+    let mut p0 = vec![5f32; 4];
+    let mut p1 = vec![0f32; 4];
+    ctx.reg("p", PARAM, 0, &mut p0[..], F32);
+    ctx.reg("p", PARAM, 1, &mut p1[..], F32);
+    ctx.reg("p_view", PARAM, 0, &mut p0[1..3], F32);
+    ctx.reg("p_view", PARAM, 1, &mut p1[1..3], F32);
+    check(ctx.broadcast(PARAM, 0), "broadcast of aliased PARAMs");
+    assert_eq!(p1, vec![5f32; 4]);
+}

@@ -112,9 +112,8 @@ impl Context {
                 tensor.role.name()
             )));
         }
-        // A bucket reduced now must be one allreduce_grads would reduce: refuse while any GRAD
-        // is inconsistent, as allreduce_grads would.
-        snapshot.select(Role::Grad.into())?;
+        // A bucket reduced now must be one allreduce_grads would reduce: refuse what it would.
+        snapshot.grads_to_reduce()?;
         let t = (snapshot.tensors.iter())
             .position(|v| std::ptr::eq(v, tensor))
             .expect("lookup returns a tensor of the snapshot");
