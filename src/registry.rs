@@ -174,7 +174,12 @@ fn grads_overlap(tensors: &[TensorView]) -> Option<Error> {
             continue;
         }
         let bytes = view.count * view.dtype.size();
-        spans.extend(view.ptrs.iter().enumerate().map(|(r, &p)| (p, p + bytes, t, r)));
+        spans.extend(
+            view.ptrs
+                .iter()
+                .enumerate()
+                .map(|(r, &p)| (p, p + bytes, t, r)),
+        );
     }
     spans.sort_unstable();
     // The span reaching furthest so far: any later start below its end overlaps it.

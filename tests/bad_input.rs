@@ -908,11 +908,18 @@ fn grads_sharing_memory_are_refused_by_allreduce_grads() {
         &["'flat'", "'view'", "share memory", "twice"],
     );
     assert!(r0.iter().all(|&x| x == 1.0) && r1.iter().all(|&x| x == 2.0));
-    expect_err(ctx.grad_ready("view", 0), INCONSISTENT, &["'flat'", "'view'"]);
+    expect_err(
+        ctx.grad_ready("view", 0),
+        INCONSISTENT,
+        &["'flat'", "'view'"],
+    );
     check(ctx.allreduce("view", SUM), "one tensor's allreduce");
     assert_eq!((r0[2], r1[3], r0[0]), (3.0, 3.0, 1.0));
     check(ctx.unregister("view"), "unregister");
-    check(ctx.allreduce_grads(SUM), "allreduce_grads without the alias");
+    check(
+        ctx.allreduce_grads(SUM),
+        "allreduce_grads without the alias",
+    );
     assert_eq!((r0[0], r1[2]), (3.0, 6.0));
     // PARAMs may alias: broadcasting twice gives the same bytes.
     let mut p0 = vec![5f32; 4];

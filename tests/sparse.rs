@@ -954,7 +954,11 @@ fn sparse_get_rejects_bad_arguments_and_writes_no_output() {
     check(ctx.sparse_set("emb", 1, &[2i32], &[2f32]), "set");
     check(ctx.allreduce_grads(SUM), "allreduce_grads");
     // The dense collective on a sparse name says what the name is.
-    expect_err(ctx.allreduce("emb", SUM), NOT_FOUND, &["'emb'", "sparse gradient"]);
+    expect_err(
+        ctx.allreduce("emb", SUM),
+        NOT_FOUND,
+        &["'emb'", "sparse gradient"],
+    );
     let nope = cstr("nope");
     expect_err(
         get(nope.as_ptr(), 0, &mut i, &mut v, &mut rows),
