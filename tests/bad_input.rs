@@ -895,8 +895,8 @@ fn only_touched_tensors_are_checked() {
 #[test]
 fn grads_sharing_memory_are_refused_by_allreduce_grads() {
     let ctx = Context::host(2, None);
-    let mut r0 = vec![1f32; 8];
-    let mut r1 = vec![2f32; 8];
+    let mut r0 = [1f32; 8];
+    let mut r1 = [2f32; 8];
     ctx.reg("flat", GRAD, 0, &mut r0[..], F32);
     ctx.reg("flat", GRAD, 1, &mut r1[..], F32);
     // A view into the flat buffer, also as a GRAD.
@@ -922,7 +922,7 @@ fn grads_sharing_memory_are_refused_by_allreduce_grads() {
     );
     assert_eq!((r0[0], r1[2]), (3.0, 6.0));
     // PARAMs may alias: broadcasting twice gives the same bytes.
-    let mut p0 = vec![5f32; 4];
+    let mut p0 = [5f32; 4];
     let mut p1 = vec![0f32; 4];
     ctx.reg("p", PARAM, 0, &mut p0[..], F32);
     ctx.reg("p", PARAM, 1, &mut p1[..], F32);
