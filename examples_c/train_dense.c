@@ -306,8 +306,14 @@ int main(int argc, char **argv) {
   double first_loss = 0.0, last_loss = 0.0;
   for (size_t step = 0; step < steps; step++) {
     /* Replicas are independent here; a real framework would run them in parallel. */
-    for (size_t r = 0; r < replicas; r++)
+    for (size_t r = 0; r < replicas; r++) {
       forward_backward(&reps[r], step * batch + r * local_batch, local_batch, loss_scale / (double)local_batch);
+      /* Overlap: declare each gradient final, in backward order. A bucket whose gradients are
+         final on every replica starts reducing at once (from the second step, when dpsync knows
+         the op); with replicas on their own threads or GPUs that overlaps the rest of backward.
+         allreduce_grads then finishes what is left. */
+      for (int t = N_TENSORS - 1; t >= 0; t--) CHECK(dpsync_grad_ready(ctx, TENSORS[t].grad_name, r));
+    }
     CHECK(dpsync_allreduce_grads(ctx, DPSYNC_REDUCE_SUM));
     CHECK(dpsync_allreduce(ctx, "loss", DPSYNC_REDUCE_SUM));
     for (size_t r = 0; r < replicas; r++)
