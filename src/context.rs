@@ -121,18 +121,18 @@ impl Context {
                 .map_err(|e| Error::new(e.kind, format!("tensor '{name}': {}", e.message)))?,
         };
         self.check_not_sparse(name)?;
-        self.check_not_mid_step(name, "register")?;
-        self.registry.register(
-            name,
-            replica,
-            Registration {
-                role,
-                ptr,
-                count,
-                dtype,
-                memory,
-            },
-        )
+        let reg = Registration {
+            role,
+            ptr,
+            count,
+            dtype,
+            memory,
+        };
+        // An identical registration is a no-op, also mid-step.
+        if self.registry.registered_as(name, replica) != Some(&reg) {
+            self.check_not_mid_step(name, "register")?;
+        }
+        self.registry.register(name, replica, reg)
     }
 
     pub fn unregister(&mut self, name: &str) -> Result<()> {

@@ -65,6 +65,12 @@ impl Registry {
         self.generation
     }
 
+    /// What `replica` registered as `name`, if anything.
+    pub fn registered_as(&self, name: &str, replica: usize) -> Option<&Registration> {
+        let &i = self.index.get(name)?;
+        self.entries[i].per_replica.get(replica)?.as_ref()
+    }
+
     /// Whether any replica registered `name`.
     pub fn contains(&self, name: &str) -> bool {
         self.index.contains_key(name)
@@ -82,9 +88,8 @@ impl Registry {
             .filter(|&bytes| bytes <= isize::MAX as usize && reg.ptr.checked_add(bytes).is_some());
         if fits.is_none() {
             return Err(Error::invalid(format!(
-                "count {} is too large: {} elements of {} bytes at {:#x} exceed the address space \
-                 (tensor '{name}', replica {replica})",
-                reg.count,
+                "count {} is too large: that many {}-byte elements from {:#x} exceed the address \
+                 space (tensor '{name}', replica {replica})",
                 reg.count,
                 reg.dtype.size(),
                 reg.ptr

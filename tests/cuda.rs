@@ -602,3 +602,72 @@ fn grad_ready_across_gpus_gives_the_hosts_bytes() {
         }
     }
 }
+
+/// How often the fake driver made `stream` wait on an event; `None` (after printing why `test`
+/// is skipped) on a real driver, which has no such counter.
+fn fake_waits_on(test: &str, stream: &cudarc::driver::CudaStream) -> Option<i64> {
+    // SAFETY: opens the driver library this process already loaded and looks up a plain getter
+    // that only the fake defines.
+    let found = unsafe {
+        let lib = libloading::Library::new("libcuda.so.1").ok();
+        lib.and_then(|l| {
+            let f = l
+                .get::<extern "C" fn(*mut std::ffi::c_void) -> i64>(b"fake_cuda_waits_on")
+                .ok()?;
+            Some(*f)
+        })
+    };
+    if found.is_none() {
+        eprintln!("{test}: skipped: needs the fake CUDA driver's stream-wait counter");
+    }
+    found.map(|f| f(stream.cu_stream() as *mut _))
+}
+
+/// A bucket reduced early by dpsync_grad_ready waits for the work already on the callers'
+/// streams but does not make them wait for it (backward goes on, which is the point); the
+/// allreduce_grads that ends the step does.
+#[test]
+fn early_buckets_do_not_make_the_callers_wait() {
+    let test = "early_buckets_do_not_make_the_callers_wait";
+    let Some(ctx) = cuda_context(test, &[0, 0], |o| o.set_fusion_bytes(64)) else {
+        return;
+    };
+    let gpu = gpu();
+    let caller = gpu.new_stream().unwrap();
+    let bufs: Vec<_> = (0..4)
+        .map(|_| caller.alloc_zeros::<f32>(16).unwrap())
+        .collect();
+    caller.synchronize().unwrap();
+    for (t, pair) in bufs.chunks(2).enumerate() {
+        for (r, b) in pair.iter().enumerate() {
+            register_device(&ctx, &format!("g{t}"), GRAD, r, dptr(&caller, b), 16, F32);
+        }
+    }
+    set_stream(&ctx, 0, &caller);
+    set_stream(&ctx, 1, &caller);
+    check(
+        ctx.allreduce_grads(SUM),
+        "the first step (the op is not known before)",
+    );
+    let Some(before) = fake_waits_on(test, &caller) else {
+        return;
+    };
+    for name in ["g1", "g0"] {
+        for r in 0..2 {
+            check(ctx.grad_ready(name, r), "grad_ready");
+        }
+    }
+    let early = &ctx.describe_json()["overlap"]["buckets_reduced_early_this_step"];
+    assert_eq!(early, 2, "both 64-byte buckets reduced early");
+    assert_eq!(
+        fake_waits_on(test, &caller).unwrap(),
+        before,
+        "early buckets made the caller's stream wait"
+    );
+    check(ctx.allreduce_grads(SUM), "allreduce_grads ends the step");
+    assert!(
+        fake_waits_on(test, &caller).unwrap() > before,
+        "allreduce_grads must make the caller's stream wait"
+    );
+    check(synchronize(&ctx), "synchronize");
+}

@@ -317,6 +317,8 @@ fn registrations_wait_for_the_end_of_a_step_with_early_buckets() {
         INVALID_STATE,
         &["'w0'", "dpsync_allreduce_grads"],
     );
+    // An identical registration is a no-op, also mid-step.
+    ctx.reg_buf("w0", GRAD, 0, &mut bufs[0][index("w0")]);
     // Sparse gradients do not change the buckets.
     ctx.reg_sparse_all("emb", 2, F32, I64, 0);
     check(ctx.unregister("emb"), "unregister a sparse gradient");

@@ -105,8 +105,12 @@ pub trait Backend: Send {
         Ok(())
     }
 
-    /// Closes a collective: work queued on the callers' streams afterwards waits for it.
-    fn end(&self) -> Result<()> {
+    /// Closes a collective: work queued on the callers' streams afterwards waits for it when
+    /// `join` is true. With `join` false the callers go on unhindered (a bucket reduced early by
+    /// `dpsync_grad_ready` while backward continues); a later joined collective makes them wait,
+    /// as its work follows this one on the backend's own streams.
+    fn end(&self, join: bool) -> Result<()> {
+        let _ = join;
         Ok(())
     }
 

@@ -46,14 +46,19 @@ impl Overlap {
     }
 
     /// Marks for `plan`, kept if they already refer to it.
-    fn start(&mut self, plan: &Arc<Plan>, tensors: usize, replicas: usize) {
+    fn start(&mut self, plan: &Arc<Plan>, tensors: usize, replicas: usize) -> Result<()> {
         if self.plan.as_ref().is_some_and(|p| Arc::ptr_eq(p, plan)) {
-            return;
+            return Ok(());
         }
-        debug_assert!(
-            !self.any_reduced(),
-            "registrations are frozen while buckets are reduced"
-        );
+        if self.any_reduced() {
+            // Registrations are refused while a bucket is reduced early (check_not_mid_step);
+            // forgetting the early buckets now would reduce them twice.
+            return Err(Error::new(
+                ErrorKind::InvalidState,
+                "the buckets changed while some were reduced early; call \
+                 dpsync_allreduce_grads to end the step",
+            ));
+        }
         let mut bucket_of = vec![None; tensors];
         for (b, bucket) in plan.buckets.iter().enumerate() {
             for &t in &bucket.tensors {
@@ -67,6 +72,7 @@ impl Overlap {
         self.ready = vec![false; tensors * replicas];
         self.bucket_of = bucket_of;
         self.plan = Some(plan.clone());
+        Ok(())
     }
 
     /// Every mark forgotten (a new step, or registrations changed the buckets).
@@ -118,7 +124,8 @@ impl Context {
             .position(|v| std::ptr::eq(v, tensor))
             .expect("lookup returns a tensor of the snapshot");
         let replicas = self.replica_count();
-        self.overlap.start(&plan, snapshot.tensors.len(), replicas);
+        self.overlap
+            .start(&plan, snapshot.tensors.len(), replicas)?;
         let b = self.overlap.bucket_of[t].expect("every GRAD is in a bucket");
         let mark = &mut self.overlap.ready[t * replicas + replica];
         if *mark {
@@ -126,11 +133,11 @@ impl Context {
         }
         if let (1, Some(op)) = (self.overlap.missing[b], self.overlap.op) {
             let tensors: Vec<&TensorView> = snapshot.tensors.iter().collect();
-            let bucket = std::slice::from_ref(&plan.buckets[b]);
+            let bucket = &plan.buckets[b];
             // SAFETY: registered memory stays valid while registered (the C contract).
             unsafe {
                 self.executor
-                    .allreduce_buckets(bucket, &tensors, op, self.divisor(), &plan)?
+                    .allreduce_early(bucket, &tensors, op, self.divisor(), &plan)?
             };
             self.overlap.reduced[b] = true;
         }

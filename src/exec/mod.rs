@@ -130,6 +130,12 @@ impl Executor {
     /// `end` after it (even after a failure: the callers' streams must not wait forever). The
     /// collectives `work` issues join this bracket. Host contexts run `work` as it is.
     pub fn bracket<T>(&self, work: impl FnOnce() -> Result<T>) -> Result<T> {
+        self.bracket_joined(true, work)
+    }
+
+    /// [`Executor::bracket`]; with `join` false the callers' streams do not wait for `work`
+    /// ([`Backend::end`]).
+    fn bracket_joined<T>(&self, join: bool, work: impl FnOnce() -> Result<T>) -> Result<T> {
         if self.host.is_none() || self.in_bracket.load(Ordering::Relaxed) {
             return work();
         }
@@ -139,7 +145,7 @@ impl Executor {
             let _open = Open(&self.in_bracket);
             work()
         };
-        let closed = self.backend.end();
+        let closed = self.backend.end(join);
         let value = result?;
         closed?;
         Ok(value)
@@ -189,6 +195,26 @@ impl Executor {
         })
     }
 
+    /// One bucket reduced ahead of `dpsync_allreduce_grads` (`dpsync_grad_ready`): after the
+    /// work already on the callers' streams, but without making them wait for it, so backward
+    /// goes on; `allreduce_grads`, which follows it on the backend's streams, makes them wait.
+    ///
+    /// # Safety
+    /// As for [`Executor::allreduce_buckets`].
+    pub unsafe fn allreduce_early(
+        &self,
+        bucket: &Bucket,
+        tensors: &[&TensorView],
+        op: ReduceOp,
+        divisor: usize,
+        plan: &Plan,
+    ) -> Result<()> {
+        let bucket = std::slice::from_ref(bucket);
+        self.bracket_joined(false, || {
+            self.allreduce_buckets(bucket, tensors, op, divisor, plan)
+        })
+    }
+
     /// Reduces `tensors`, fused by dtype into buckets of at most `fusion_bytes`.
     ///
     /// # Safety
@@ -211,6 +237,9 @@ impl Executor {
     /// # Safety
     /// As for [`Executor::allreduce_buckets`].
     pub unsafe fn divide(&self, tensors: &[&TensorView], divisor: usize) -> Result<()> {
+        if divisor <= 1 {
+            return Ok(());
+        }
         for t in tensors {
             for (replica, &ptr) in t.ptrs.iter().enumerate() {
                 self.backend_for(t.memory)

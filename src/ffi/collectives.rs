@@ -75,14 +75,16 @@ pub unsafe extern "C" fn dpsync_average(context: *mut dpsync_context, roles: u32
 /// Overlap: tell the library that GRAD tensor `name` is final on `replica` for this step. A
 /// bucket starts reducing as soon as all its tensors are ready on all replicas (on host
 /// replicas within this call; on CUDA replicas it is queued after the work already on the
-/// replicas' streams); dpsync_allreduce_grads then only finishes what is left and ends the
-/// step. Optional: without these calls everything starts in dpsync_allreduce_grads. Early
-/// buckets are summed (the op comes with dpsync_allreduce_grads, which divides them under
-/// AVG). Declaring a tensor twice in a step is a no-op. NOT_FOUND for an unregistered name;
+/// replicas' streams, which are not made to wait for it); dpsync_allreduce_grads then only
+/// finishes what is left, makes the streams wait, and ends the step. Optional: without these
+/// calls everything starts in dpsync_allreduce_grads. Early buckets use the op of the previous
+/// dpsync_allreduce_grads (before the first, nothing starts early); if the op changes, SUM
+/// buckets are divided for AVG, and AVG buckets make a SUM INVALID_ARGUMENT (docs/API.md,
+/// "Overlap"). Declaring a tensor twice in a step is a no-op. NOT_FOUND for an unregistered name;
 /// INVALID_ARGUMENT for a replica out of range or a tensor that is not a dense GRAD;
 /// INCONSISTENT while any GRAD is inconsistent across replicas (as dpsync_allreduce_grads
-/// would report). While a bucket of the step has been reduced early, registering or
-/// unregistering dense tensors is INVALID_STATE.
+/// would report). While a bucket of the step has been reduced early, registering (other than
+/// identically) or unregistering dense tensors is INVALID_STATE.
 #[no_mangle]
 pub unsafe extern "C" fn dpsync_grad_ready(
     context: *mut dpsync_context,

@@ -183,7 +183,14 @@ CUresult cuStreamCreate(CUstream* s, unsigned) {
 CUresult cuStreamCreateWithPriority(CUstream* s, unsigned f, int) { return cuStreamCreate(s, f); }
 CUresult cuStreamDestroy_v2(CUstream s) { delete s; return OK; }
 CUresult cuStreamSynchronize(CUstream) { counts.syncs++; return OK; }
-CUresult cuStreamWaitEvent(CUstream, CUevent, unsigned) { counts.waits++; return OK; }
+// Waits per waiting stream, for tests of which streams are made to wait.
+std::map<uintptr_t, long> waits_by_stream;
+CUresult cuStreamWaitEvent(CUstream s, CUevent, unsigned) {
+  counts.waits++;
+  std::lock_guard<std::mutex> g(lock);
+  waits_by_stream[(uintptr_t)s]++;
+  return OK;
+}
 CUresult cuStreamGetCtx(CUstream s, CUcontext* c) {
   // The legacy (0) and per-thread (2) default streams belong to the current context.
   if ((uintptr_t)s <= 2) {
@@ -281,6 +288,12 @@ int fake_cuda_device_of(const void* p, size_t bytes) {
 }
 // For tests: device allocations so far (cuMemAlloc), to assert that steady-state steps make none.
 long fake_cuda_allocations() { return counts.allocs.load(); }
+// For tests: how often `s` was made to wait on an event (cuStreamWaitEvent).
+long fake_cuda_waits_on(void* s) {
+  std::lock_guard<std::mutex> g(lock);
+  auto it = waits_by_stream.find((uintptr_t)s);
+  return it == waits_by_stream.end() ? 0 : it->second;
+}
 // The current context's device, or -1 when none is current.
 int fake_cuda_current_device() { return current ? current->device : -1; }
 // The device of a stream's context; the default streams (0, 1, 2) are the current context's.

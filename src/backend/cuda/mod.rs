@@ -148,6 +148,15 @@ impl Spares {
         Some(self.mems.remove(i))
     }
 
+    /// Every spare on `ctx`'s device, for the caller to free (outside the state lock).
+    fn release(&mut self, ctx: &Arc<PrimaryContext>) -> Vec<DeviceMemory> {
+        let (mine, others) = std::mem::take(&mut self.mems)
+            .into_iter()
+            .partition(|m| m.is_on(ctx));
+        self.mems = others;
+        mine
+    }
+
     /// Takes memory no queued work uses any more.
     fn put(&mut self, mems: Vec<DeviceMemory>) {
         self.mems.extend(mems);
@@ -383,7 +392,7 @@ impl CudaBackend {
         }
         let bytes: Vec<u8> = host.iter().flat_map(|w| w.to_ne_bytes()).collect();
         let _bound = group.ctx.bind()?;
-        let mem = DeviceMemory::uninit(&group.ctx, bytes.len())?;
+        let mem = self.fresh_memory(group, bytes.len())?;
         // In order on the group's stream, before the kernels that read the table.
         driver::upload(mem.ptr, &bytes, group.stream.0)?;
         let ptr = mem.ptr;
@@ -397,7 +406,20 @@ impl CudaBackend {
         if let Some(mem) = self.state.lock().spares.take(&group.ctx, bytes) {
             return Ok(mem);
         }
-        DeviceMemory::uninit(&group.ctx, bytes)
+        self.fresh_memory(group, bytes)
+    }
+
+    /// A new allocation of `bytes` on `group`'s device. Out of memory, the idle spares on that
+    /// device are freed and the allocation is tried once more.
+    fn fresh_memory(&self, group: &Group, bytes: usize) -> Result<DeviceMemory> {
+        DeviceMemory::uninit(&group.ctx, bytes).or_else(|first| {
+            let idle = self.state.lock().spares.release(&group.ctx);
+            if idle.is_empty() {
+                return Err(first);
+            }
+            drop(idle); // cuMemFree each
+            DeviceMemory::uninit(&group.ctx, bytes)
+        })
     }
 
     fn sync_group(&self, group: &Group) -> Result<()> {
@@ -427,7 +449,7 @@ impl CudaBackend {
             }
         }
         *slot = None;
-        let mem = DeviceMemory::uninit(&group.ctx, bytes)?;
+        let mem = self.fresh_memory(group, bytes)?;
         let ptr = mem.ptr;
         *slot = Some(mem);
         Ok(ptr)
@@ -916,7 +938,7 @@ impl Backend for CudaBackend {
         self.groups.len() == 1
     }
 
-    fn end(&self) -> Result<()> {
+    fn end(&self, join: bool) -> Result<()> {
         let mut state = self.state.lock();
         let mut done = match state.spare.pop() {
             Some(events) => events,
@@ -933,7 +955,10 @@ impl Backend for CudaBackend {
             let _bound = g.ctx.bind()?;
             ev.record(g.stream.0)?;
         }
-        for r in self.callers.iter().map(|&r| &self.replicas[r]) {
+        // Unjoined: every later collective's work follows this one on the groups' streams, so
+        // the callers wait for it through that collective's events.
+        let callers = if join { &self.callers[..] } else { &[] };
+        for r in callers.iter().map(|&r| &self.replicas[r]) {
             let _bound = self.groups[r.group].ctx.bind()?;
             for ev in &done {
                 ev.wait_on(r.stream as sys::CUstream)?;
