@@ -307,9 +307,14 @@ pub struct Snapshot {
 impl Snapshot {
     /// The tensor `name`, or NOT_FOUND / the INCONSISTENT error naming it.
     pub fn lookup(&self, name: &str) -> Result<&TensorView> {
+        Ok(&self.tensors[self.position(name)?])
+    }
+
+    /// The index in `tensors` of `name`, with the errors of [`Snapshot::lookup`].
+    pub fn position(&self, name: &str) -> Result<usize> {
         match self.index.get(name) {
             None => Err(not_found(name)),
-            Some(Ok(i)) => Ok(&self.tensors[*i]),
+            Some(Ok(i)) => Ok(*i),
             Some(Err(p)) => Err(self.problems[*p].1.clone()),
         }
     }

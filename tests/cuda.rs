@@ -603,24 +603,12 @@ fn grad_ready_across_gpus_gives_the_hosts_bytes() {
     }
 }
 
-/// How often the fake driver made `stream` wait on an event; `None` (after printing why `test`
-/// is skipped) on a real driver, which has no such counter.
+/// How often the fake driver made `stream` wait on an event; `None` on a real driver.
 fn fake_waits_on(test: &str, stream: &cudarc::driver::CudaStream) -> Option<i64> {
-    // SAFETY: opens the driver library this process already loaded and looks up a plain getter
-    // that only the fake defines.
-    let found = unsafe {
-        let lib = libloading::Library::new("libcuda.so.1").ok();
-        lib.and_then(|l| {
-            let f = l
-                .get::<extern "C" fn(*mut std::ffi::c_void) -> i64>(b"fake_cuda_waits_on")
-                .ok()?;
-            Some(*f)
-        })
-    };
-    if found.is_none() {
-        eprintln!("{test}: skipped: needs the fake CUDA driver's stream-wait counter");
-    }
-    found.map(|f| f(stream.cu_stream() as *mut _))
+    type WaitsOn = extern "C" fn(*mut std::ffi::c_void) -> i64;
+    // SAFETY: the fake's `long fake_cuda_waits_on(void*)`.
+    let f = unsafe { fake_driver_fn::<WaitsOn>(test, "fake_cuda_waits_on") };
+    f.map(|f| f(stream.cu_stream() as *mut _))
 }
 
 /// A bucket reduced early by dpsync_grad_ready waits for the work already on the callers'

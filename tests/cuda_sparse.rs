@@ -7,7 +7,9 @@ mod common;
 
 use std::ffi::c_void;
 
-use common::gpu::{encode, encode_indices, rank_per_replica, read_at, synchronize, Mem, Place};
+use common::gpu::{
+    encode, encode_indices, fake_driver_fn, rank_per_replica, read_at, synchronize, Mem, Place,
+};
 use common::*;
 
 /// A sparse gradient of the comparison: name, row length, value dtype, index dtype, and the
@@ -279,24 +281,11 @@ fn host_memory_slices_on_a_cuda_replica_are_refused() {
     expect_err(st, INVALID_ARGUMENT, &["'emb'", "indices", "host memory"]);
 }
 
-/// The fake driver's count of device allocations so far; `None` (after printing why `test` is
-/// skipped) on a real driver, which has no such counter.
+/// The fake driver's count of device allocations so far; `None` on a real driver.
 fn fake_allocations(test: &str) -> Option<i64> {
-    // SAFETY: opens the driver library this process already loaded (dpsync did), and looks up
-    // a plain getter that only the fake defines.
-    let found = unsafe {
-        let lib = libloading::Library::new("libcuda.so.1").ok();
-        lib.and_then(|l| {
-            let f = l
-                .get::<extern "C" fn() -> i64>(b"fake_cuda_allocations")
-                .ok()?;
-            Some(*f)
-        })
-    };
-    if found.is_none() {
-        eprintln!("{test}: skipped: needs the fake CUDA driver's allocation counter");
-    }
-    found.map(|f| f())
+    // SAFETY: the fake's `long fake_cuda_allocations(void)`.
+    let f = unsafe { fake_driver_fn::<extern "C" fn() -> i64>(test, "fake_cuda_allocations") };
+    f.map(|f| f())
 }
 
 /// Coalescing allocates its per-step device buffers (maps of equal indices, coalesced slices);

@@ -6,9 +6,11 @@
 //! (frameworks keep it from step to step): the step then gives exactly the bytes it gives
 //! without the calls. Before the first `allreduce_grads` nothing starts early. If the op
 //! changes, SUM buckets are divided for AVG (docs/API.md, "Overlap": rounding), and AVG buckets
-//! cannot be turned back into sums: that call is refused. Marks belong to one plan generation: registrations that would change the buckets are refused
-//! while a bucket of the step has been reduced early (they would reduce it twice or not at all),
-//! and merely forget the marks otherwise (the marked buckets are then reduced by
+//! cannot be turned back into sums: that call is refused.
+//!
+//! Marks belong to one plan: registrations that would change the buckets are refused while a
+//! bucket of the step has been reduced early (they would reduce it twice or not at all), and
+//! merely make the next mark forget the old ones otherwise (those buckets are then reduced by
 //! `allreduce_grads`, as without the calls).
 
 use std::sync::Arc;
@@ -111,7 +113,8 @@ impl Context {
             )));
         }
         let (snapshot, plan) = self.prepare();
-        let tensor = snapshot.lookup(name)?;
+        let t = snapshot.position(name)?;
+        let tensor = &snapshot.tensors[t];
         if tensor.role != Role::Grad {
             return Err(Error::invalid(format!(
                 "tensor '{name}' is a {} tensor: dpsync_grad_ready takes GRAD tensors",
@@ -120,15 +123,12 @@ impl Context {
         }
         // A bucket reduced now must be one allreduce_grads would reduce: refuse what it would.
         snapshot.grads_to_reduce()?;
-        let t = (snapshot.tensors.iter())
-            .position(|v| std::ptr::eq(v, tensor))
-            .expect("lookup returns a tensor of the snapshot");
         let replicas = self.replica_count();
         self.overlap
             .start(&plan, snapshot.tensors.len(), replicas)?;
         let b = self.overlap.bucket_of[t].expect("every GRAD is in a bucket");
-        let mark = &mut self.overlap.ready[t * replicas + replica];
-        if *mark {
+        let mark = t * replicas + replica;
+        if self.overlap.ready[mark] {
             return Ok(()); // declared twice: nothing new
         }
         if let (1, Some(op)) = (self.overlap.missing[b], self.overlap.op) {
@@ -141,7 +141,7 @@ impl Context {
             };
             self.overlap.reduced[b] = true;
         }
-        self.overlap.ready[t * replicas + replica] = true;
+        self.overlap.ready[mark] = true;
         self.overlap.missing[b] -= 1;
         Ok(())
     }

@@ -341,3 +341,21 @@ pub fn rank_per_replica(test: &str) -> bool {
     }
     on
 }
+
+/// A test-only function the fake CUDA driver exports (`fake_cuda_*` counters); `None`, after
+/// printing why `test` is skipped, on a real driver, which has no such symbol.
+///
+/// # Safety
+/// `F` must be the symbol's true `extern "C"` signature.
+pub unsafe fn fake_driver_fn<F: Copy>(test: &str, symbol: &str) -> Option<F> {
+    // SAFETY: opens the driver library this process already loaded (dpsync did); the caller
+    // vouches for the signature.
+    let found = unsafe {
+        let lib = libloading::Library::new("libcuda.so.1").ok();
+        lib.and_then(|l| Some(*l.get::<F>(symbol.as_bytes()).ok()?))
+    };
+    if found.is_none() {
+        eprintln!("{test}: skipped: needs the fake CUDA driver's {symbol}");
+    }
+    found
+}
