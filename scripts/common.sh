@@ -60,8 +60,8 @@ PY
     rm -rf "$dir/wheels"
   fi
   if [ -f "$lib" ]; then
+    # Only the variable, as the README tells users: dpsync finds NVRTC's builtins beside it.
     export DPSYNC_NVRTC_LIBRARY="$PWD/$lib"
-    export LD_LIBRARY_PATH="$PWD/$(dirname "$lib")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   fi
   if [ -x "$ptxas" ]; then export DPSYNC_PTXAS="$PWD/$ptxas"; fi
 }

@@ -198,16 +198,31 @@ fn slot(dtype: DType) -> usize {
 
 /// NVRTC must be present to build the kernels; cudarc panics without it, so probe first.
 /// `DPSYNC_NVRTC_LIBRARY` names the file when it is not on the loader path (pip's
-/// `nvidia-cuda-nvrtc`): loaded globally, it then satisfies cudarc's lookup by soname.
+/// `nvidia-cuda-nvrtc`): loaded globally, it then satisfies cudarc's lookup by soname. NVRTC
+/// itself opens `libnvrtc-builtins.so.*` by soname at compile time, which fails when that
+/// directory is not on the loader path either, so the builtins beside it are loaded first.
 pub fn nvrtc_present() -> bool {
     static PRELOADED: OnceLock<()> = OnceLock::new();
     PRELOADED.get_or_init(|| {
         if let Ok(path) = std::env::var("DPSYNC_NVRTC_LIBRARY") {
-            use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW};
-            // SAFETY: loading NVRTC runs no code beyond its initialisers.
-            if let Ok(lib) = unsafe { Library::open(Some(path.trim()), RTLD_NOW | RTLD_GLOBAL) } {
-                // Kept for the process: cudarc will resolve symbols from it.
-                std::mem::forget(lib);
+            let path = std::path::Path::new(path.trim());
+            let builtins = (path.parent())
+                .and_then(|dir| std::fs::read_dir(dir).ok())
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|entry| entry.path())
+                .filter(|p| {
+                    let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+                    name.starts_with("libnvrtc-builtins.so")
+                });
+            for lib in builtins.chain([path.to_path_buf()]) {
+                use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW};
+                // SAFETY: loading NVRTC runs no code beyond its initialisers.
+                if let Ok(lib) = unsafe { Library::open(Some(&lib), RTLD_NOW | RTLD_GLOBAL) } {
+                    // Kept for the process: NVRTC and cudarc resolve against it by soname.
+                    std::mem::forget(lib);
+                }
             }
         }
     });
