@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The GPU tests on a CPU: builds tests/fakecuda/fake_cuda.cpp (a libcuda.so.1 stand-in that runs
-# dpsync's kernels and the tests' own on CPU threads, synchronously) and tests/fakecuda/
-# fake_nccl.cpp (a libnccl.so.2 stand-in that matches every rank's calls and checks them) into
-# target/fakecuda, and runs tests/cuda*.rs against them: on one fake GPU; on four under three
-# peer-access patterns (all pairs, none, Caffe2's seed topology GPU1<->GPU2 only); with two NCCL
-# ranks on one GPU; and with NCCL faults injected. This exercises the whole CUDA backend's host
-# side — contexts, streams, events, memory, pointer attributes, tables, launches, peer and staged
-# copies, NCCL groups, sends and receives, timeouts and aborts — without a GPU; it proves nothing
-# about asynchrony, real NCCL transports or the hardware (docs/GPU-VALIDATION.md).
+# dpsync's kernels and the tests' own on CPU threads) and tests/fakecuda/fake_nccl.cpp (a
+# libnccl.so.2 stand-in that matches every rank's calls and checks them) into target/fakecuda,
+# and runs tests/cuda*.rs against them: on one fake GPU; on four under three peer-access patterns
+# (all pairs, none, Caffe2's seed topology GPU1<->GPU2 only); with two NCCL ranks on one GPU; and
+# with NCCL faults injected. All of it twice: with synchronous streams, and with asynchronous
+# ones (FAKE_CUDA_ASYNC=1, see fake_cuda.cpp's header). This exercises the whole CUDA backend's
+# host side (contexts, streams, events, memory, pointer attributes, tables, launches, peer and
+# staged copies, NCCL groups, sends and receives, timeouts and aborts) and its stream ordering by
+# events, without a GPU. It proves nothing about real NCCL transports, speed or the hardware
+# (docs/GPU-VALIDATION.md).
 #   bash scripts/fake-cuda.sh [extra cargo test arguments]
 # scripts/test.sh runs it; it also runs examples_c/cuda_train and bmuf_train --gpus against the
 # fake driver.
@@ -21,8 +23,8 @@ build_fake_cuda() {
   {
     cat src/backend/cuda/kernels/emulate.hpp
     cat src/backend/cuda/kernels/{prelude,dense,bmuf,sparse}.cu
-    # The tests' own kernels (tests/common/gpu.rs SPIN), with a clock that runs fast.
-    echo 'inline long long clock64() { static thread_local long long t = 0; return t += 100000000; }'
+    # The tests' own kernels (tests/common/gpu.rs SPIN) and their clock.
+    cat tests/fakecuda/clock64.hpp
     python3 - <<'PY'
 import re
 src = open("tests/common/gpu.rs").read()
@@ -49,26 +51,33 @@ build_fake_cuda
 export DPSYNC_FAKE_CUDA=1 DPSYNC_REQUIRE_GPU=1 LD_LIBRARY_PATH="$PWD/target/fakecuda:${LD_LIBRARY_PATH:-}"
 unset FAKE_CUDA_DEVICES FAKE_CUDA_PEER FAKE_NCCL_FAULT DPSYNC_NCCL_LIBRARY
 TESTS=(--test cuda --test cuda_bmuf --test cuda_sparse)
-step "GPU tests on one fake GPU (DPSYNC_FAKE_CUDA=1)"
-cargo test --release "${TESTS[@]}" "$@" -- --test-threads=1
-for peer in "" 0 1-2; do
-  case $peer in
-    "") pattern="every pair has peer access" ;;
-    0) pattern="no pair has peer access: staged copies" ;;
-    *) pattern="only GPU1<->GPU2, Caffe2's seed topology" ;;
-  esac
-  step "GPU tests across four fake GPUs, FAKE_CUDA_PEER='$peer' ($pattern)"
-  FAKE_CUDA_DEVICES=4 FAKE_CUDA_PEER=$peer cargo test --release "${TESTS[@]}" "$@" -- \
-    --test-threads=1 across
+# Twice: with synchronous streams (every launch and copy done when the call returns), then with
+# FAKE_CUDA_ASYNC=1 (streams as worker threads with random pauses, events and waits as on a GPU),
+# where a missing event wait gives wrong values and the stream-order and timeout tests run.
+for streams in synchronous asynchronous; do
+  if [ $streams = asynchronous ]; then export FAKE_CUDA_ASYNC=1; else unset FAKE_CUDA_ASYNC; fi
+  step "GPU tests on one fake GPU, $streams streams"
+  cargo test --release "${TESTS[@]}" "$@" -- --test-threads=1
+  for peer in "" 0 1-2; do
+    case $peer in
+      "") pattern="every pair has peer access" ;;
+      0) pattern="no pair has peer access: staged copies" ;;
+      *) pattern="only GPU1<->GPU2, Caffe2's seed topology" ;;
+    esac
+    step "GPU tests across four fake GPUs, $streams streams, FAKE_CUDA_PEER='$peer' ($pattern)"
+    FAKE_CUDA_DEVICES=4 FAKE_CUDA_PEER=$peer cargo test --release "${TESTS[@]}" "$@" -- \
+      --test-threads=1 across
+  done
+  step "two NCCL ranks on one fake GPU (DPSYNC_NCCL_RANK_PER_REPLICA=1), $streams streams"
+  DPSYNC_NCCL_RANK_PER_REPLICA=1 NCCL_MULTI_RANK_GPU_ENABLE=1 \
+    cargo test --release "${TESTS[@]}" "$@" -- --test-threads=1 two_nccl_ranks
+  for fault in hang error; do
+    step "NCCL fault injected: FAKE_NCCL_FAULT=$fault, $streams streams"
+    FAKE_CUDA_DEVICES=2 FAKE_NCCL_FAULT=$fault \
+      cargo test --release --test cuda "$@" -- --test-threads=1 a_failing_nccl
+  done
 done
-step "two NCCL ranks on one fake GPU (DPSYNC_NCCL_RANK_PER_REPLICA=1)"
-DPSYNC_NCCL_RANK_PER_REPLICA=1 NCCL_MULTI_RANK_GPU_ENABLE=1 \
-  cargo test --release "${TESTS[@]}" "$@" -- --test-threads=1 two_nccl_ranks
-for fault in hang error; do
-  step "NCCL fault injected: FAKE_NCCL_FAULT=$fault"
-  FAKE_CUDA_DEVICES=2 FAKE_NCCL_FAULT=$fault \
-    cargo test --release --test cuda "$@" -- --test-threads=1 a_failing_nccl
-done
+unset FAKE_CUDA_ASYNC
 step "examples_c/cuda_train on the fake CUDA driver"
 build_library
 build_examples
@@ -81,3 +90,8 @@ build/examples/bmuf_train --gpus 0,0,0,0 | tail -1
 FAKE_CUDA_DEVICES=4 build/examples/bmuf_train --gpus 0,1,2,3 --transport nccl | tail -1
 FAKE_CUDA_DEVICES=4 FAKE_CUDA_PEER=1-2 build/examples/bmuf_train --gpus 2,0,1,1 \
   --transport peer_copy --nesterov | tail -1
+step "examples_c/cuda_train and bmuf_train on asynchronous fake streams (FAKE_CUDA_ASYNC=1)"
+FAKE_CUDA_ASYNC=1 FAKE_CUDA_DEVICES=4 build/examples/cuda_train --gpus 0,1,2,3 --transport nccl
+FAKE_CUDA_ASYNC=1 FAKE_CUDA_DEVICES=4 FAKE_CUDA_PEER=1-2 build/examples/cuda_train --gpus 2,0,1,1 \
+  --transport peer_copy
+FAKE_CUDA_ASYNC=1 FAKE_CUDA_DEVICES=4 build/examples/bmuf_train --gpus 0,0,3,3 --transport nccl | tail -1

@@ -343,3 +343,118 @@ fn coalesced_steps_reuse_device_memory_once_warm() {
         "device allocations in 16 warm coalesced steps"
     );
 }
+
+/// The gather in stream order, each replica with its own caller stream: on replica r's stream a
+/// kernel writes r + 1 into the slice's values and (as bits) its indices, spinning ~50 ms first
+/// on one replica, in turn each; `allreduce_grads` gathers; a kernel on the same stream copies
+/// the gathered slice out. No host synchronisation in between (trivial on the synchronous fake
+/// driver; it bites on a GPU and under FAKE_CUDA_ASYNC=1). False when `transport` is not
+/// available here.
+fn gather_in_stream_order(test: &str, ordinals: &[i32], transport: u32, coalesce: bool) -> bool {
+    use common::gpu::{dptr, set_stream, spin_kernels};
+    use cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
+    let (rows, row_len) = (64usize, 4usize);
+    let reps = ordinals.len();
+    for slow in 0..reps {
+        let Some(ctx) = cuda_context(test, ordinals, |o| {
+            o.set_transport(transport);
+            o.set_sparse_coalesce(coalesce);
+        }) else {
+            return false;
+        };
+        // Indices are the f32 bits of r + 1 (no range check): distinct per replica, all equal
+        // within one, so coalescing leaves one row per replica, summed over `rows`.
+        ctx.reg_sparse_all("emb", row_len, F32, I32, 0);
+        let mut replicas = Vec::new();
+        for (r, &ordinal) in ordinals.iter().enumerate() {
+            let dev = CudaContext::new(ordinal as usize).unwrap();
+            let stream = dev.new_stream().unwrap();
+            let indices = stream.alloc_zeros::<f32>(rows).unwrap();
+            let values = stream.alloc_zeros::<f32>(rows * row_len).unwrap();
+            stream.synchronize().unwrap();
+            set_stream(&ctx, r, &stream);
+            let (i, v) = (dptr(&stream, &indices), dptr(&stream, &values));
+            check(
+                ctx.sparse_set_raw("emb", r, i as *const c_void, v as *const c_void, rows),
+                "sparse_set",
+            );
+            let k = spin_kernels(&dev);
+            let fill = |buf: &cudarc::driver::CudaSlice<f32>, n: usize, cycles: i64| {
+                let (nn, value) = (n as u64, (r + 1) as f32);
+                let mut b = stream.launch_builder(&k.fill);
+                b.arg(buf).arg(&nn).arg(&value).arg(&cycles);
+                // SAFETY: arguments match the kernel.
+                unsafe { b.launch(LaunchConfig::for_num_elems(n as u32)) }.unwrap();
+            };
+            fill(&indices, rows, if r == slow { 100_000_000 } else { 0 }); // ~50 ms at 2 GHz
+            fill(&values, rows * row_len, 0);
+            replicas.push((k, stream, indices, values));
+        }
+        check(ctx.allreduce_grads(SUM), "allreduce_grads");
+        let (out_rows, want_index, want_value): (usize, Vec<f32>, Vec<f32>) = if coalesce {
+            let idx = (1..=reps).map(|q| q as f32).collect();
+            let val = (1..=reps).map(|q| (q * rows) as f32).collect();
+            (reps, idx, val)
+        } else {
+            let per_row = (0..reps * rows)
+                .map(|i| (i / rows + 1) as f32)
+                .collect::<Vec<_>>();
+            (reps * rows, per_row.clone(), per_row)
+        };
+        for (r, (k, stream, _, _)) in replicas.iter().enumerate() {
+            let got = ctx.sparse_get("emb", r).unwrap();
+            assert_eq!(got.rows, out_rows, "rows on replica {r}");
+            let copy_out = |from: *const c_void, n: usize| {
+                let out = stream.alloc_zeros::<f32>(n).unwrap();
+                let (from, nn) = (from as u64, n as u64);
+                let mut b = stream.launch_builder(&k.copy);
+                b.arg(&from).arg(&out).arg(&nn);
+                // SAFETY: `from` is the gathered slice, n elements of 4 bytes on this device.
+                unsafe { b.launch(LaunchConfig::for_num_elems(n as u32)) }.unwrap();
+                stream.clone_dtoh(&out).unwrap()
+            };
+            let indices = copy_out(got.indices, out_rows);
+            let values = copy_out(got.values, out_rows * row_len);
+            let what = format!(
+                "{ordinals:?}, transport {transport}, coalesce {coalesce}, replica {slow} slow: \
+                 replica {r}'s stream read"
+            );
+            assert_eq!(indices, want_index, "{what} these indices");
+            for (row, chunk) in values.chunks(row_len).enumerate() {
+                assert!(
+                    chunk.iter().all(|&x| x == want_value[row]),
+                    "{what} row {row} = {chunk:?}, want {}",
+                    want_value[row]
+                );
+            }
+        }
+        check(synchronize(&ctx), "synchronize");
+    }
+    true
+}
+
+#[test]
+fn gathers_are_ordered_by_each_replicas_stream() {
+    for transport in [T_NCCL, T_PEER_COPY] {
+        for coalesce in [false, true] {
+            if !gather_in_stream_order("gathers_in_order", &[0, 0, 0], transport, coalesce) {
+                eprintln!("transport {transport} skipped: not available here");
+            }
+        }
+    }
+}
+
+#[test]
+fn gathers_across_gpus_are_ordered_by_each_replicas_stream() {
+    let test = "gathers_across_gpus_in_order";
+    if Place::gpus(test, 4).is_none() {
+        return;
+    }
+    for transport in [T_NCCL, T_PEER_COPY] {
+        for coalesce in [false, true] {
+            if !gather_in_stream_order(test, &[0, 1, 2, 3], transport, coalesce) {
+                eprintln!("transport {transport} skipped: not available here");
+            }
+        }
+    }
+}

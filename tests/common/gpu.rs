@@ -316,15 +316,20 @@ pub fn encode(dtype: DType, v: &[f64]) -> Vec<u8> {
     }
 }
 
-/// True (after printing why the test is skipped) under scripts/fake-cuda.sh, whose driver runs
-/// everything synchronously: tests of asynchrony (timeouts, stream-order negative controls) need
-/// a real GPU.
+/// True (after printing why the test is skipped) on the fake CUDA driver in its synchronous
+/// mode, where every launch and copy is complete when the call returns: tests of asynchrony
+/// (timeouts, stream-order negative controls) need a real GPU or the fake's FAKE_CUDA_ASYNC=1
+/// (streams as worker threads; scripts/fake-cuda.sh runs the GPU tests both ways).
 pub fn needs_real_gpu(test: &str) -> bool {
-    let fake = std::env::var("DPSYNC_FAKE_CUDA").as_deref() == Ok("1");
-    if fake {
-        eprintln!("{test}: skipped: needs a real GPU (the fake CUDA driver is synchronous)");
+    let env = |k: &str| std::env::var(k).as_deref() == Ok("1");
+    let synchronous = env("DPSYNC_FAKE_CUDA") && !env("FAKE_CUDA_ASYNC");
+    if synchronous {
+        eprintln!(
+            "{test}: skipped: needs asynchronous streams (a real GPU, or the fake CUDA driver \
+             with FAKE_CUDA_ASYNC=1)"
+        );
     }
-    fake
+    synchronous
 }
 
 /// True when DPSYNC_NCCL_RANK_PER_REPLICA=1 (read when options are created) gives every replica

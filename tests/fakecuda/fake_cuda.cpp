@@ -3,45 +3,73 @@
 // attributes, kernel launches — on a machine without a GPU. Built and used by
 // scripts/fake-cuda.sh; never shipped.
 //
-// Everything is synchronous: a launch or copy is complete when the call returns, so stream and
-// event ordering are trivially satisfied. Tests that need real asynchrony (stream-order negative
-// controls, timeouts) skip under it (DPSYNC_FAKE_CUDA=1). "Device memory" is host memory that the
-// driver remembers, so cuPointerGetAttribute can tell it from host memory. Kernels are found by
-// name among those compiled in: dpsync's (kernels/*.cu under kernels/emulate.hpp) and the tests'.
-// FAKE_CUDA_DEVICES sets the device count (default 1, at most 8). FAKE_CUDA_PEER sets which
-// devices can access each other: unset, every pair of distinct devices; "0", none; a list of
-// pairs such as "1-2,0-3", exactly those pairs (both ways).
+// By default everything is synchronous: a launch or copy is complete when the call returns, so
+// stream and event ordering are trivially satisfied, and tests of asynchrony skip.
+//
+// FAKE_CUDA_ASYNC=1 makes streams asynchronous, as on a GPU: every stream (and each device's
+// legacy default stream) is a worker thread that runs its queue in order after a random pause of
+// up to 100 µs, so work on different streams interleaves differently from run to run
+// (FAKE_CUDA_SEED=n fixes the pauses, though not the OS's scheduling). Events
+// complete when their stream reaches them, cuStreamWaitEvent queues a wait, cuEventQuery says
+// CUDA_ERROR_NOT_READY until then. The rules a caller can get wrong are the driver's: kernels and
+// copies between device (or pinned) memory run later, with their arguments copied at the call;
+// a copy from pageable host memory is staged at the call; a copy to pageable host memory returns
+// when done; the legacy default stream waits for, and is waited for by, the device's blocking
+// streams (not by CU_STREAM_NON_BLOCKING ones); cuMemFree waits for the device's streams, then
+// poisons the memory. So a missing event wait shows up as wrong values, which the synchronous
+// mode can never show. It still proves nothing about the hardware, NCCL's transports or speed.
+//
+// "Device memory" is host memory that the driver remembers, so cuPointerGetAttribute can tell it
+// from host memory. Kernels are found by name among those compiled in: dpsync's (kernels/*.cu
+// under kernels/emulate.hpp) and the tests'. FAKE_CUDA_DEVICES sets the device count (default 1,
+// at most 8). FAKE_CUDA_PEER sets which devices can access each other: unset, every pair of
+// distinct devices; "0", none; a list of pairs such as "1-2,0-3", exactly those pairs (both ways).
 //
 // FAKE_CUDA_NOEXEC=1 skips the work itself (kernels, copies, memsets), so that a benchmark on
 // the fake measures dpsync's own host-side cost of issuing work; FAKE_CUDA_STATS=1 prints, at
 // exit, how many driver calls of each kind were made (benches/cuda_allreduce.rs --issue).
 //
 // The fake NCCL (fake_nccl.cpp, libnccl.so.2) checks its callers' buffers, streams and contexts
-// through the fake_cuda_* functions at the end.
+// through the fake_cuda_* functions at the end, and queues its ops on the streams with
+// fake_cuda_enqueue.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
+#include <random>
+#include <thread>
+#include <vector>
 
 typedef int CUresult;
 typedef int CUdevice;
 typedef unsigned long long CUdeviceptr;
 struct FakeCtx { int device; };
 typedef FakeCtx* CUcontext;
-struct FakeStream { CUcontext ctx; };
+namespace { struct Queue; }
+struct FakeStream { CUcontext ctx; Queue* queue; };  // queue: FAKE_CUDA_ASYNC only
 typedef FakeStream* CUstream;
-struct FakeEvent { double ms = 0; };
+// Where the event was last recorded (FAKE_CUDA_ASYNC): complete once `queue` ran `seq` tasks.
+struct FakeEvent {
+  Queue* queue = nullptr;
+  unsigned long long seq = 0;
+  std::shared_ptr<std::atomic<double>> ms = std::make_shared<std::atomic<double>>(0.0);
+};
 typedef FakeEvent* CUevent;
 typedef void* CUmodule;
 typedef const void* CUfunction;
 
 enum : int {
   OK = 0, INVALID_VALUE = 1, INVALID_DEVICE = 101, INVALID_CONTEXT = 201, NOT_FOUND = 500,
-  PEER_ALREADY = 704
+  NOT_READY = 600, PEER_ALREADY = 704
 };
 
 namespace {
@@ -54,8 +82,9 @@ FakeCtx primaries[8] = {{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}};
 thread_local CUcontext current = nullptr;
 
 struct Alloc { size_t bytes; int device; bool device_memory; };
-std::mutex lock;
-std::map<uintptr_t, Alloc> allocs;
+// Leaked, like everything worker threads touch: they may still run while the process exits.
+std::mutex& lock = *new std::mutex;
+std::map<uintptr_t, Alloc>& allocs = *new std::map<uintptr_t, Alloc>;
 
 const Alloc* find(uintptr_t p, uintptr_t* base) {
   auto it = allocs.upper_bound(p);
@@ -80,9 +109,18 @@ CUresult forget(void* p) {
   std::lock_guard<std::mutex> g(lock);
   auto it = allocs.find((uintptr_t)p);
   if (it == allocs.end()) return INVALID_VALUE;
+  // Poisoned, so that a late reader of freed memory sees garbage rather than the old values.
+  std::memset(p, 0xa5, it->second.bytes);
   allocs.erase(it);
   std::free(p);
   return OK;
+}
+
+// Device or pinned host memory the driver allocated (not pageable host memory).
+bool known(const void* p) {
+  std::lock_guard<std::mutex> g(lock);
+  uintptr_t base = 0;
+  return find((uintptr_t)p, &base) != nullptr;
 }
 
 bool flag(const char* name) {
@@ -108,10 +146,165 @@ struct Counts {
   }
 } counts;
 
-CUresult copy_bytes(CUdeviceptr d, CUdeviceptr s, size_t n) {
+// --- FAKE_CUDA_ASYNC: streams as worker threads (see the top) --------------------------------
+const bool async_mode = flag("FAKE_CUDA_ASYNC");
+
+struct Queue {
+  int device;
+  bool legacy;    // the device's legacy default stream (stream 0)
+  bool blocking;  // created without CU_STREAM_NON_BLOCKING: synchronises with the legacy stream
+  std::mutex m;
+  std::condition_variable cv;
+  std::deque<std::function<void()>> tasks;
+  unsigned long long pushed = 0, done = 0;
+  bool retired = false;
+  std::thread worker;
+
+  Queue(int d, bool l, bool b, unsigned seed) : device(d), legacy(l), blocking(b) {
+    worker = std::thread([this, seed] { run(seed); });
+  }
+  void run(unsigned seed) {
+    std::minstd_rand jitter(seed);
+    std::unique_lock<std::mutex> l(m);
+    for (;;) {
+      cv.wait(l, [&] { return retired || !tasks.empty(); });
+      if (tasks.empty()) return;  // retired and drained
+      auto task = std::move(tasks.front());
+      tasks.pop_front();
+      l.unlock();
+      std::this_thread::sleep_for(std::chrono::microseconds(jitter() % 100));
+      task();
+      l.lock();
+      done++;
+      cv.notify_all();
+    }
+  }
+  unsigned long long push(std::function<void()> task) {
+    std::lock_guard<std::mutex> g(m);
+    if (retired) {
+      std::fprintf(stderr, "fake CUDA: work queued on a destroyed stream\n");
+      std::abort();
+    }
+    tasks.push_back(std::move(task));
+    cv.notify_all();
+    return ++pushed;
+  }
+  unsigned long long queued() {
+    std::lock_guard<std::mutex> g(m);
+    return pushed;
+  }
+  bool reached(unsigned long long seq) {
+    std::lock_guard<std::mutex> g(m);
+    return done >= seq;
+  }
+  void wait(unsigned long long seq) {
+    std::unique_lock<std::mutex> l(m);
+    cv.wait(l, [&] { return done >= seq; });
+  }
+  // cuStreamDestroy: the queued work still runs; the thread ends. The Queue itself is kept (never
+  // freed), since events recorded on the stream may still be asked about.
+  void retire() {
+    {
+      std::lock_guard<std::mutex> g(m);
+      retired = true;
+      cv.notify_all();
+    }
+    worker.join();
+  }
+};
+
+std::mutex& streams_lock = *new std::mutex;
+std::vector<Queue*>& live_queues = *new std::vector<Queue*>;  // every stream not destroyed
+Queue* legacy_queues[8] = {};
+// The streams' jitter: different in every process unless FAKE_CUDA_SEED is set.
+unsigned seeds = std::getenv("FAKE_CUDA_SEED") ? unsigned(std::atoi(std::getenv("FAKE_CUDA_SEED")))
+                                               : std::random_device{}();
+
+Queue* legacy_queue(int device) {
+  std::lock_guard<std::mutex> g(streams_lock);
+  Queue*& q = legacy_queues[device];
+  if (!q) {
+    q = new Queue(device, true, true, seeds++);
+    live_queues.push_back(q);
+  }
+  return q;
+}
+
+// The queue of a stream handle; the default streams (0, 1 legacy, 2 per-thread — treated as the
+// legacy one) belong to `device`, or to the current context's when device < 0.
+Queue* queue_of(CUstream s, int device = -1) {
+  if ((uintptr_t)s > 2) return s->queue;
+  if (device < 0) device = current ? current->device : 0;
+  return legacy_queue(device);
+}
+
+// Queues `task` on `q` after the implicit synchronisation with the legacy default stream: work on
+// the legacy stream waits for the device's blocking streams, and theirs for the legacy stream.
+unsigned long long submit(Queue* q, std::function<void()> task) {
+  std::vector<std::pair<Queue*, unsigned long long>> fences;
+  {
+    std::lock_guard<std::mutex> g(streams_lock);
+    for (Queue* o : live_queues)
+      if (o != q && o->device == q->device && o->blocking && q->blocking && (o->legacy || q->legacy))
+        fences.emplace_back(o, o->queued());
+  }
+  for (auto& [o, seq] : fences)
+    if (!o->reached(seq)) {
+      q->push([o = o, seq = seq] { o->wait(seq); });
+    }
+  return q->push(std::move(task));
+}
+
+// Every stream of `device` (all devices when device < 0) has run what was queued so far.
+void drain(int device) {
+  std::vector<std::pair<Queue*, unsigned long long>> all;
+  {
+    std::lock_guard<std::mutex> g(streams_lock);
+    for (Queue* q : live_queues)
+      if (device < 0 || q->device == device) all.emplace_back(q, q->queued());
+  }
+  for (auto& [q, seq] : all) q->wait(seq);
+}
+
+int device_of_memory(const void* p) {
+  std::lock_guard<std::mutex> g(lock);
+  uintptr_t base = 0;
+  const Alloc* a = find((uintptr_t)p, &base);
+  return a ? a->device : -1;
+}
+
+// A copy on stream `s` (see the top for the pageable-memory rules); synchronous without
+// FAKE_CUDA_ASYNC.
+CUresult copy_bytes(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream stream) {
   counts.copies++;
-  if (!noexec) std::memmove((void*)d, (void*)s, n);
+  if (noexec) return OK;
+  if (!async_mode) {
+    std::memmove((void*)d, (void*)s, n);
+    return OK;
+  }
+  Queue* q = queue_of(stream);
+  bool from_pageable = !known((void*)s), to_pageable = !known((void*)d);
+  if (from_pageable && to_pageable) {
+    std::memmove((void*)d, (void*)s, n);
+  } else if (from_pageable) {  // staged now: the caller may reuse its buffer at once
+    auto staged = std::make_shared<std::vector<char>>((char*)s, (char*)s + n);
+    submit(q, [d, staged] { std::memcpy((void*)d, staged->data(), staged->size()); });
+  } else if (to_pageable) {  // returns once copied
+    q->wait(submit(q, [d, s, n] { std::memmove((void*)d, (void*)s, n); }));
+  } else {
+    submit(q, [d, s, n] { std::memmove((void*)d, (void*)s, n); });
+  }
   return OK;
+}
+
+// The synchronous cuMemcpy* calls: on the legacy stream, returning when done.
+CUresult copy_now(CUdeviceptr d, CUdeviceptr s, size_t n) {
+  CUresult rc = copy_bytes(d, s, n, nullptr);
+  if (async_mode) {
+    Queue* q = queue_of(nullptr);
+    q->wait(q->queued());
+  }
+  return rc;
 }
 
 // FAKE_CUDA_PEER (see the top); a malformed list aborts, so a test never runs on a wrong matrix.
@@ -172,23 +365,55 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext* c, CUdevice d) { *c = &primaries[d]
 CUresult cuDevicePrimaryCtxRelease_v2(CUdevice) { return OK; }
 CUresult cuCtxGetCurrent(CUcontext* c) { *c = current; return OK; }
 CUresult cuCtxSetCurrent(CUcontext c) { current = c; return OK; }
-CUresult cuCtxSynchronize() { counts.syncs++; return OK; }
+CUresult cuCtxSynchronize() {
+  counts.syncs++;
+  if (async_mode) drain(current ? current->device : 0);
+  return OK;
+}
 CUresult cuCtxEnablePeerAccess(CUcontext, unsigned) { return OK; }
 
-CUresult cuStreamCreate(CUstream* s, unsigned) {
+CUresult cuStreamCreate(CUstream* s, unsigned flags) {
   if (!current) return INVALID_CONTEXT;
-  *s = new FakeStream{current};
+  Queue* q = nullptr;
+  if (async_mode) {
+    std::lock_guard<std::mutex> g(streams_lock);
+    q = new Queue(current->device, false, !(flags & 1), seeds++);  // 1: CU_STREAM_NON_BLOCKING
+    live_queues.push_back(q);
+  }
+  *s = new FakeStream{current, q};
   return OK;
 }
 CUresult cuStreamCreateWithPriority(CUstream* s, unsigned f, int) { return cuStreamCreate(s, f); }
-CUresult cuStreamDestroy_v2(CUstream s) { delete s; return OK; }
-CUresult cuStreamSynchronize(CUstream) { counts.syncs++; return OK; }
+CUresult cuStreamDestroy_v2(CUstream s) {
+  if (Queue* q = s->queue) {
+    {
+      std::lock_guard<std::mutex> g(streams_lock);
+      live_queues.erase(std::find(live_queues.begin(), live_queues.end(), q));
+    }
+    q->retire();
+  }
+  delete s;
+  return OK;
+}
+CUresult cuStreamSynchronize(CUstream s) {
+  counts.syncs++;
+  if (async_mode) {
+    Queue* q = queue_of(s);
+    q->wait(q->queued());
+  }
+  return OK;
+}
 // Waits per waiting stream, for tests of which streams are made to wait.
 std::map<uintptr_t, long> waits_by_stream;
-CUresult cuStreamWaitEvent(CUstream s, CUevent, unsigned) {
+CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned) {
   counts.waits++;
-  std::lock_guard<std::mutex> g(lock);
-  waits_by_stream[(uintptr_t)s]++;
+  {
+    std::lock_guard<std::mutex> g(lock);
+    waits_by_stream[(uintptr_t)s]++;
+  }
+  // The event as recorded now: a later record does not change what this wait waits for.
+  if (Queue* on = e->queue; on && !on->reached(e->seq))
+    submit(queue_of(s), [on, seq = e->seq] { on->wait(seq); });
   return OK;
 }
 CUresult cuStreamGetCtx(CUstream s, CUcontext* c) {
@@ -204,37 +429,72 @@ CUresult cuStreamGetCtx(CUstream s, CUcontext* c) {
 
 CUresult cuEventCreate(CUevent* e, unsigned) { *e = new FakeEvent; return OK; }
 CUresult cuEventDestroy_v2(CUevent e) { delete e; return OK; }
-CUresult cuEventRecord(CUevent e, CUstream) { counts.records++; e->ms = now_ms(); return OK; }
-CUresult cuEventQuery(CUevent) { counts.queries++; return OK; }
-CUresult cuEventSynchronize(CUevent) { counts.syncs++; return OK; }
-CUresult cuEventElapsedTime(float* ms, CUevent a, CUevent b) { *ms = float(b->ms - a->ms); return OK; }
+CUresult cuEventRecord(CUevent e, CUstream s) {
+  counts.records++;
+  if (!async_mode) {
+    *e->ms = now_ms();
+    return OK;
+  }
+  Queue* q = queue_of(s);
+  e->seq = submit(q, [ms = e->ms] { *ms = now_ms(); });
+  e->queue = q;
+  return OK;
+}
+CUresult cuEventQuery(CUevent e) {
+  counts.queries++;
+  return !e->queue || e->queue->reached(e->seq) ? OK : NOT_READY;
+}
+CUresult cuEventSynchronize(CUevent e) {
+  counts.syncs++;
+  if (e->queue) e->queue->wait(e->seq);
+  return OK;
+}
+CUresult cuEventElapsedTime(float* ms, CUevent a, CUevent b) {
+  if (cuEventQuery(a) != OK || cuEventQuery(b) != OK) return NOT_READY;
+  *ms = float(b->ms->load() - a->ms->load());
+  return OK;
+}
 CUresult cuEventElapsedTime_v2(float* ms, CUevent a, CUevent b) { return cuEventElapsedTime(ms, a, b); }
 
 CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
   counts.allocs++;
   return remember((void**)p, n, true);
 }
+// cuMemFree waits for the device's work (the driver's implicit synchronisation), no other's.
 CUresult cuMemFree_v2(CUdeviceptr p) {
   counts.frees++;
+  if (async_mode) drain(device_of_memory((void*)p) < 0 ? 0 : device_of_memory((void*)p));
   return forget((void*)p);
 }
 CUresult cuMemAllocHost_v2(void** p, size_t n) { return remember(p, n, false); }
-CUresult cuMemFreeHost(void* p) { return forget(p); }
-CUresult cuMemsetD8_v2(CUdeviceptr p, unsigned char v, size_t n) {
+CUresult cuMemFreeHost(void* p) {
+  if (async_mode) drain(-1);
+  return forget(p);
+}
+CUresult memset_on(CUdeviceptr p, unsigned char v, size_t n, CUstream s) {
   counts.memsets++;
-  if (!noexec) std::memset((void*)p, v, n);
+  if (noexec) return OK;
+  if (async_mode) submit(queue_of(s), [p, v, n] { std::memset((void*)p, v, n); });
+  else std::memset((void*)p, v, n);
   return OK;
 }
-CUresult cuMemsetD8Async(CUdeviceptr p, unsigned char v, size_t n, CUstream) { return cuMemsetD8_v2(p, v, n); }
-CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream) { return copy_bytes(d, s, n); }
-CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void* s, size_t n) { return copy_bytes(d, (CUdeviceptr)s, n); }
-CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* s, size_t n, CUstream) { return cuMemcpyHtoD_v2(d, s, n); }
-CUresult cuMemcpyDtoH_v2(void* d, CUdeviceptr s, size_t n) { return copy_bytes((CUdeviceptr)d, s, n); }
-CUresult cuMemcpyDtoHAsync_v2(void* d, CUdeviceptr s, size_t n, CUstream) { return cuMemcpyDtoH_v2(d, s, n); }
-CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n) { return copy_bytes(d, s, n); }
-CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream) { return copy_bytes(d, s, n); }
-CUresult cuMemcpyPeerAsync(CUdeviceptr d, CUcontext, CUdeviceptr s, CUcontext, size_t n, CUstream) {
-  return copy_bytes(d, s, n);
+CUresult cuMemsetD8_v2(CUdeviceptr p, unsigned char v, size_t n) { return memset_on(p, v, n, nullptr); }
+CUresult cuMemsetD8Async(CUdeviceptr p, unsigned char v, size_t n, CUstream s) { return memset_on(p, v, n, s); }
+CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) { return copy_bytes(d, s, n, st); }
+CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void* s, size_t n) { return copy_now(d, (CUdeviceptr)s, n); }
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* s, size_t n, CUstream st) {
+  return copy_bytes(d, (CUdeviceptr)s, n, st);
+}
+CUresult cuMemcpyDtoH_v2(void* d, CUdeviceptr s, size_t n) { return copy_now((CUdeviceptr)d, s, n); }
+CUresult cuMemcpyDtoHAsync_v2(void* d, CUdeviceptr s, size_t n, CUstream st) {
+  return copy_bytes((CUdeviceptr)d, s, n, st);
+}
+CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n) { return copy_now(d, s, n); }
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) {
+  return copy_bytes(d, s, n, st);
+}
+CUresult cuMemcpyPeerAsync(CUdeviceptr d, CUcontext, CUdeviceptr s, CUcontext, size_t n, CUstream st) {
+  return copy_bytes(d, s, n, st);
 }
 
 CUresult cuPointerGetAttribute(void* out, int attribute, CUdeviceptr p) {
@@ -271,9 +531,11 @@ CUresult cuModuleGetFunction(CUfunction* f, CUmodule, const char* name) {
   return *f ? OK : NOT_FOUND;
 }
 CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned, unsigned, unsigned bx, unsigned,
-                        unsigned, unsigned, CUstream, void** params, void**) {
+                        unsigned, unsigned, CUstream s, void** params, void**) {
   counts.launches++;
-  if (!noexec) dpsync_emu_launch(f, gx, bx, params);
+  if (noexec) return OK;
+  if (async_mode) submit(queue_of(s), dpsync_emu_bind(f, gx, bx, params));
+  else dpsync_emu_launch(f, gx, bx, params);
   return OK;
 }
 
@@ -293,6 +555,12 @@ long fake_cuda_waits_on(void* s) {
   std::lock_guard<std::mutex> g(lock);
   auto it = waits_by_stream.find((uintptr_t)s);
   return it == waits_by_stream.end() ? 0 : it->second;
+}
+// For the fake NCCL: whether streams are asynchronous (FAKE_CUDA_ASYNC=1), and queueing its ops
+// on a stream (a default stream: `device`'s).
+int fake_cuda_async() { return async_mode; }
+void fake_cuda_enqueue(void* s, int device, void (*fn)(void*), void* arg) {
+  submit(queue_of((CUstream)s, device), [fn, arg] { fn(arg); });
 }
 // The current context's device, or -1 when none is current.
 int fake_cuda_current_device() { return current ? current->device : -1; }

@@ -12,8 +12,9 @@
 // current context must be that device's. A destroyed or aborted communicator used again aborts
 // the process (a use-after-free in real NCCL); they are kept as tombstones, never freed.
 //
-// What it cannot prove: anything about real NCCL's transports, speed or asynchrony. Ops run
-// synchronously, in the calling thread, at group end; ranks are matched inside one thread's group
+// What it cannot prove: anything about real NCCL's transports or speed. Ops run synchronously,
+// in the calling thread, at group end — or, under the fake driver's FAKE_CUDA_ASYNC=1, on their
+// streams once every rank's stream reaches them (a deadlock there aborts after 60 s); ranks are matched inside one thread's group
 // (one thread driving every rank, as dpsync does), so one-thread-per-rank use does not work here.
 // Non-blocking communicators (config->blocking == 0) report ncclInProgress from
 // ncclCommGetAsyncError once after init and after every group that touched them, then success, so
@@ -27,7 +28,9 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
@@ -66,7 +69,10 @@ struct Comm {
 };
 struct Clique { int nranks = 0; std::vector<Comm*> ranks; };
 // An op as queued: arg is the reduction op, the broadcast root or the peer.
-struct Op { Kind kind; Comm* comm; const void* send; void* recv; size_t count; int dtype, arg; };
+struct Op {
+  Kind kind; Comm* comm; const void* send; void* recv; size_t count; int dtype, arg;
+  void* stream = nullptr;
+};
 
 std::mutex mu;  // guards everything below; every entry point takes it
 std::map<std::string, Clique*> cliques;  // by unique id; like the comms, never freed
@@ -115,6 +121,8 @@ struct Cuda {
   int (*device_of)(const void*, size_t);
   int (*current_device)();
   int (*stream_device)(void*);
+  int (*async)();
+  void (*enqueue)(void*, int, void (*)(void*), void*);
 };
 void* cuda_sym(const char* name) {
   if (void* p = dlsym(RTLD_DEFAULT, name)) return p;
@@ -128,8 +136,10 @@ const Cuda* cuda(Comm* c) {
   if (!api.device_of) {
     Cuda got{(int (*)(const void*, size_t))cuda_sym("fake_cuda_device_of"),
              (int (*)())cuda_sym("fake_cuda_current_device"),
-             (int (*)(void*))cuda_sym("fake_cuda_stream_device")};
-    if (!got.device_of || !got.current_device || !got.stream_device) {
+             (int (*)(void*))cuda_sym("fake_cuda_stream_device"),
+             (int (*)())cuda_sym("fake_cuda_async"),
+             (void (*)(void*, int, void (*)(void*), void*))cuda_sym("fake_cuda_enqueue")};
+    if (!got.device_of || !got.current_device || !got.stream_device || !got.async || !got.enqueue) {
       fail(c, UnhandledCudaError,
            "fake NCCL: the fake CUDA driver's fake_cuda_* helpers were not found; load "
            "target/fakecuda/libcuda.so.1 before using the fake NCCL");
@@ -374,6 +384,54 @@ void execute(const Plan& p) {
     if (!data.empty()) std::memcpy(to, data.data(), data.size());
 }
 
+// Under FAKE_CUDA_ASYNC: one clique's ops of a group, queued on every stream they name and run
+// once all those streams reached them (as NCCL's kernels wait for their peers), by the last
+// stream to arrive; the others wait until it is done. A stream that waits 60 s is a deadlock on
+// a GPU too (say, one rank's stream waits for an event recorded after its peer's collective).
+struct Launch {
+  std::vector<Op> ops;  // fixed before `plan` points into it
+  Plan plan;
+  std::mutex m;
+  std::condition_variable cv;
+  size_t streams = 0, arrived = 0, left = 0;
+  bool done = false;
+};
+
+void arrive(void* arg) {
+  auto* l = static_cast<Launch*>(arg);
+  std::unique_lock<std::mutex> g(l->m);
+  if (++l->arrived == l->streams) {
+    g.unlock();
+    execute(l->plan);
+    g.lock();
+    l->done = true;
+    l->cv.notify_all();
+  } else if (!l->cv.wait_for(g, std::chrono::seconds(60), [&] { return l->done; })) {
+    std::fprintf(stderr, "fake NCCL: a %s of the group waited 60 s for the other ranks' streams "
+                 "(%zu of %zu arrived): the ranks' streams wait for each other, a deadlock on a "
+                 "GPU too\n", kind_name[l->ops[0].kind], l->arrived, l->streams);
+    std::abort();
+  }
+  bool last = ++l->left == l->streams;
+  g.unlock();
+  if (last) delete l;
+}
+
+void launch_on_streams(Clique* q, const std::vector<const Op*>& ops, const Cuda* cu) {
+  auto* l = new Launch;
+  for (const Op* o : ops) l->ops.push_back(*o);
+  std::vector<const Op*> mine;
+  for (const Op& o : l->ops) mine.push_back(&o);
+  match(q, mine, l->plan);  // matched before: cannot fail now
+  std::vector<std::pair<void*, int>> streams;  // (stream, device of a default stream)
+  for (const Op& o : l->ops) {
+    std::pair<void*, int> at{o.stream, o.comm->device};
+    if (std::find(streams.begin(), streams.end(), at) == streams.end()) streams.push_back(at);
+  }
+  l->streams = streams.size();
+  for (auto [stream, device] : streams) cu->enqueue(stream, device, arrive, l);
+}
+
 // Runs the calling thread's group (the outermost ncclGroupEnd, or one call outside a group).
 int run_group() {
   Group g = std::move(group);
@@ -410,7 +468,9 @@ int run_group() {
       std::fprintf(stderr, "fake NCCL: FAKE_NCCL_FAULT=%s: expected hang or error\n", env);
       std::abort();
     }
-    execute(p);
+    const Cuda* cu = ops.empty() ? nullptr : cuda(ops[0]->comm);
+    if (cu && cu->async()) launch_on_streams(q, ops, cu);
+    else execute(p);
     if (fault == "hang")
       for (const Op* o : ops) o->comm->hang = true;
   }
@@ -435,7 +495,10 @@ int submit(const Op& o, void* stream) {
                 fmt("fake NCCL: %s on a null communicator", kind_name[o.kind]));
   live(o.comm);
   int rc = check_op(o, stream);
-  if (rc == Success) group.ops.push_back(o);
+  if (rc == Success) {
+    group.ops.push_back(o);
+    group.ops.back().stream = stream;
+  }
   else group.broken.emplace(o.comm->clique, o.comm->last);
   group.touched.push_back(o.comm);
   if (depth > 0) return rc;

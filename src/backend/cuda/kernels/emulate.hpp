@@ -10,8 +10,11 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -19,12 +22,14 @@
 #define __device__
 #define __forceinline__ inline
 #define __global__
-// One block runs at a time, so a function-local static is the block's shared memory.
-#define __shared__ static
+// A launch runs in one OS thread, one block at a time (launches on different threads run
+// concurrently, as kernels on different streams do), so a function-local thread_local is the
+// block's shared memory, and the launch's dimensions are thread_local too.
+#define __shared__ static thread_local
 
 struct dim3_t { unsigned x = 0, y = 0, z = 0; };
 static thread_local dim3_t blockIdx, threadIdx;
-static dim3_t blockDim, gridDim;
+static thread_local dim3_t blockDim, gridDim;
 
 namespace emu {
 // The running block's coroutines: the scheduler's context and one per CUDA thread.
@@ -35,18 +40,39 @@ struct Block {
   std::vector<bool> done;
   unsigned running = 0;
 };
-inline Block& block() {
-  static Block b;
-  return b;
-}
+// Blocks (each with its coroutine stacks, 256 KiB per CUDA thread) are kept for reuse by later
+// launches on any thread; a launch holds one.
+inline thread_local Block* running_block = nullptr;
+inline Block& block() { return *running_block; }
+struct Lease {
+  static std::mutex& lock() {
+    static std::mutex m;
+    return m;
+  }
+  static std::vector<Block*>& free() {
+    static std::vector<Block*> f;
+    return f;
+  }
+  Lease() {
+    std::lock_guard<std::mutex> g(lock());
+    if (free().empty()) {
+      running_block = new Block;
+    } else {
+      running_block = free().back();
+      free().pop_back();
+    }
+  }
+  ~Lease() {
+    std::lock_guard<std::mutex> g(lock());
+    free().push_back(running_block);
+    running_block = nullptr;
+  }
+};
 using Entry = std::function<void(void**)>;
 inline std::map<std::string, Entry>& registry() {
   static std::map<std::string, Entry> r;
   return r;
 }
-struct Reg {
-  Reg(const char* name, Entry e) { registry().emplace(name, std::move(e)); }
-};
 template <class... A, std::size_t... I>
 void call(void (*f)(A...), void** p, std::index_sequence<I...>) {
   f(*static_cast<A*>(p[I])...);
@@ -55,6 +81,28 @@ template <class... A>
 Entry entry(void (*f)(A...)) {
   return [f](void** p) { call(f, p, std::index_sequence_for<A...>{}); };
 }
+// A launch queued for later (the fake driver's FAKE_CUDA_ASYNC streams): cuLaunchKernel copies
+// the argument values at the call, as the real driver does, so the caller's may go away.
+using Bound = std::function<void()>;
+using Binder = std::function<Bound(const Entry*, unsigned, unsigned, void**)>;
+inline std::map<const Entry*, Binder>& binders() {
+  static std::map<const Entry*, Binder> b;
+  return b;
+}
+template <class... A, std::size_t... I>
+Bound bind(const Entry* e, unsigned grid, unsigned block, void** p, std::index_sequence<I...>);
+template <class... A>
+Binder binder(void (*)(A...)) {
+  return [](const Entry* e, unsigned grid, unsigned block, void** p) {
+    return bind<std::decay_t<A>...>(e, grid, block, p, std::index_sequence_for<A...>{});
+  };
+}
+struct Reg {
+  Reg(const char* name, Entry e, Binder b) {
+    const Entry* at = &registry().emplace(name, std::move(e)).first->second;
+    binders().emplace(at, std::move(b));
+  }
+};
 }  // namespace emu
 
 // Back to the scheduler, which runs every other thread of the block up to this barrier first.
@@ -83,7 +131,8 @@ inline unsigned long long atomicMin(unsigned long long* p, unsigned long long v)
   return old;
 }
 
-#define DPSYNC_KERNEL(name) static emu::Reg emu_reg_##name(#name, emu::entry(&name));
+#define DPSYNC_KERNEL(name) \
+  static emu::Reg emu_reg_##name(#name, emu::entry(&name), emu::binder(&name));
 
 // The emulator's C entry points (src/backend/cuda/emulate.rs).
 extern "C" const void* dpsync_emu_find(const char* name) {
@@ -92,8 +141,8 @@ extern "C" const void* dpsync_emu_find(const char* name) {
 }
 
 namespace emu {
-inline const Entry* launching = nullptr;
-inline void** launch_params = nullptr;
+inline thread_local const Entry* launching = nullptr;
+inline thread_local void** launch_params = nullptr;
 inline void thread_main() {
   (*launching)(launch_params);
   block().done[block().running] = true;  // returns to the scheduler through uc_link
@@ -102,9 +151,7 @@ inline void thread_main() {
 
 extern "C" void dpsync_emu_launch(const void* kernel, unsigned grid, unsigned block,
                                   void** params) {
-  // One launch at a time: the grid dimensions, the coroutines and the "shared memory" are global.
-  static std::mutex one_at_a_time;
-  std::lock_guard<std::mutex> lock(one_at_a_time);
+  emu::Lease lease;
   emu::launching = static_cast<const emu::Entry*>(kernel);
   emu::launch_params = params;
   gridDim.x = grid;
@@ -136,4 +183,22 @@ extern "C" void dpsync_emu_launch(const void* kernel, unsigned grid, unsigned bl
       }
     }
   }
+}
+
+namespace emu {
+template <class... A, std::size_t... I>
+Bound bind(const Entry* e, unsigned grid, unsigned block, void** p, std::index_sequence<I...>) {
+  auto args = std::make_shared<std::tuple<A...>>(*static_cast<A*>(p[I])...);
+  return [e, grid, block, args] {
+    void* q[sizeof...(A) + 1] = {static_cast<void*>(&std::get<I>(*args))..., nullptr};
+    dpsync_emu_launch(e, grid, block, q);
+  };
+}
+}  // namespace emu
+
+// The launch `kernel<<<grid, block>>>(params...)` with its arguments copied, to run later.
+inline std::function<void()> dpsync_emu_bind(const void* kernel, unsigned grid, unsigned block,
+                                             void** params) {
+  auto e = static_cast<const emu::Entry*>(kernel);
+  return emu::binders().at(e)(e, grid, block, params);
 }
