@@ -702,13 +702,13 @@ impl Collective {
 
 /// Every dense collective in stream order, each replica with its own caller stream: a kernel on
 /// replica r's stream writes r + 1 into its tensor (on one replica, in turn each, it spins for
-/// ~50 ms first); the collective is issued; a kernel on the same stream copies the tensor out. No
+/// ~0.2 s first); the collective is issued; a kernel on the same stream copies the tensor out. No
 /// host synchronisation in between, so the copies see the result only if dpsync waited for every
 /// replica's stream and made every one wait for its work. (Trivial on the synchronous fake
 /// driver; it bites on a GPU and under FAKE_CUDA_ASYNC=1.) False when `transport` is not
 /// available here.
 fn every_collective_in_stream_order(test: &str, ordinals: &[i32], transport: u32) -> bool {
-    let n = 1usize << 14;
+    let n = 1usize << 12;
     let cfg = LaunchConfig::for_num_elems(n as u32);
     let collectives = [
         Collective::Grads,
@@ -736,7 +736,7 @@ fn every_collective_in_stream_order(test: &str, ordinals: &[i32], transport: u32
             replicas.push((spin_kernels(&dev), stream, t, out));
         }
         for (r, (k, stream, t, _)) in replicas.iter().enumerate() {
-            let cycles: i64 = if r == slow { 100_000_000 } else { 0 }; // ~50 ms at 2 GHz
+            let cycles: i64 = if r == slow { 400_000_000 } else { 0 }; // ~0.2 s at 2 GHz
             let (nn, v) = (n as u64, (r + 1) as f32);
             let mut b = stream.launch_builder(&k.fill);
             b.arg(t).arg(&nn).arg(&v).arg(&cycles);

@@ -206,55 +206,59 @@ fn bmuf_over_two_nccl_ranks_on_one_gpu_when_enabled() {
     assert!(two_replicas_give_the_host_bytes(&gpu, &[0, 0], T_NCCL));
 }
 
-/// The update runs in stream order: a kernel on the caller's stream that spins before it writes
-/// the params, then bmuf_step, then a kernel that copies the params out, with no host sync in
-/// between, sees the filtered params.
+/// The update runs in stream order, each replica with its own caller stream: a kernel on replica
+/// r's stream writes r + 1 into its params (on one replica, in turn each, it spins ~0.2 s
+/// first), then bmuf_step, then a kernel on the same stream copies the params out, with no host
+/// sync in between: every copy sees the filtered params.
 #[test]
-fn bmuf_step_is_ordered_by_the_callers_stream() {
-    use common::gpu::{dptr, gpu, spin_kernels};
+fn bmuf_step_is_ordered_by_each_replicas_stream() {
+    use common::gpu::{dptr, gpu, set_stream, spin_kernels};
     use cudarc::driver::{LaunchConfig, PushKernelArg};
-    let Some(ctx) = cuda_context(
-        "bmuf_step_is_ordered_by_the_callers_stream",
-        &[0, 0],
-        |_| {},
-    ) else {
-        return;
-    };
-    let dev = gpu();
-    let stream = dev.default_stream();
-    let spin = spin_kernels(&dev);
-    let n = 1usize << 16;
-    let params: Vec<_> = (0..2)
-        .map(|_| stream.alloc_zeros::<f32>(n).unwrap())
-        .collect();
-    let out = stream.alloc_zeros::<f32>(n).unwrap();
-    for (r, p) in params.iter().enumerate() {
-        common::gpu::register_device(&ctx, "w", PARAM, r, dptr(&stream, p), n, F32);
-    }
-    stream.synchronize().unwrap();
-    // W = 0, D = 0. Block: replica r's params become r + 1 (mean 1.5); classical momentum 0.5,
-    // block_lr 1: D = 1.5, W = 1.5, params = 1.5.
-    check(ctx.bmuf_init(1.0, 0.5, false), "bmuf_init");
+    let test = "bmuf_step_is_ordered_by_each_replicas_stream";
+    let n = 1usize << 12;
     let cfg = LaunchConfig::for_num_elems(n as u32);
-    for (r, p) in params.iter().enumerate() {
-        let value = (r + 1) as f32;
-        let cycles: i64 = 200_000_000; // ~0.1 s: long enough that an unordered read sees 0
-        let nn = n as u64;
-        let mut launch = stream.launch_builder(&spin.fill);
-        launch.arg(p).arg(&nn).arg(&value).arg(&cycles);
-        // SAFETY: the kernel's signature.
-        unsafe { launch.launch(cfg) }.unwrap();
+    for slow in 0..2 {
+        let Some(ctx) = cuda_context(test, &[0, 0], |_| {}) else {
+            return;
+        };
+        let dev = gpu();
+        let spin = spin_kernels(&dev);
+        let mut replicas = Vec::new();
+        for r in 0..2 {
+            let stream = dev.new_stream().unwrap();
+            let p = stream.alloc_zeros::<f32>(n).unwrap();
+            let out = stream.alloc_zeros::<f32>(n).unwrap();
+            stream.synchronize().unwrap();
+            common::gpu::register_device(&ctx, "w", PARAM, r, dptr(&stream, &p), n, F32);
+            set_stream(&ctx, r, &stream);
+            replicas.push((stream, p, out));
+        }
+        // W = 0, D = 0. Block: replica r's params become r + 1 (mean 1.5); classical momentum
+        // 0.5, block_lr 1: D = 1.5, W = 1.5, params = 1.5.
+        check(ctx.bmuf_init(1.0, 0.5, false), "bmuf_init");
+        for (r, (stream, p, _)) in replicas.iter().enumerate() {
+            let value = (r + 1) as f32;
+            let cycles: i64 = if r == slow { 400_000_000 } else { 0 }; // ~0.2 s at 2 GHz
+            let nn = n as u64;
+            let mut launch = stream.launch_builder(&spin.fill);
+            launch.arg(p).arg(&nn).arg(&value).arg(&cycles);
+            // SAFETY: the kernel's signature.
+            unsafe { launch.launch(cfg) }.unwrap();
+        }
+        check(ctx.bmuf_step(), "bmuf_step");
+        for (r, (stream, p, out)) in replicas.iter().enumerate() {
+            let nn = n as u64;
+            let mut launch = stream.launch_builder(&spin.copy);
+            launch.arg(p).arg(out).arg(&nn);
+            // SAFETY: the kernel's signature.
+            unsafe { launch.launch(cfg) }.unwrap();
+            let got = stream.clone_dtoh(out).unwrap();
+            assert!(
+                got.iter().all(|x| *x == 1.5),
+                "replica {slow} slow: replica {r}'s stream read {:?}",
+                &got[..4]
+            );
+        }
+        check(common::gpu::synchronize(&ctx), "synchronize");
     }
-    check(ctx.bmuf_step(), "bmuf_step");
-    let nn = n as u64;
-    let mut launch = stream.launch_builder(&spin.copy);
-    launch.arg(&params[1]).arg(&out).arg(&nn);
-    // SAFETY: the kernel's signature.
-    unsafe { launch.launch(cfg) }.unwrap();
-    let got = stream.clone_dtoh(&out).unwrap();
-    assert!(
-        got.iter().all(|x| *x == 1.5),
-        "first elements {:?}",
-        &got[..4]
-    );
 }

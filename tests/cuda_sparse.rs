@@ -345,7 +345,7 @@ fn coalesced_steps_reuse_device_memory_once_warm() {
 }
 
 /// The gather in stream order, each replica with its own caller stream: on replica r's stream a
-/// kernel writes r + 1 into the slice's values and (as bits) its indices, spinning ~50 ms first
+/// kernel writes r + 1 into the slice's values and (as bits) its indices, spinning ~0.2 s first
 /// on one replica, in turn each; `allreduce_grads` gathers; a kernel on the same stream copies
 /// the gathered slice out. No host synchronisation in between (trivial on the synchronous fake
 /// driver; it bites on a GPU and under FAKE_CUDA_ASYNC=1). False when `transport` is not
@@ -386,7 +386,7 @@ fn gather_in_stream_order(test: &str, ordinals: &[i32], transport: u32, coalesce
                 // SAFETY: arguments match the kernel.
                 unsafe { b.launch(LaunchConfig::for_num_elems(n as u32)) }.unwrap();
             };
-            fill(&indices, rows, if r == slow { 100_000_000 } else { 0 }); // ~50 ms at 2 GHz
+            fill(&indices, rows, if r == slow { 400_000_000 } else { 0 }); // ~0.2 s at 2 GHz
             fill(&values, rows * row_len, 0);
             replicas.push((k, stream, indices, values));
         }
