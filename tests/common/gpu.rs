@@ -320,7 +320,7 @@ pub fn encode(dtype: DType, v: &[f64]) -> Vec<u8> {
 /// mode, where every launch and copy is complete when the call returns: tests of asynchrony
 /// (timeouts, stream-order negative controls) need a real GPU or the fake's FAKE_CUDA_ASYNC=1
 /// (streams as worker threads; scripts/fake-cuda.sh runs the GPU tests both ways).
-pub fn needs_real_gpu(test: &str) -> bool {
+pub fn needs_async_streams(test: &str) -> bool {
     let env = |k: &str| std::env::var(k).as_deref() == Ok("1");
     let synchronous = env("DPSYNC_FAKE_CUDA") && !env("FAKE_CUDA_ASYNC");
     if synchronous {

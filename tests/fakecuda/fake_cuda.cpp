@@ -116,13 +116,6 @@ CUresult forget(void* p) {
   return OK;
 }
 
-// Device or pinned host memory the driver allocated (not pageable host memory).
-bool known(const void* p) {
-  std::lock_guard<std::mutex> g(lock);
-  uintptr_t base = 0;
-  return find((uintptr_t)p, &base) != nullptr;
-}
-
 bool flag(const char* name) {
   const char* v = std::getenv(name);
   return v && v[0] == '1';
@@ -266,6 +259,8 @@ void drain(int device) {
   for (auto& [q, seq] : all) q->wait(seq);
 }
 
+// The device of memory the driver allocated (device or pinned host memory), or -1 for pageable
+// host memory.
 int device_of_memory(const void* p) {
   std::lock_guard<std::mutex> g(lock);
   uintptr_t base = 0;
@@ -273,7 +268,7 @@ int device_of_memory(const void* p) {
   return a ? a->device : -1;
 }
 
-// A copy on stream `s` (see the top for the pageable-memory rules); synchronous without
+// A copy on `stream` (see the top for the pageable-memory rules); synchronous without
 // FAKE_CUDA_ASYNC.
 CUresult copy_bytes(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream stream) {
   counts.copies++;
@@ -283,7 +278,7 @@ CUresult copy_bytes(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream stream) {
     return OK;
   }
   Queue* q = queue_of(stream);
-  bool from_pageable = !known((void*)s), to_pageable = !known((void*)d);
+  bool from_pageable = device_of_memory((void*)s) < 0, to_pageable = device_of_memory((void*)d) < 0;
   if (from_pageable && to_pageable) {
     std::memmove((void*)d, (void*)s, n);
   } else if (from_pageable) {  // staged now: the caller may reuse its buffer at once
@@ -440,9 +435,10 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
   e->queue = q;
   return OK;
 }
+bool complete(CUevent e) { return !e->queue || e->queue->reached(e->seq); }
 CUresult cuEventQuery(CUevent e) {
   counts.queries++;
-  return !e->queue || e->queue->reached(e->seq) ? OK : NOT_READY;
+  return complete(e) ? OK : NOT_READY;
 }
 CUresult cuEventSynchronize(CUevent e) {
   counts.syncs++;
@@ -450,7 +446,7 @@ CUresult cuEventSynchronize(CUevent e) {
   return OK;
 }
 CUresult cuEventElapsedTime(float* ms, CUevent a, CUevent b) {
-  if (cuEventQuery(a) != OK || cuEventQuery(b) != OK) return NOT_READY;
+  if (!complete(a) || !complete(b)) return NOT_READY;
   *ms = float(b->ms->load() - a->ms->load());
   return OK;
 }
@@ -463,7 +459,7 @@ CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
 // cuMemFree waits for the device's work (the driver's implicit synchronisation), no other's.
 CUresult cuMemFree_v2(CUdeviceptr p) {
   counts.frees++;
-  if (async_mode) drain(device_of_memory((void*)p) < 0 ? 0 : device_of_memory((void*)p));
+  if (async_mode) drain(std::max(device_of_memory((void*)p), 0));
   return forget((void*)p);
 }
 CUresult cuMemAllocHost_v2(void** p, size_t n) { return remember(p, n, false); }

@@ -14,8 +14,9 @@
 //
 // What it cannot prove: anything about real NCCL's transports or speed. Ops run synchronously,
 // in the calling thread, at group end — or, under the fake driver's FAKE_CUDA_ASYNC=1, on their
-// streams once every rank's stream reaches them (a deadlock there aborts after 60 s); ranks are matched inside one thread's group
-// (one thread driving every rank, as dpsync does), so one-thread-per-rank use does not work here.
+// streams once every rank's stream reaches them (a deadlock there aborts after 60 s). Ranks are
+// matched inside one thread's group (one thread driving every rank, as dpsync does), so
+// one-thread-per-rank use does not work here.
 // Non-blocking communicators (config->blocking == 0) report ncclInProgress from
 // ncclCommGetAsyncError once after init and after every group that touched them, then success, so
 // the callers' polling loops run; their ncclGroupEnd returns ncclInProgress, as real NCCL may.
@@ -498,8 +499,9 @@ int submit(const Op& o, void* stream) {
   if (rc == Success) {
     group.ops.push_back(o);
     group.ops.back().stream = stream;
+  } else {
+    group.broken.emplace(o.comm->clique, o.comm->last);
   }
-  else group.broken.emplace(o.comm->clique, o.comm->last);
   group.touched.push_back(o.comm);
   if (depth > 0) return rc;
   int end = run_group();
