@@ -25,6 +25,16 @@
 // at most 8). FAKE_CUDA_PEER sets which devices can access each other: unset, every pair of
 // distinct devices; "0", none; a list of pairs such as "1-2,0-3", exactly those pairs (both ways).
 //
+// In both modes the fake enforces the driver's context rules for several devices, as the CUDA
+// programming guide states them (wrong results would not reveal a breach): an event is recorded only
+// on a stream of its own context; a kernel launches only from a module loaded in the current
+// context, on a stream of that context; allocations, events, default streams and
+// cuCtxSynchronize need a current context; peer access is enabled only where
+// cuDeviceCanAccessPeer allows it, and enabling it twice is CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED.
+// A breach returns the driver's error and names the rule on stderr. Not checked: that a kernel
+// reads another device's memory only with peer access enabled (the emulator dereferences
+// whatever pointers it is given).
+//
 // FAKE_CUDA_NOEXEC=1 skips the work itself (kernels, copies, memsets), so that a benchmark on
 // the fake measures dpsync's own host-side cost of issuing work; FAKE_CUDA_STATS=1 prints, at
 // exit, how many driver calls of each kind were made (benches/cuda_allreduce.rs --issue).
@@ -46,6 +56,8 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <set>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -59,17 +71,21 @@ struct FakeStream { CUcontext ctx; Queue* queue; };  // queue: FAKE_CUDA_ASYNC o
 typedef FakeStream* CUstream;
 // Where the event was last recorded (FAKE_CUDA_ASYNC): complete once `queue` ran `seq` tasks.
 struct FakeEvent {
+  CUcontext ctx;  // the current context at cuEventCreate
   Queue* queue = nullptr;
   unsigned long long seq = 0;
   std::shared_ptr<std::atomic<double>> ms = std::make_shared<std::atomic<double>>(0.0);
 };
 typedef FakeEvent* CUevent;
-typedef void* CUmodule;
-typedef const void* CUfunction;
+// A module is loaded into the current context; its functions launch only from that context.
+struct FakeFunction { const void* kernel; CUcontext ctx; };
+struct FakeModule { CUcontext ctx; std::map<std::string, FakeFunction> functions; };
+typedef FakeModule* CUmodule;
+typedef FakeFunction* CUfunction;
 
 enum : int {
-  OK = 0, INVALID_VALUE = 1, INVALID_DEVICE = 101, INVALID_CONTEXT = 201, NOT_FOUND = 500,
-  NOT_READY = 600, PEER_ALREADY = 704
+  OK = 0, INVALID_VALUE = 1, INVALID_DEVICE = 101, INVALID_CONTEXT = 201, PEER_UNSUPPORTED = 217,
+  INVALID_HANDLE = 400, NOT_FOUND = 500, NOT_READY = 600, PEER_ALREADY = 704
 };
 
 namespace {
@@ -95,8 +111,9 @@ const Alloc* find(uintptr_t p, uintptr_t* base) {
   return &it->second;
 }
 
+// Device and page-locked host memory alike belong to the current context.
 CUresult remember(void** out, size_t bytes, bool device_memory) {
-  if (!current && device_memory) return INVALID_CONTEXT;
+  if (!current) return INVALID_CONTEXT;
   void* p = std::aligned_alloc(256, ((bytes ? bytes : 1) + 255) / 256 * 256);
   if (!p) return 2;  // CUDA_ERROR_OUT_OF_MEMORY
   std::lock_guard<std::mutex> g(lock);
@@ -323,6 +340,21 @@ double now_ms() {
   using namespace std::chrono;
   return duration<double, std::milli>(steady_clock::now().time_since_epoch()).count();
 }
+
+// The context of a stream; the default streams (0, 1 legacy, 2 per-thread) are the current
+// context's, so nullptr when none is current.
+CUcontext context_of(CUstream s) { return (uintptr_t)s <= 2 ? current : s->ctx; }
+
+// A breach of the driver's context rules (see the top): the driver's error, and why on stderr,
+// since the caller (dpsync) only reports the code.
+CUresult misuse(CUresult code, const char* call, const char* rule) {
+  std::fprintf(stderr, "fake CUDA: %s: %s\n", call, rule);
+  return code;
+}
+
+// Pairs (from device, to device) whose peer access was enabled: process-wide, as primary
+// contexts are.
+std::set<std::pair<int, int>> enabled_peers;
 }  // namespace
 
 extern "C" {
@@ -361,11 +393,22 @@ CUresult cuDevicePrimaryCtxRelease_v2(CUdevice) { return OK; }
 CUresult cuCtxGetCurrent(CUcontext* c) { *c = current; return OK; }
 CUresult cuCtxSetCurrent(CUcontext c) { current = c; return OK; }
 CUresult cuCtxSynchronize() {
+  if (!current) return misuse(INVALID_CONTEXT, "cuCtxSynchronize", "no current context");
   counts.syncs++;
-  if (async_mode) drain(current ? current->device : 0);
+  if (async_mode) drain(current->device);
   return OK;
 }
-CUresult cuCtxEnablePeerAccess(CUcontext, unsigned) { return OK; }
+CUresult cuCtxEnablePeerAccess(CUcontext peer, unsigned flags) {
+  if (!current) return misuse(INVALID_CONTEXT, "cuCtxEnablePeerAccess", "no current context");
+  if (flags) return misuse(INVALID_VALUE, "cuCtxEnablePeerAccess", "flags must be 0");
+  if (!peer || peer->device == current->device)
+    return misuse(INVALID_DEVICE, "cuCtxEnablePeerAccess", "the peer is the current device");
+  if (!peer_access(current->device, peer->device))
+    return misuse(PEER_UNSUPPORTED, "cuCtxEnablePeerAccess",
+                  "cuDeviceCanAccessPeer says this pair has no peer access");
+  std::lock_guard<std::mutex> g(lock);
+  return enabled_peers.insert({current->device, peer->device}).second ? OK : PEER_ALREADY;
+}
 
 CUresult cuStreamCreate(CUstream* s, unsigned flags) {
   if (!current) return INVALID_CONTEXT;
@@ -401,6 +444,8 @@ CUresult cuStreamSynchronize(CUstream s) {
 // Waits per waiting stream, for tests of which streams are made to wait.
 std::map<uintptr_t, long> waits_by_stream;
 CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned) {
+  // An event of another device is fine (the programming guide); a default stream needs a context.
+  if (!context_of(s)) return misuse(INVALID_CONTEXT, "cuStreamWaitEvent", "a default stream with no current context");
   counts.waits++;
   {
     std::lock_guard<std::mutex> g(lock);
@@ -422,9 +467,17 @@ CUresult cuStreamGetCtx(CUstream s, CUcontext* c) {
   return OK;
 }
 
-CUresult cuEventCreate(CUevent* e, unsigned) { *e = new FakeEvent; return OK; }
+CUresult cuEventCreate(CUevent* e, unsigned) {
+  if (!current) return misuse(INVALID_CONTEXT, "cuEventCreate", "no current context");
+  *e = new FakeEvent{current};
+  return OK;
+}
 CUresult cuEventDestroy_v2(CUevent e) { delete e; return OK; }
 CUresult cuEventRecord(CUevent e, CUstream s) {
+  CUcontext on = context_of(s);
+  if (!on) return misuse(INVALID_CONTEXT, "cuEventRecord", "a default stream with no current context");
+  if (on != e->ctx)
+    return misuse(INVALID_HANDLE, "cuEventRecord", "the event and the stream belong to different devices");
   counts.records++;
   if (!async_mode) {
     *e->ms = now_ms();
@@ -446,6 +499,8 @@ CUresult cuEventSynchronize(CUevent e) {
   return OK;
 }
 CUresult cuEventElapsedTime(float* ms, CUevent a, CUevent b) {
+  if (a->ctx != b->ctx)
+    return misuse(INVALID_HANDLE, "cuEventElapsedTime", "the events belong to different devices");
   if (!complete(a) || !complete(b)) return NOT_READY;
   *ms = float(b->ms->load() - a->ms->load());
   return OK;
@@ -509,7 +564,18 @@ CUresult cuPointerGetAttribute(void* out, int attribute, CUdeviceptr p) {
 }
 
 CUresult cuGetErrorName(CUresult e, const char** s) {
-  *s = e == OK ? "CUDA_SUCCESS" : "CUDA_ERROR_(fake driver)";
+  switch (e) {
+    case OK: *s = "CUDA_SUCCESS"; break;
+    case INVALID_VALUE: *s = "CUDA_ERROR_INVALID_VALUE"; break;
+    case INVALID_DEVICE: *s = "CUDA_ERROR_INVALID_DEVICE"; break;
+    case INVALID_CONTEXT: *s = "CUDA_ERROR_INVALID_CONTEXT"; break;
+    case PEER_UNSUPPORTED: *s = "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED"; break;
+    case INVALID_HANDLE: *s = "CUDA_ERROR_INVALID_HANDLE"; break;
+    case NOT_FOUND: *s = "CUDA_ERROR_NOT_FOUND"; break;
+    case NOT_READY: *s = "CUDA_ERROR_NOT_READY"; break;
+    case PEER_ALREADY: *s = "CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED"; break;
+    default: *s = "CUDA_ERROR_(fake driver)";
+  }
   return OK;
 }
 CUresult cuGetErrorString(CUresult e, const char** s) {
@@ -520,18 +586,33 @@ CUresult cuGetErrorString(CUresult e, const char** s) {
 // Modules: the image is not executed; functions are the kernels compiled into this library.
 const void* dpsync_emu_find(const char* name);
 void dpsync_emu_launch(const void* kernel, unsigned grid, unsigned block, void** params);
-CUresult cuModuleLoadData(CUmodule* m, const void*) { static int module; *m = &module; return OK; }
-CUresult cuModuleUnload(CUmodule) { return OK; }
-CUresult cuModuleGetFunction(CUfunction* f, CUmodule, const char* name) {
-  *f = dpsync_emu_find(name);
-  return *f ? OK : NOT_FOUND;
+CUresult cuModuleLoadData(CUmodule* m, const void*) {
+  if (!current) return misuse(INVALID_CONTEXT, "cuModuleLoadData", "no current context");
+  *m = new FakeModule{current, {}};
+  return OK;
+}
+CUresult cuModuleUnload(CUmodule m) {
+  delete m;
+  return OK;
+}
+CUresult cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name) {
+  const void* kernel = dpsync_emu_find(name);
+  if (!kernel) return NOT_FOUND;
+  std::lock_guard<std::mutex> g(lock);
+  *f = &m->functions.emplace(name, FakeFunction{kernel, m->ctx}).first->second;
+  return OK;
 }
 CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned, unsigned, unsigned bx, unsigned,
                         unsigned, unsigned, CUstream s, void** params, void**) {
+  if (!current) return misuse(INVALID_CONTEXT, "cuLaunchKernel", "no current context");
+  if (f->ctx != current)
+    return misuse(INVALID_HANDLE, "cuLaunchKernel", "the function's module was loaded on another device");
+  if (context_of(s) != current)
+    return misuse(INVALID_HANDLE, "cuLaunchKernel", "the stream belongs to another device than the current context");
   counts.launches++;
   if (noexec) return OK;
-  if (async_mode) submit(queue_of(s), dpsync_emu_bind(f, gx, bx, params));
-  else dpsync_emu_launch(f, gx, bx, params);
+  if (async_mode) submit(queue_of(s), dpsync_emu_bind(f->kernel, gx, bx, params));
+  else dpsync_emu_launch(f->kernel, gx, bx, params);
   return OK;
 }
 
