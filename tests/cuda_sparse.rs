@@ -267,6 +267,25 @@ fn indices_out_of_range_are_reported_by_synchronize() {
     }
     check(ctx.allreduce_grads(SUM), "allreduce_grads");
     check(synchronize(&ctx), "synchronize");
+    // A bound of SIZE_MAX ("only check >= 0") still refuses a negative index.
+    ctx.reg_sparse_all("any", 2, F32, I64, usize::MAX);
+    let negative = gpu.mem(&encode_indices(DType::I64, &[7, i64::MIN, 1]));
+    for r in 0..2 {
+        let st = ctx.sparse_set_raw("emb", r, good.ptr() as _, values.ptr() as _, 3);
+        check(st, "sparse_set");
+        let idx = if r == 0 { &good } else { &negative };
+        check(
+            ctx.sparse_set_raw("any", r, idx.ptr() as _, values.ptr() as _, 3),
+            "set",
+        );
+    }
+    check(ctx.allreduce_grads(SUM), "allreduce_grads");
+    let needle = format!("index {}", i64::MIN);
+    expect_err(
+        synchronize(&ctx),
+        INCONSISTENT,
+        &["'any'", "replica 1", "row 1", &needle],
+    );
 }
 
 #[test]

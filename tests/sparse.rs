@@ -682,6 +682,43 @@ fn no_range_check_without_num_embeddings() {
     assert_eq!(ctx.gathered("free", 1).indices::<i64>(), vec![-5, i64::MAX]);
 }
 
+/// A bound at or above 2^63 (SIZE_MAX: "only check >= 0") still refuses negative indices: the
+/// unsigned comparison that covers both ends needs the bound capped at 2^63.
+#[test]
+fn negative_indices_are_out_of_range_under_any_bound() {
+    let huge = [usize::MAX, (1usize << 63) + 5, 1usize << 63];
+    for (num_embeddings, coalesce) in huge.iter().flat_map(|&n| [(n, false), (n, true)]) {
+        let o = Options::host(2);
+        o.set_sparse_coalesce(coalesce);
+        let ctx = Context::new(&o);
+        ctx.reg_sparse_all("e32", 1, F32, I32, num_embeddings);
+        ctx.reg_sparse_all("e64", 1, F32, I64, num_embeddings);
+        for (bad32, bad64) in [(-2i32, -2i64), (i32::MIN, i64::MIN)] {
+            check(ctx.sparse_set("e32", 0, &[3i32], &[1f32]), "set");
+            check(ctx.sparse_set("e32", 1, &[bad32], &[1f32]), "set");
+            check(ctx.sparse_set("e64", 0, &[i64::MAX], &[1f32]), "set");
+            check(ctx.sparse_set("e64", 1, &[4i64], &[1f32]), "set");
+            let needle = format!("index {bad32}");
+            expect_err(
+                ctx.allreduce_grads(SUM),
+                INCONSISTENT,
+                &["'e32'", "replica 1", &needle],
+            );
+            check(ctx.sparse_set("e32", 1, &[5i32], &[1f32]), "set");
+            check(ctx.sparse_set("e64", 1, &[bad64], &[1f32]), "set");
+            let needle = format!("index {bad64}");
+            expect_err(
+                ctx.allreduce_grads(SUM),
+                INCONSISTENT,
+                &["'e64'", "replica 1", &needle],
+            );
+            // The largest index an i64 can hold is in range.
+            check(ctx.sparse_set("e64", 1, &[i64::MAX], &[1f32]), "set");
+            check(ctx.allreduce_grads(SUM), "allreduce_grads");
+        }
+    }
+}
+
 #[test]
 fn replicas_that_disagree_fail_the_step_naming_gradient_and_replica() {
     for (needles, register) in [

@@ -19,6 +19,13 @@ pub struct IndexCheck<'a> {
 }
 
 impl IndexCheck<'_> {
+    /// The bound the backends compare an index, cast from i64 to u64, against: a negative index
+    /// wraps to 2^63 or more, so one unsigned comparison covers both ends only while the bound
+    /// is at most 2^63 (every i64 index is below that anyway).
+    pub fn unsigned_limit(&self) -> u64 {
+        self.bound.min(1 << 63)
+    }
+
     /// INCONSISTENT: index `value` at `row` is out of range (the same text on every backend).
     pub fn error(&self, row: usize, value: i64) -> Error {
         Error::inconsistent(format!(

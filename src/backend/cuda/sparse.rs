@@ -96,7 +96,7 @@ impl CudaBackend {
                 c.dtype,
                 c.indices as u64,
                 c.rows,
-                c.bound,
+                c.unsigned_limit(),
                 slot.device.ptr,
             )?;
             check(

@@ -220,7 +220,12 @@ impl Backend for HostBackend {
     }
 
     unsafe fn check_indices(&self, check: &IndexCheck<'_>) -> Result<()> {
-        match sparse::find_index_out_of_range(check.dtype, check.indices, check.rows, check.bound) {
+        match sparse::find_index_out_of_range(
+            check.dtype,
+            check.indices,
+            check.rows,
+            check.unsigned_limit(),
+        ) {
             Some((row, value)) => Err(check.error(row, value)),
             None => Ok(()),
         }

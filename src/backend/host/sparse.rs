@@ -20,7 +20,8 @@ pub(super) unsafe fn find_index_out_of_range(
     if rows == 0 {
         return None;
     }
-    // Compare as u64: a negative index wraps to a huge value, so one comparison covers both ends.
+    // Compare as u64: a negative index wraps to 2^63 or more, so with `bound` at most 2^63
+    // (`IndexCheck::unsigned_limit`) one comparison covers both ends.
     fn scan<T: Copy + Into<i64>>(v: &[T], bound: u64) -> Option<(usize, i64)> {
         v.iter()
             .position(|&i| (i.into() as u64) >= bound)

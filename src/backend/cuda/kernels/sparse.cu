@@ -2,8 +2,8 @@
 // CudaBackend::coalesce; the device sums the rows of each run) and division under AVG.
 
 // found[0] := the smallest row whose index is outside [0, bound), if smaller than found[0]
-// (initialised to ~0 by the host). A negative index wraps to a huge u64: one comparison covers
-// both ends, as on the host.
+// (initialised to ~0 by the host). A negative index wraps to 2^63 or more and the host passes
+// a bound of at most 2^63 (IndexCheck::unsigned_limit): one comparison covers both ends.
 template <class I>
 __device__ void index_check(const I* idx, u64 rows, u64 bound, u64* found) {
   for (u64 r = (u64)blockIdx.x * blockDim.x + threadIdx.x; r < rows;
