@@ -136,6 +136,48 @@ fn call_overhead(quick: bool) {
     );
 }
 
+/// Overlap bookkeeping: a step that declares each of `tensors` small gradients on 2 replicas
+/// with `dpsync_grad_ready` (with `fusion_bytes = 0` a bucket completes at every tensor) against
+/// the same step without the calls. The cost per call should not grow with the tensor count.
+fn grad_ready_step(quick: bool) {
+    let counts: &[usize] = if quick { &[1000] } else { &[1000, 16_000] };
+    for &tensors in counts {
+        for fusion in [25 << 20, 0] {
+            let ctx = Ctx::host(2, fusion);
+            let mut bufs: Vec<Vec<f32>> = (0..2).map(|r| filled(4 * tensors, r, 0.0)).collect();
+            let names: Vec<CString> = (0..tensors)
+                .map(|t| CString::new(format!("g{t}")).unwrap())
+                .collect();
+            for (r, buf) in bufs.iter_mut().enumerate() {
+                for (t, chunk) in buf.chunks_mut(4).enumerate() {
+                    reg(&ctx, &format!("g{t}"), r, chunk);
+                }
+            }
+            // The first allreduce_grads fixes the op that early buckets use.
+            unsafe { check(dpsync_allreduce_grads(ctx.0, SUM)) };
+            let (with, without) = side_by_side(
+                if quick { 3 } else { 9 },
+                || unsafe {
+                    for name in &names {
+                        for r in 0..2 {
+                            check(dpsync_grad_ready(ctx.0, name.as_ptr(), r));
+                        }
+                    }
+                    check(dpsync_allreduce_grads(ctx.0, SUM));
+                },
+                || unsafe { check(dpsync_allreduce_grads(ctx.0, SUM)) },
+            );
+            println!(
+                "grad_ready step, {tensors} GRADs x 2 replicas, fusion_bytes {fusion}: with the calls \
+                 {:.2} ms | without {:.2} ms | {:.3} us per grad_ready call",
+                ms(with),
+                ms(without),
+                (with.as_secs_f64() - without.as_secs_f64()) * 1e6 / (2 * tensors) as f64
+            );
+        }
+    }
+}
+
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     println!(
@@ -151,4 +193,5 @@ fn main() {
         gradient_set("BERT-base", "bert_base_params.tsv", quick);
     }
     call_overhead(quick);
+    grad_ready_step(quick);
 }

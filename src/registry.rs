@@ -148,7 +148,7 @@ impl Registry {
             tensors: Vec::new(),
             problems: Vec::new(),
             index: HashMap::with_capacity(self.entries.len()),
-            grads_overlap: None,
+            shared_memory: Vec::new(),
         };
         for entry in &self.entries {
             let lookup = match check_entry(entry) {
@@ -165,45 +165,64 @@ impl Registry {
             };
             snapshot.index.insert(entry.name.clone(), lookup);
         }
-        snapshot.grads_overlap = grads_overlap(&snapshot.tensors);
+        snapshot.shared_memory = shared_memory(&snapshot.tensors);
         snapshot
     }
 }
 
-/// Two GRAD tensors sharing memory (on any replicas): `allreduce_grads` would reduce those bytes
-/// twice. (Other roles may alias: broadcasting or averaging twice gives the same bytes.)
-fn grads_overlap(tensors: &[TensorView]) -> Option<Error> {
+/// Memory shared by two tensors where a collective touching both would be wrong, as
+/// `(role bits of the two, error)`, the first pair found per combination of roles:
+/// - two GRADs, on any replicas: `allreduce_grads` would reduce those bytes twice;
+/// - any two tensors on different replicas: replicas are separate copies, so writing one
+///   replica's tensor (a broadcast from another root, an average) would change the other's.
+///
+/// Tensors of other roles may alias on one replica (a flat parameter buffer and views into it):
+/// broadcasting or averaging those bytes twice gives the same bytes. One tensor's replicas are
+/// checked by `check_entry`.
+fn shared_memory(tensors: &[TensorView]) -> Vec<(u32, Error)> {
     let mut spans: Vec<(usize, usize, usize, usize)> = Vec::new();
     for (t, view) in tensors.iter().enumerate() {
-        if view.role != Role::Grad {
-            continue;
-        }
         let bytes = view.count * view.dtype.size();
         spans.extend(
             view.ptrs
                 .iter()
                 .enumerate()
-                .map(|(r, &p)| (p, p + bytes, t, r)),
+                .map(|(r, &p)| (p, p.saturating_add(bytes), t, r)),
         );
     }
     spans.sort_unstable();
-    // The span reaching furthest so far: any later start below its end overlaps it.
-    let mut reach: Option<(usize, usize, usize)> = None;
+    let mut found: Vec<(u32, Error)> = Vec::new();
+    // Spans that reach past the current start: only they can overlap it (views of one flat
+    // buffer keep this short).
+    let mut open: Vec<(usize, usize, usize)> = Vec::new();
     for &(start, end, t, r) in &spans {
-        if let Some((far, ft, fr)) = reach {
-            if start < far && ft != t {
-                return Some(Error::inconsistent(format!(
-                    "GRAD tensors '{}' (replica {r}) and '{}' (replica {fr}) share memory: \
-                     dpsync_allreduce_grads would reduce it twice",
-                    tensors[t].name, tensors[ft].name
-                )));
+        open.retain(|&(far, _, _)| far > start);
+        for &(_, ot, or) in &open {
+            let (a, b) = (&tensors[t], &tensors[ot]);
+            let bits = a.role.bit() | b.role.bit();
+            let grads = a.role == Role::Grad && b.role == Role::Grad;
+            if ot == t || (!grads && or == r) || found.iter().any(|(k, _)| *k == bits) {
+                continue;
             }
+            let (first, second) = ((&b.name, or), (&a.name, r));
+            let message = if grads {
+                format!(
+                    "GRAD tensors '{}' (replica {}) and '{}' (replica {}) share memory: \
+                     dpsync_allreduce_grads would reduce it twice",
+                    first.0, first.1, second.0, second.1
+                )
+            } else {
+                format!(
+                    "tensors '{}' (replica {}) and '{}' (replica {}) share memory, but replicas \
+                     must be separate copies: a collective writing one would change the other",
+                    first.0, first.1, second.0, second.1
+                )
+            };
+            found.push((bits, Error::inconsistent(message)));
         }
-        if reach.is_none_or(|(far, _, _)| end > far) {
-            reach = Some((end, t, r));
-        }
+        open.push((end, t, r));
     }
-    None
+    found
 }
 
 fn not_found(name: &str) -> Error {
@@ -279,6 +298,8 @@ fn check_entry(entry: &Entry) -> Result<TensorView> {
     })
 }
 
+const ALL_ROLES: [Role; 4] = [Role::Param, Role::Grad, Role::Computed, Role::State];
+
 /// A tensor registered consistently on every replica.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorView {
@@ -300,8 +321,8 @@ pub struct Snapshot {
     /// Inconsistent names: the roles they were registered with (a bit mask) and the error.
     problems: Vec<(u32, Error)>,
     index: HashMap<String, Result<usize, usize>>,
-    /// Set when two GRAD tensors share memory ([`Snapshot::grads_to_reduce`]).
-    grads_overlap: Option<Error>,
+    /// Tensors sharing memory that collectives over both roles must refuse ([`shared_memory`]).
+    shared_memory: Vec<(u32, Error)>,
 }
 
 impl Snapshot {
@@ -322,13 +343,7 @@ impl Snapshot {
     /// Every tensor whose role is in `mask`, in registration order; fails if any name registered
     /// with such a role on some replica is inconsistent (a collective touching it would be wrong).
     pub fn select(&self, mask: RoleMask) -> Result<Vec<&TensorView>> {
-        if let Some((_, err)) = self.problems.iter().find(|(bits, _)| {
-            [Role::Param, Role::Grad, Role::Computed, Role::State]
-                .iter()
-                .any(|r| bits & r.bit() != 0 && mask.contains(*r))
-        }) {
-            return Err(err.clone());
-        }
+        self.consistent(mask)?;
         Ok(self
             .tensors
             .iter()
@@ -336,17 +351,41 @@ impl Snapshot {
             .collect())
     }
 
-    /// What `allreduce_grads` may reduce: every GRAD consistent, and no two sharing memory.
-    pub fn grads_to_reduce(&self) -> Result<()> {
-        self.select(Role::Grad.into())?;
-        match &self.grads_overlap {
-            Some(err) => Err(err.clone()),
+    /// Fails if any name registered with a role in `mask` on some replica is inconsistent, or
+    /// two tensors with roles in `mask` share memory where they must not ([`shared_memory`]).
+    fn consistent(&self, mask: RoleMask) -> Result<()> {
+        let any_role = |bits: u32| {
+            ALL_ROLES
+                .iter()
+                .any(|r| bits & r.bit() != 0 && mask.contains(*r))
+        };
+        let every_role = |bits: u32| {
+            ALL_ROLES
+                .iter()
+                .all(|r| bits & r.bit() == 0 || mask.contains(*r))
+        };
+        if let Some((_, err)) = self.problems.iter().find(|(bits, _)| any_role(*bits)) {
+            return Err(err.clone());
+        }
+        match self
+            .shared_memory
+            .iter()
+            .find(|(bits, _)| every_role(*bits))
+        {
+            Some((_, err)) => Err(err.clone()),
             None => Ok(()),
         }
     }
 
+    /// What `allreduce_grads` may reduce: every GRAD consistent, and no two sharing memory.
+    /// Cheap (no per-tensor work): `dpsync_grad_ready` asks it on every call.
+    pub fn grads_to_reduce(&self) -> Result<()> {
+        self.consistent(Role::Grad.into())
+    }
+
+    /// Everything collectives will refuse: inconsistent names, then shared memory.
     pub fn problems(&self) -> impl Iterator<Item = &Error> {
-        self.problems.iter().map(|(_, e)| e)
+        (self.problems.iter().chain(&self.shared_memory)).map(|(_, e)| e)
     }
 }
 
@@ -426,6 +465,46 @@ mod tests {
         r.register("g", 0, reg(Role::Grad, 0x1000, 4)).unwrap();
         r.register("g", 1, reg(Role::Grad, 0x1010, 4)).unwrap();
         assert!(r.snapshot().lookup("g").is_ok());
+    }
+
+    /// Two tensors on different replicas sharing memory are refused by collectives over both
+    /// roles; on one replica only GRADs may not alias.
+    #[test]
+    fn shared_memory_across_replicas_is_refused_for_every_role() {
+        let mut r = Registry::new(2);
+        // p: A on replica 0, B on replica 1; q: C on replica 0, A on replica 1.
+        r.register("p", 0, reg(Role::Param, 0x1000, 4)).unwrap();
+        r.register("p", 1, reg(Role::Param, 0x2000, 4)).unwrap();
+        r.register("q", 0, reg(Role::State, 0x3000, 4)).unwrap();
+        r.register("q", 1, reg(Role::State, 0x1008, 4)).unwrap();
+        let s = r.snapshot();
+        let err = s.select(RoleMask::from_bits(0b1001).unwrap()).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Inconsistent);
+        for needle in ["'p' (replica 0)", "'q' (replica 1)", "separate copies"] {
+            assert!(err.message.contains(needle), "{needle}: {}", err.message);
+        }
+        // A collective over one of the two roles writes only its own tensors' bytes correctly.
+        assert!(s.select(Role::Param.into()).is_ok());
+        assert!(s.grads_to_reduce().is_ok());
+        assert_eq!(s.problems().count(), 1);
+        // Views of one flat PARAM buffer on each replica are fine.
+        let mut r = Registry::new(2);
+        for (name, offset, count) in [("flat", 0, 8), ("w", 0, 4), ("b", 16, 4)] {
+            r.register(name, 0, reg(Role::Param, 0x1000 + offset, count))
+                .unwrap();
+            r.register(name, 1, reg(Role::Param, 0x2000 + offset, count))
+                .unwrap();
+        }
+        assert!(r.snapshot().select(Role::Param.into()).is_ok());
+        // But not of a flat GRAD buffer.
+        r.register("gflat", 0, reg(Role::Grad, 0x3000, 8)).unwrap();
+        r.register("gflat", 1, reg(Role::Grad, 0x4000, 8)).unwrap();
+        r.register("gview", 0, reg(Role::Grad, 0x3010, 4)).unwrap();
+        r.register("gview", 1, reg(Role::Grad, 0x4010, 4)).unwrap();
+        let s = r.snapshot();
+        let err = s.grads_to_reduce().unwrap_err();
+        assert!(err.message.contains("reduce it twice"), "{}", err.message);
+        assert!(s.select(Role::Param.into()).is_ok());
     }
 
     #[test]

@@ -931,3 +931,46 @@ fn grads_sharing_memory_are_refused_by_allreduce_grads() {
     check(ctx.broadcast(PARAM, 0), "broadcast of aliased PARAMs");
     assert_eq!(p1, vec![5f32; 4]);
 }
+
+/// Replicas are separate copies: two tensors whose memory is shared between different replicas
+/// make every collective over both their roles (broadcast, average, BMUF) INCONSISTENT naming
+/// both, changing nothing; before, broadcast returned OK and left the replicas different.
+#[test]
+fn tensors_sharing_memory_across_replicas_are_refused() {
+    let ctx = Context::host(2, None);
+    let mut a = [1f32; 4];
+    let mut b = [2f32; 4];
+    let mut c = [3f32; 4];
+    // p: a on replica 0, b on replica 1; q: c on replica 0, a on replica 1.
+    ctx.reg("p", PARAM, 0, &mut a[..], F32);
+    ctx.reg("p", PARAM, 1, &mut b[..], F32);
+    ctx.reg("q", STATE, 0, &mut c[..], F32);
+    ctx.reg("q", STATE, 1, &mut a[..], F32);
+    let needles = [
+        "'p' (replica 0)",
+        "'q' (replica 1)",
+        "share memory",
+        "separate copies",
+    ];
+    expect_err(ctx.broadcast(PARAM | STATE, 0), INCONSISTENT, &needles);
+    expect_err(ctx.average(PARAM | STATE), INCONSISTENT, &needles);
+    assert_eq!(
+        (a, b, c),
+        ([1f32; 4], [2f32; 4], [3f32; 4]),
+        "nothing changed"
+    );
+    // Over one of the two roles, each tensor's own bytes come out right.
+    check(ctx.broadcast(PARAM, 0), "broadcast of PARAM only");
+    assert_eq!(b, [1f32; 4]);
+    // Two PARAMs so placed refuse BMUF too.
+    check(ctx.unregister("q"), "unregister q");
+    ctx.reg("q", PARAM, 0, &mut c[..], F32);
+    ctx.reg("q", PARAM, 1, &mut a[..], F32);
+    expect_err(ctx.bmuf_init(1.0, -1.0, false), INCONSISTENT, &needles[..3]);
+    expect_err(ctx.broadcast(PARAM, 0), INCONSISTENT, &needles[..3]);
+    assert_eq!(
+        (a, b, c),
+        ([1f32; 4], [1f32; 4], [3f32; 4]),
+        "nothing changed"
+    );
+}

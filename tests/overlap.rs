@@ -211,7 +211,7 @@ fn changing_the_op_divides_early_sums_and_refuses_to_undo_averages() {
     let early: Vec<Vec<u8>> = (bufs.iter().flatten()).map(|b| b.bytes()).collect();
     expect_err(
         ctx.allreduce_grads(SUM),
-        INVALID_ARGUMENT,
+        INVALID_STATE,
         &["op", "DPSYNC_REDUCE_AVG"],
     );
     let after: Vec<Vec<u8>> = (bufs.iter().flatten()).map(|b| b.bytes()).collect();

@@ -19,7 +19,7 @@ use serde_json::{json, Value};
 
 use super::Context;
 use crate::error::{Error, ErrorKind, Result};
-use crate::plan::Plan;
+use crate::plan::{Bucket, Plan};
 use crate::registry::TensorView;
 use crate::types::{ReduceOp, Role};
 
@@ -132,12 +132,20 @@ impl Context {
             return Ok(()); // declared twice: nothing new
         }
         if let (1, Some(op)) = (self.overlap.missing[b], self.overlap.op) {
-            let tensors: Vec<&TensorView> = snapshot.tensors.iter().collect();
-            let bucket = &plan.buckets[b];
+            // The bucket over its own tensors only, renumbered: a step costs O(tensors), not
+            // O(tensors x buckets) (backends key their caches by pointers, not indices).
+            let planned = &plan.buckets[b];
+            let tensors: Vec<&TensorView> = (planned.tensors.iter())
+                .map(|&t| &snapshot.tensors[t])
+                .collect();
+            let bucket = Bucket {
+                tensors: (0..tensors.len()).collect(),
+                ..planned.clone()
+            };
             // SAFETY: registered memory stays valid while registered (the C contract).
             unsafe {
                 self.executor
-                    .allreduce_early(bucket, &tensors, op, self.divisor(), &plan)?
+                    .allreduce_early(&bucket, &tensors, op, self.divisor(), &plan)?
             };
             self.overlap.reduced[b] = true;
         }
@@ -147,7 +155,7 @@ impl Context {
     }
 
     /// The buckets of `plan` that `allreduce_grads(op)` must still reduce, and the tensors of
-    /// those `grad_ready` reduced that it must divide (summed early, `op` AVG). INVALID_ARGUMENT
+    /// those `grad_ready` reduced that it must divide (summed early, `op` AVG). INVALID_STATE
     /// if they were averaged and `op` is SUM.
     pub(super) fn split_buckets<'s>(
         &self,
@@ -166,12 +174,16 @@ impl Context {
         match (self.overlap.op, op) {
             _ if early.is_empty() => {}
             (Some(ReduceOp::Avg), ReduceOp::Sum) => {
-                return Err(Error::invalid(format!(
-                    "op is DPSYNC_REDUCE_SUM, but dpsync_grad_ready already averaged {} \
+                // SUM is a valid op; this step's state refuses it.
+                return Err(Error::new(
+                    ErrorKind::InvalidState,
+                    format!(
+                        "op is DPSYNC_REDUCE_SUM, but dpsync_grad_ready already averaged {} \
                      bucket(s) of this step with the previous step's op, DPSYNC_REDUCE_AVG; finish \
                      the step with AVG (the next step's early buckets follow the new op)",
-                    early.len()
-                )));
+                        early.len()
+                    ),
+                ));
             }
             (Some(ReduceOp::Sum), ReduceOp::Avg) => {
                 for &b in &early {
