@@ -288,6 +288,76 @@ fn host_tensors_on_cuda_replicas_are_reduced_on_the_host() {
     assert!(backend["host_memory"].is_object(), "{json}");
 }
 
+/// Host memory on a CUDA replica is reduced by the host, but still after the work already
+/// queued on the caller's stream: there, a slow kernel fills a device buffer and a copy brings
+/// it into the pinned host memory registered as the GRAD; `allreduce_grads` follows with no
+/// host sync, and when it returns the host tensors must hold the sum of the copied values.
+#[test]
+fn host_tensors_on_cuda_replicas_wait_for_the_callers_streams() {
+    use cudarc::driver::sys;
+    let Some(ctx) = cuda_context("host_tensors_in_stream_order", &[0, 0], |_| {}) else {
+        return;
+    };
+    let dev = gpu();
+    let k = spin_kernels(&dev);
+    let n = 1usize << 10;
+    let mut replicas = Vec::new();
+    for r in 0..2 {
+        let stream = dev.new_stream().unwrap();
+        let device = stream.alloc_zeros::<f32>(n).unwrap();
+        let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
+        dev.bind_to_thread().unwrap();
+        // SAFETY: plain driver call; freed below.
+        let rc = unsafe { sys::cuMemAllocHost_v2(&mut host, n * 4) };
+        assert_eq!(rc, sys::CUresult::CUDA_SUCCESS, "cuMemAllocHost");
+        // SAFETY: n f32 of pinned memory, ours.
+        let slice = unsafe { std::slice::from_raw_parts_mut(host as *mut f32, n) };
+        slice.fill(0.0);
+        ctx.reg("cpu_grad", GRAD, r, slice, F32);
+        set_stream(&ctx, r, &stream);
+        replicas.push((stream, device, host as *mut f32));
+    }
+    for slow in 0..2 {
+        let base = 10.0 * slow as f32;
+        for (r, (stream, device, host)) in replicas.iter().enumerate() {
+            let cycles: i64 = if r == slow { 400_000_000 } else { 0 }; // ~0.2 s at 2 GHz
+            let (nn, v) = (n as u64, base + (r + 1) as f32);
+            let mut b = stream.launch_builder(&k.fill);
+            b.arg(device).arg(&nn).arg(&v).arg(&cycles);
+            // SAFETY: arguments match the kernel.
+            unsafe { b.launch(LaunchConfig::for_num_elems(n as u32)) }.unwrap();
+            // SAFETY: n f32 each side; the copy is queued after the fill on the same stream.
+            let rc = unsafe {
+                sys::cuMemcpyDtoHAsync_v2(
+                    host.cast(),
+                    dptr(stream, device) as u64,
+                    n * 4,
+                    stream.cu_stream(),
+                )
+            };
+            assert_eq!(rc, sys::CUresult::CUDA_SUCCESS, "cuMemcpyDtoHAsync");
+        }
+        check(ctx.allreduce_grads(SUM), "allreduce_grads");
+        let want = 2.0 * base + 3.0;
+        for (r, (_, _, host)) in replicas.iter().enumerate() {
+            // SAFETY: n f32 of pinned memory; dpsync reduced it before returning.
+            let got = unsafe { std::slice::from_raw_parts(*host, n) };
+            assert!(
+                got.iter().all(|&x| x == want),
+                "replica {slow} slow: replica {r}'s host tensor holds {}, want {want}",
+                got[0]
+            );
+        }
+    }
+    check(synchronize(&ctx), "synchronize");
+    drop(ctx);
+    for (stream, _, host) in replicas {
+        stream.synchronize().unwrap();
+        // SAFETY: ours, no longer registered or in use.
+        unsafe { sys::cuMemFreeHost(host.cast()) };
+    }
+}
+
 #[test]
 fn a_stuck_collective_times_out_and_poisons_only_its_context() {
     if needs_async_streams("a_stuck_collective_times_out") {

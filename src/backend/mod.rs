@@ -105,6 +105,14 @@ pub trait Backend: Send {
         Ok(())
     }
 
+    /// Blocks the host until the work already queued on the callers' streams has completed.
+    /// Host memory on a device replica (a CPU op's output, or the target of a device-to-host
+    /// copy on the caller's stream) is reduced by host threads, which no event can order, so
+    /// the executor calls this before touching it. A no-op where there are no such streams.
+    fn wait_for_callers(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// Closes a collective: work queued on the callers' streams afterwards waits for it when
     /// `join` is true. With `join` false the callers go on unhindered (a bucket reduced early by
     /// `dpsync_grad_ready` while backward continues); a later joined collective makes them wait,

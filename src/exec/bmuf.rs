@@ -237,7 +237,7 @@ impl Executor {
 
     unsafe fn bmuf_load(&self, bmuf: &BmufState, replica: usize) -> Result<()> {
         for (b, bucket) in bmuf.buckets.iter().enumerate() {
-            self.backend_for(bucket.memory).bmuf_load(
+            self.backend_to_touch(bucket.memory)?.bmuf_load(
                 replica,
                 bucket.dtype,
                 &bmuf.spans(b, replica),
@@ -265,7 +265,7 @@ impl Executor {
                     divisor,
                     plan,
                 )?;
-                let backend = self.backend_for(bucket.memory);
+                let backend = self.backend_to_touch(bucket.memory)?;
                 for r in 0..bmuf.replicas() {
                     backend.bmuf_update(r, bucket.dtype, &bmuf.spans(b, r), &bmuf.filter)?;
                 }

@@ -159,6 +159,18 @@ impl Executor {
         }
     }
 
+    /// The backend to read or write memory of `memory`'s kind now. Host memory on device
+    /// replicas is touched by the host at once, so the host first waits for the work the
+    /// callers queued before this call (it may be what writes that memory): the collective
+    /// then starts after it, as the stream contract promises.
+    fn backend_to_touch(&self, memory: Memory) -> Result<&dyn Backend> {
+        if let (Memory::Host, Some(host)) = (memory, &self.host) {
+            self.backend.wait_for_callers()?;
+            return Ok(host);
+        }
+        Ok(self.backend.as_ref())
+    }
+
     /// Reduces `buckets` (indices into `tensors`) in order, by the plan's programs.
     ///
     /// # Safety
@@ -184,7 +196,7 @@ impl Executor {
                     (Memory::Host, Some(_)) => &plan.host_allreduce,
                     _ => &plan.allreduce,
                 };
-                self.backend_for(bucket.memory).allreduce(
+                self.backend_to_touch(bucket.memory)?.allreduce(
                     &view(bucket, tensors),
                     op,
                     divisor,
@@ -242,7 +254,7 @@ impl Executor {
         }
         for t in tensors {
             for (replica, &ptr) in t.ptrs.iter().enumerate() {
-                self.backend_for(t.memory)
+                self.backend_to_touch(t.memory)?
                     .divide(replica, t.dtype, ptr, t.count, divisor)?;
             }
         }
@@ -262,7 +274,7 @@ impl Executor {
         let buckets = buckets_for(tensors, fusion_bytes);
         self.collective(&buckets, || {
             for bucket in &buckets {
-                self.backend_for(bucket.memory)
+                self.backend_to_touch(bucket.memory)?
                     .broadcast(&view(bucket, tensors), root)?;
             }
             Ok(())

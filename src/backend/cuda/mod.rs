@@ -224,6 +224,17 @@ fn deadline(issued: Instant, timeout: Option<Duration>) -> Option<Instant> {
     timeout.map(|t| issued + t)
 }
 
+/// One pause of a polling loop: yields at first, then sleeps 50 µs (a long wait should not
+/// hold a core).
+fn back_off(spins: &mut u32) {
+    *spins += 1;
+    if *spins < 1000 {
+        std::thread::yield_now();
+    } else {
+        std::thread::sleep(Duration::from_micros(50));
+    }
+}
+
 impl CudaBackend {
     /// Loads the driver, checks the devices, detects and enables peer access, picks the
     /// transport and compiles the kernels. Touches no tensor.
@@ -500,12 +511,7 @@ impl CudaBackend {
                 if !wait {
                     return Ok(());
                 }
-                spins += 1;
-                if spins < 1000 {
-                    std::thread::yield_now();
-                } else {
-                    std::thread::sleep(Duration::from_micros(50));
-                }
+                back_off(&mut spins);
             }
             let Pending {
                 done, leftovers, ..
@@ -936,6 +942,34 @@ impl Backend for CudaBackend {
 
     fn in_place(&self) -> bool {
         self.groups.len() == 1
+    }
+
+    fn wait_for_callers(&self) -> Result<()> {
+        // Each distinct caller stream's start event marks the work queued so far (re-recording
+        // it is fine: the waits `begin` queued captured the earlier record).
+        for r in self.callers.iter().map(|&r| &self.replicas[r]) {
+            let _bound = self.groups[r.group].ctx.bind()?;
+            r.start.record(r.stream as sys::CUstream)?;
+        }
+        let limit = deadline(Instant::now(), self.timeout);
+        for (&i, r) in self.callers.iter().map(|i| (i, &self.replicas[*i])) {
+            let mut spins = 0u32;
+            while !r.start.query()? {
+                if limit.is_some_and(|d| Instant::now() >= d) {
+                    return Err(Error::new(
+                        ErrorKind::Timeout,
+                        format!(
+                            "host memory on CUDA replicas waits for the work already queued on \
+                             the callers' streams, and replica {i}'s stream did not finish it \
+                             within the {} ms timeout",
+                            self.timeout.unwrap_or_default().as_millis()
+                        ),
+                    ));
+                }
+                back_off(&mut spins);
+            }
+        }
+        Ok(())
     }
 
     fn end(&self, join: bool) -> Result<()> {
