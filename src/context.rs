@@ -118,7 +118,7 @@ impl Context {
             Device::Cuda(_) => self
                 .executor
                 .memory_of(replica, ptr)
-                .map_err(|e| Error::new(e.kind, format!("tensor '{name}': {}", e.message)))?,
+                .map_err(|e| Error::new(e.kind, format!("tensor '{name}': data: {}", e.message)))?,
         };
         self.check_not_sparse(name)?;
         let reg = Registration {

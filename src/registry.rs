@@ -95,6 +95,17 @@ impl Registry {
                 reg.ptr
             )));
         }
+        // Backends load elements through typed pointers: on a GPU a misaligned one is a fault
+        // that kills the CUDA context, on the host undefined behaviour.
+        if reg.ptr % reg.dtype.size() != 0 {
+            return Err(Error::invalid(format!(
+                "data ({:#x}) is not aligned to the {} bytes of {} (tensor '{name}', replica \
+                 {replica})",
+                reg.ptr,
+                reg.dtype.size(),
+                reg.dtype
+            )));
+        }
         if let Some(&i) = self.index.get(name) {
             let slot = &mut self.entries[i].per_replica[replica];
             match slot {

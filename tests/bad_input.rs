@@ -549,6 +549,15 @@ fn register_rejects_bad_arguments_and_changes_nothing() {
             let st = dpsync_register(ctx, name.as_ptr(), GRAD, 0, d, 4, dtype);
             run(format!("dtype {dtype}"), "dtype", st);
         }
+        // Elements are loaded through typed pointers (a misaligned one faults on a GPU).
+        for (offset, dtype) in [(2usize, F32), (1, F16), (1, I32)] {
+            let st = dpsync_register(ctx, name.as_ptr(), GRAD, 0, d.byte_add(offset), 2, dtype);
+            run(
+                format!("data misaligned by {offset} for dtype {dtype}"),
+                "aligned",
+                st,
+            );
+        }
     }
     for (what, st, msg, needle) in &results {
         assert_eq!(*st, INVALID_ARGUMENT, "register with {what} ({msg})");

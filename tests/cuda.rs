@@ -861,3 +861,30 @@ fn every_collective_across_gpus_is_ordered_by_each_replicas_stream() {
         }
     }
 }
+
+/// Memory of another GPU than the replica's is refused at once, naming the tensor, the
+/// argument and both devices: a dense tensor's `data`, a sparse slice's `indices` or `values`.
+#[test]
+fn memory_of_another_gpu_is_refused_across_gpus() {
+    let test = "memory_of_another_gpu_is_refused_across_gpus";
+    let Some(place) = Place::gpus(test, 2) else {
+        return;
+    };
+    let Some(ctx) = cuda_context(test, &[0, 1], |_| {}) else {
+        return;
+    };
+    let on0 = place.mem_on(0, &[0u8; 64]);
+    let on1 = place.mem_on(1, &[0u8; 64]);
+    let st = register_raw(ctx.0, "w", GRAD, 0, on1.ptr() as _, 4, F32);
+    expect_err(
+        st,
+        INVALID_ARGUMENT,
+        &["'w'", "data", "cuda:1", "replica 0", "cuda:0"],
+    );
+    ctx.reg_sparse_all("e", 1, F32, I64, 0);
+    let (good, bad) = (on0.ptr() as *const _, on1.ptr() as *const _);
+    for (what, indices, values) in [("indices", bad, good), ("values", good, bad)] {
+        let st = ctx.sparse_set_raw("e", 0, indices, values, 2);
+        expect_err(st, INVALID_ARGUMENT, &["'e'", what, "cuda:1", "replica 0"]);
+    }
+}

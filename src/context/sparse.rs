@@ -65,7 +65,10 @@ impl Context {
                     continue; // the registry reports NULL with rows > 0
                 }
                 let memory = self.executor.memory_of(replica, ptr).map_err(|e| {
-                    Error::new(e.kind, format!("sparse gradient '{name}': {}", e.message))
+                    Error::new(
+                        e.kind,
+                        format!("sparse gradient '{name}': {what}: {}", e.message),
+                    )
                 })?;
                 if memory != Memory::Device {
                     return Err(Error::invalid(format!(

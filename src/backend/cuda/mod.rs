@@ -898,8 +898,7 @@ impl Backend for CudaBackend {
             Some((true, _, true)) => Ok(Memory::Device),
             Some((true, got, false)) if got == want => Ok(Memory::Device),
             Some((true, got, false)) => Err(Error::invalid(format!(
-                "data: device memory of cuda:{got} registered on replica {replica}, which is on \
-                 cuda:{want}"
+                "device memory of cuda:{got}, but replica {replica} is on cuda:{want}"
             ))),
         }
     }
