@@ -213,7 +213,7 @@ enum dpsync_status dpsync_average(struct dpsync_context *context, uint32_t roles
  * finishes what is left, makes the streams wait, and ends the step. Optional: without these
  * calls everything starts in dpsync_allreduce_grads. Early buckets use the op of the previous
  * dpsync_allreduce_grads (before the first, nothing starts early); if the op changes, SUM
- * buckets are divided for AVG, and AVG buckets make a SUM INVALID_ARGUMENT (docs/API.md,
+ * buckets are divided for AVG, and AVG buckets make a SUM INVALID_STATE (docs/API.md,
  * "Overlap"). Declaring a tensor twice in a step is a no-op. NOT_FOUND for an unregistered name;
  * INVALID_ARGUMENT for a replica out of range or a tensor that is not a dense GRAD;
  * INCONSISTENT while any GRAD is inconsistent across replicas (as dpsync_allreduce_grads
@@ -359,7 +359,8 @@ enum dpsync_status dpsync_options_set_sparse_coalesce(struct dpsync_options *opt
  * gradients are reduced in reverse order. Every name must be registered on every replica
  * with the same role, count and dtype before the first collective that touches it
  * (otherwise INCONSISTENT, naming the tensor and the replica). Registering between
- * collectives is normal: the plan is rebuilt on the next collective.
+ * collectives is normal: the plan is rebuilt on the next collective. `data` must be aligned
+ * to the dtype's size (INVALID_ARGUMENT otherwise: a GPU faults on misaligned elements).
  */
 enum dpsync_status dpsync_register(struct dpsync_context *context,
                                    const char *name,

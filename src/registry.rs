@@ -309,8 +309,6 @@ fn check_entry(entry: &Entry) -> Result<TensorView> {
     })
 }
 
-const ALL_ROLES: [Role; 4] = [Role::Param, Role::Grad, Role::Computed, Role::State];
-
 /// A tensor registered consistently on every replica.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorView {
@@ -365,24 +363,11 @@ impl Snapshot {
     /// Fails if any name registered with a role in `mask` on some replica is inconsistent, or
     /// two tensors with roles in `mask` share memory where they must not ([`shared_memory`]).
     fn consistent(&self, mask: RoleMask) -> Result<()> {
-        let any_role = |bits: u32| {
-            ALL_ROLES
-                .iter()
-                .any(|r| bits & r.bit() != 0 && mask.contains(*r))
-        };
-        let every_role = |bits: u32| {
-            ALL_ROLES
-                .iter()
-                .all(|r| bits & r.bit() == 0 || mask.contains(*r))
-        };
-        if let Some((_, err)) = self.problems.iter().find(|(bits, _)| any_role(*bits)) {
-            return Err(err.clone());
-        }
-        match self
-            .shared_memory
-            .iter()
-            .find(|(bits, _)| every_role(*bits))
-        {
+        let mask = mask.bits();
+        let problem = self.problems.iter().find(|(bits, _)| bits & mask != 0);
+        // A pair sharing memory matters when the collective touches both of its roles.
+        let shared = (self.shared_memory.iter()).find(|(bits, _)| bits & !mask == 0);
+        match problem.or(shared) {
             Some((_, err)) => Err(err.clone()),
             None => Ok(()),
         }

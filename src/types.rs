@@ -121,6 +121,10 @@ impl RoleMask {
     pub fn contains(self, role: Role) -> bool {
         self.0 & role.bit() != 0
     }
+
+    pub fn bits(self) -> u32 {
+        self.0
+    }
 }
 
 impl From<Role> for RoleMask {

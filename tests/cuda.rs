@@ -840,11 +840,9 @@ fn every_collective_in_stream_order(test: &str, ordinals: &[i32], transport: u32
 
 #[test]
 fn every_collective_is_ordered_by_each_replicas_stream() {
-    for transport in [T_NCCL, T_PEER_COPY] {
-        if !every_collective_in_stream_order("every_collective_in_order", &[0, 0, 0], transport) {
-            eprintln!("transport {transport} skipped: not available here");
-        }
-    }
+    for_each_transport(&[&[0, 0, 0]], |ordinals, transport| {
+        every_collective_in_stream_order("every_collective_in_order", ordinals, transport)
+    });
 }
 
 #[test]
@@ -853,13 +851,9 @@ fn every_collective_across_gpus_is_ordered_by_each_replicas_stream() {
     if Place::gpus(test, 4).is_none() {
         return;
     }
-    for transport in [T_NCCL, T_PEER_COPY] {
-        for ordinals in [&[0, 1, 2, 3][..], &[2, 0, 2]] {
-            if !every_collective_in_stream_order(test, ordinals, transport) {
-                eprintln!("transport {transport} skipped: not available here");
-            }
-        }
-    }
+    for_each_transport(&ACROSS_GPUS, |ordinals, transport| {
+        every_collective_in_stream_order(test, ordinals, transport)
+    });
 }
 
 /// Memory of another GPU than the replica's is refused at once, naming the tensor, the

@@ -8,7 +8,9 @@
 
 mod common;
 
-use common::gpu::{decode, encode, rank_per_replica, synchronize, Mem, Place};
+use common::gpu::{
+    decode, encode, for_each_transport, rank_per_replica, synchronize, Mem, Place, ACROSS_GPUS,
+};
 use common::*;
 
 /// Tensor sizes: one that spans several kernel chunks and starts the bucket, one small.
@@ -263,7 +265,7 @@ fn bmuf_step_in_stream_order(test: &str, ordinals: &[i32], transport: u32) -> bo
                 bad.unwrap()
             );
         }
-        check(common::gpu::synchronize(&ctx), "synchronize");
+        check(synchronize(&ctx), "synchronize");
     }
     true
 }
@@ -271,11 +273,9 @@ fn bmuf_step_in_stream_order(test: &str, ordinals: &[i32], transport: u32) -> bo
 #[test]
 fn bmuf_step_is_ordered_by_each_replicas_stream() {
     let test = "bmuf_step_is_ordered_by_each_replicas_stream";
-    for transport in [T_NCCL, T_PEER_COPY] {
-        if !bmuf_step_in_stream_order(test, &[0, 0], transport) {
-            eprintln!("transport {transport} skipped: not available here");
-        }
-    }
+    for_each_transport(&[&[0, 0]], |ordinals, transport| {
+        bmuf_step_in_stream_order(test, ordinals, transport)
+    });
 }
 
 #[test]
@@ -284,11 +284,7 @@ fn bmuf_step_across_gpus_is_ordered_by_each_replicas_stream() {
     if Place::gpus(test, 4).is_none() {
         return;
     }
-    for transport in [T_NCCL, T_PEER_COPY] {
-        for ordinals in [&[0, 1, 2, 3][..], &[2, 0, 2]] {
-            if !bmuf_step_in_stream_order(test, ordinals, transport) {
-                eprintln!("transport {transport} skipped: not available here");
-            }
-        }
-    }
+    for_each_transport(&ACROSS_GPUS, |ordinals, transport| {
+        bmuf_step_in_stream_order(test, ordinals, transport)
+    });
 }

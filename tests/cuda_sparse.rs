@@ -8,7 +8,8 @@ mod common;
 use std::ffi::c_void;
 
 use common::gpu::{
-    encode, encode_indices, fake_driver_fn, rank_per_replica, read_at, synchronize, Mem, Place,
+    encode, encode_indices, fake_driver_fn, for_each_transport, rank_per_replica, read_at,
+    synchronize, Mem, Place,
 };
 use common::*;
 
@@ -181,14 +182,10 @@ fn gathers_across_gpus_match_the_host_byte_for_byte() {
     let Some(gpu) = Place::gpus("gathers_across_gpus_match_the_host_byte_for_byte", 4) else {
         return;
     };
-    for transport in [T_NCCL, T_PEER_COPY] {
-        for ordinals in [&[0, 1, 2, 3][..], &[1, 1, 2, 0], &[2, 1]] {
-            if !matches_the_host(&gpu, ordinals, transport) {
-                eprintln!("transport {transport} skipped: not available here");
-                break;
-            }
-        }
-    }
+    for_each_transport(
+        &[&[0, 1, 2, 3], &[1, 1, 2, 0], &[2, 1]],
+        |ordinals, transport| matches_the_host(&gpu, ordinals, transport),
+    );
 }
 
 /// Caffe2's `test_equiv_sparse` on CUDA replicas (tests/common/embedding.rs): 1, 2 and 4
@@ -454,13 +451,11 @@ fn gather_in_stream_order(test: &str, ordinals: &[i32], transport: u32, coalesce
 
 #[test]
 fn gathers_are_ordered_by_each_replicas_stream() {
-    for transport in [T_NCCL, T_PEER_COPY] {
-        for coalesce in [false, true] {
-            if !gather_in_stream_order("gathers_in_order", &[0, 0, 0], transport, coalesce) {
-                eprintln!("transport {transport} skipped: not available here");
-            }
-        }
-    }
+    for_each_transport(&[&[0, 0, 0]], |ordinals, transport| {
+        [false, true].into_iter().all(|coalesce| {
+            gather_in_stream_order("gathers_in_order", ordinals, transport, coalesce)
+        })
+    });
 }
 
 #[test]
@@ -469,11 +464,9 @@ fn gathers_across_gpus_are_ordered_by_each_replicas_stream() {
     if Place::gpus(test, 4).is_none() {
         return;
     }
-    for transport in [T_NCCL, T_PEER_COPY] {
-        for coalesce in [false, true] {
-            if !gather_in_stream_order(test, &[0, 1, 2, 3], transport, coalesce) {
-                eprintln!("transport {transport} skipped: not available here");
-            }
-        }
-    }
+    for_each_transport(&[&[0, 1, 2, 3]], |ordinals, transport| {
+        [false, true]
+            .into_iter()
+            .all(|coalesce| gather_in_stream_order(test, ordinals, transport, coalesce))
+    });
 }

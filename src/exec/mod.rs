@@ -253,9 +253,9 @@ impl Executor {
             return Ok(());
         }
         for t in tensors {
+            let backend = self.backend_to_touch(t.memory)?;
             for (replica, &ptr) in t.ptrs.iter().enumerate() {
-                self.backend_to_touch(t.memory)?
-                    .divide(replica, t.dtype, ptr, t.count, divisor)?;
+                backend.divide(replica, t.dtype, ptr, t.count, divisor)?;
             }
         }
         Ok(())

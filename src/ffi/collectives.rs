@@ -79,7 +79,7 @@ pub unsafe extern "C" fn dpsync_average(context: *mut dpsync_context, roles: u32
 /// finishes what is left, makes the streams wait, and ends the step. Optional: without these
 /// calls everything starts in dpsync_allreduce_grads. Early buckets use the op of the previous
 /// dpsync_allreduce_grads (before the first, nothing starts early); if the op changes, SUM
-/// buckets are divided for AVG, and AVG buckets make a SUM INVALID_ARGUMENT (docs/API.md,
+/// buckets are divided for AVG, and AVG buckets make a SUM INVALID_STATE (docs/API.md,
 /// "Overlap"). Declaring a tensor twice in a step is a no-op. NOT_FOUND for an unregistered name;
 /// INVALID_ARGUMENT for a replica out of range or a tensor that is not a dense GRAD;
 /// INCONSISTENT while any GRAD is inconsistent across replicas (as dpsync_allreduce_grads

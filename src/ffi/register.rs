@@ -17,7 +17,8 @@ const DTYPES: &str = "DPSYNC_DTYPE_F32/F64/F16/BF16/I32/I64 (0..5)";
 /// gradients are reduced in reverse order. Every name must be registered on every replica
 /// with the same role, count and dtype before the first collective that touches it
 /// (otherwise INCONSISTENT, naming the tensor and the replica). Registering between
-/// collectives is normal: the plan is rebuilt on the next collective.
+/// collectives is normal: the plan is rebuilt on the next collective. `data` must be aligned
+/// to the dtype's size (INVALID_ARGUMENT otherwise: a GPU faults on misaligned elements).
 #[no_mangle]
 pub unsafe extern "C" fn dpsync_register(
     context: *mut dpsync_context,

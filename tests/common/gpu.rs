@@ -364,3 +364,20 @@ pub unsafe fn fake_driver_fn<F: Copy>(test: &str, symbol: &str) -> Option<F> {
     }
     found
 }
+
+/// The replica layouts of the `*across_gpus*` tests (four GPUs, and a shared one).
+pub const ACROSS_GPUS: [&[i32]; 2] = [&[0, 1, 2, 3], &[2, 0, 2]];
+
+/// Runs `case(ordinals, transport)` over NCCL and PEER_COPY for each of `layouts`. A case
+/// returns false when its transport cannot be used here: that is printed, and the transport's
+/// other layouts are skipped.
+pub fn for_each_transport(layouts: &[&[i32]], mut case: impl FnMut(&[i32], u32) -> bool) {
+    for transport in [super::T_NCCL, super::T_PEER_COPY] {
+        for ordinals in layouts {
+            if !case(ordinals, transport) {
+                eprintln!("transport {transport} skipped: not available here");
+                break;
+            }
+        }
+    }
+}
