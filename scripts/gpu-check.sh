@@ -4,7 +4,12 @@
 # halves:
 #
 #   bash scripts/gpu-check.sh --bundle        # here: build everything into gpu-bundle/
-#   bash scripts/gpu-check.sh --run [DIR]     # there: run the bundle, report to DIR/REPORT.md
+#   bash scripts/gpu-check.sh --run [DIR [PART...]]   # there: run the bundle, report to
+#                                             # $OUT/REPORT.md (else DIR/REPORT.md)
+#
+# PARTs (default all): tests ranks examples python bench — to split the check over several
+# device calls, each under the tool's 10-minute limit. Every binary runs under a timeout
+# (GPU_CHECK_TIMEOUT, 240 s).
 #
 # Without arguments both halves run on this machine (a GPU machine with Rust).
 # NCCL and NVRTC from pip wheels are found under /opt and /usr and pointed at with
@@ -48,9 +53,17 @@ for line in sys.stdin:
 
 find_lib() { find / -xdev \( -name "$1" -o -name "$1.*" \) -not -path '*/proc/*' 2>/dev/null | head -1; }
 
+# Seconds one test binary, example or benchmark may run before it is killed: a hang (a stuck
+# NCCL group, a wait that never ends) must not eat the device tool's 10-minute command limit.
+STEP_TIMEOUT=${GPU_CHECK_TIMEOUT:-240}
+
 run() {
   local dir=${1:-$BUNDLE}
-  local report="$dir/REPORT.md"
+  shift || true
+  local parts=" ${*:-tests ranks examples python bench} "
+  # The report grows in $OUT when the device tool runs this: a command killed at its limit
+  # still brings back every section written so far.
+  local report="${OUT:-$dir}/REPORT.md"
   local nccl nvrtc
   nccl=$(find_lib libnccl.so.2)
   nvrtc=$(find_lib libnvrtc.so.13)
@@ -62,64 +75,103 @@ run() {
   export DPSYNC_REQUIRE_GPU=1
   local failures=0
   {
-    echo "# dpsync GPU check, $(date -u +%Y-%m-%dT%H:%MZ)"
+    echo "# dpsync GPU check, $(date -u +%Y-%m-%dT%H:%MZ), parts:$parts"
     echo
     echo '```'
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
     echo "NCCL library: ${DPSYNC_NCCL_LIBRARY:-none}"
     echo "NVRTC library: ${DPSYNC_NVRTC_LIBRARY:-none}"
     python3 -c 'import ctypes, os; l = ctypes.CDLL(os.environ["DPSYNC_NCCL_LIBRARY"]); v = ctypes.c_int(); l.ncclGetVersion(ctypes.byref(v)); print("NCCL version code:", v.value)' 2>&1 || true
+    ldd --version 2>&1 | head -1
+    grep -h '^PRETTY_NAME' /etc/os-release 2>/dev/null
     echo '```'
   } >"$report"
-  section() { printf '\n## %s\n\n```\n' "$1" >>"$report"; }
+  section() { printf '\n## %s\n\n```\n' "$1" >>"$report"; echo "== $1" >&2; }
   endsection() { printf '```\n' >>"$report"; }
+  # Runs a command under the step timeout, appending its output to the report; says how a
+  # non-zero exit ended. Returns the command's status.
+  timed() {
+    timeout -k 10 "$STEP_TIMEOUT" "$@" >>"$report" 2>&1
+    local rc=$?
+    case $rc in
+      0) ;;
+      124|137) echo "TIMED OUT after ${STEP_TIMEOUT} s (exit $rc)" >>"$report" ;;
+      *) [ $rc -gt 128 ] && echo "KILLED by signal $((rc - 128))" >>"$report"; echo "exit $rc" >>"$report" ;;
+    esac
+    return $rc
+  }
+  # A test binary, all tests in one process; if it crashed or hung, the tests it never reported
+  # run again one per process, so one fault does not hide the rest of the binary's results.
+  test_binary() {
+    local t=$1; shift
+    local before; before=$(wc -l <"$report")
+    timed "$t" --test-threads=1 --nocapture "$@"
+    local rc=$?
+    [ $rc = 0 ] && return 0
+    [ $rc = 101 ] && return 1 # ordinary test failures: every test ran and reported
+    echo "-- rerunning the tests that did not report, one process each" >>"$report"
+    local done_tests; done_tests=$(tail -n +"$((before + 1))" "$report" | sed -n 's/^test \(.*\) \.\.\. \(ok\|FAILED\|ignored\)$/\1/p')
+    local name
+    "$t" --list "$@" 2>/dev/null | sed -n 's/: test$//p' | while read -r name; do
+      grep -qxF "$name" <<<"$done_tests" && continue
+      timed "$t" --exact "$name" --test-threads=1 --nocapture "$@"
+    done
+    return 1
+  }
   # The GPU tests, the library's unit tests and the host collectives (tests that read source
-  # files by their build-time path are left to CI).
-  for t in "$dir"/tests/cuda-* "$dir"/tests/cuda_bmuf-* "$dir"/tests/cuda_sparse-* \
-           "$dir"/tests/dpsync-* "$dir"/tests/collectives-* "$dir"/tests/bad_input-*; do
-    section "test binary $(basename "$t")"
-    # The kernel emulation tests need a C++20 compiler and prove nothing more on a GPU: CI runs them.
-    if ! "$t" --test-threads=1 --nocapture --skip emulate >>"$report" 2>&1; then
-      failures=$((failures + 1)); echo "FAILED" >>"$report"
-    fi
-    endsection
-  done
+  # files by their build-time path are left to CI). The kernel emulation tests need a C++20
+  # compiler and prove nothing more on a GPU: CI runs them.
+  if [[ $parts == *" tests "* ]]; then
+    for t in "$dir"/tests/cuda-* "$dir"/tests/cuda_bmuf-* "$dir"/tests/cuda_sparse-* \
+             "$dir"/tests/dpsync-* "$dir"/tests/collectives-* "$dir"/tests/bad_input-*; do
+      section "test binary $(basename "$t")"
+      test_binary "$t" --skip emulate || { failures=$((failures + 1)); echo "FAILED" >>"$report"; }
+      endsection
+    done
+  fi
   # Two NCCL ranks on the one GPU: informative (needs NCCL >= 2.30), not counted as a failure.
-  section "two NCCL ranks on one GPU (DPSYNC_NCCL_RANK_PER_REPLICA=1 NCCL_MULTI_RANK_GPU_ENABLE=1)"
-  for t in "$dir"/tests/cuda-* "$dir"/tests/cuda_bmuf-* "$dir"/tests/cuda_sparse-*; do
-    DPSYNC_NCCL_RANK_PER_REPLICA=1 NCCL_MULTI_RANK_GPU_ENABLE=1 \
-      "$t" two_nccl_ranks --test-threads=1 --nocapture >>"$report" 2>&1 || echo "FAILED (informative)" >>"$report"
-  done
-  endsection
-  for run in "cuda_train --gpus 0,0,0,0" "cuda_train --gpus 0,0 --transport peer_copy" \
-    "cuda_train --gpus 0 --transport nccl" "bmuf_train --gpus 0,0,0,0" \
-    "bmuf_train --gpus 0,0 --transport peer_copy --nesterov"; do
-    section "$run"
-    # shellcheck disable=SC2086
-    "$dir"/$run >>"$report" 2>&1; rc=$?
-    echo "exit $rc" >>"$report"; [ $rc = 0 ] || failures=$((failures + 1))
+  if [[ $parts == *" ranks "* ]]; then
+    section "two NCCL ranks on one GPU (DPSYNC_NCCL_RANK_PER_REPLICA=1 NCCL_MULTI_RANK_GPU_ENABLE=1)"
+    for t in "$dir"/tests/cuda-* "$dir"/tests/cuda_bmuf-* "$dir"/tests/cuda_sparse-*; do
+      DPSYNC_NCCL_RANK_PER_REPLICA=1 NCCL_MULTI_RANK_GPU_ENABLE=1 \
+        timed "$t" two_nccl_ranks --test-threads=1 --nocapture || echo "FAILED (informative)" >>"$report"
+    done
     endsection
-  done
-  section "python smoke test"
-  python3 "$dir/python/smoke_test.py" "$dir/libdpsync.so" >>"$report" 2>&1 || failures=$((failures + 1))
-  endsection
-  for b in "$dir"/benches/cuda_allreduce-*; do
-    section "benchmark $(basename "$b")"
-    "$b" >>"$report" 2>&1 || failures=$((failures + 1))
+  fi
+  if [[ $parts == *" examples "* ]]; then
+    for run in "cuda_train --gpus 0,0,0,0" "cuda_train --gpus 0,0 --transport peer_copy" \
+      "cuda_train --gpus 0 --transport nccl" "bmuf_train --gpus 0,0,0,0" \
+      "bmuf_train --gpus 0,0 --transport peer_copy --nesterov"; do
+      section "$run"
+      # shellcheck disable=SC2086
+      timed "$dir"/$run && echo "exit 0" >>"$report" || failures=$((failures + 1))
+      endsection
+    done
+  fi
+  if [[ $parts == *" python "* ]]; then
+    section "python smoke test"
+    timed python3 "$dir/python/smoke_test.py" "$dir/libdpsync.so" || failures=$((failures + 1))
     endsection
-    section "benchmark $(basename "$b"), raw NCCL baseline with two ranks on one GPU"
-    NCCL_MULTI_RANK_GPU_ENABLE=1 "$b" >>"$report" 2>&1 || echo "FAILED (informative)" >>"$report"
-    endsection
-  done
+  fi
+  if [[ $parts == *" bench "* ]]; then
+    for b in "$dir"/benches/cuda_allreduce-*; do
+      section "benchmark $(basename "$b")"
+      timed "$b" || failures=$((failures + 1))
+      endsection
+      section "benchmark $(basename "$b"), raw NCCL baseline with two ranks on one GPU"
+      NCCL_MULTI_RANK_GPU_ENABLE=1 timed "$b" || echo "FAILED (informative)" >>"$report"
+      endsection
+    done
+  fi
   printf '\n%d failing sections\n' "$failures" >>"$report"
-  [ -n "${OUT:-}" ] && cp "$report" "$OUT/" 2>/dev/null
+  [ "$report" = "$dir/REPORT.md" ] || cp "$report" "$dir/REPORT.md"
   cat "$report"
   [ "$failures" = 0 ]
 }
 
 case "${1:-}" in
   --bundle) bundle ;;
-  --run) shift; run "${1:-$BUNDLE}" ;;
+  --run) shift; run "${1:-$BUNDLE}" "${@:2}" ;;
   "") bundle && run "$BUNDLE" ;;
-  *) echo "usage: $0 [--bundle | --run [DIR]]" >&2; exit 2 ;;
+  *) echo "usage: $0 [--bundle | --run [DIR [PART...]]]  (PART: tests ranks examples python bench)" >&2; exit 2 ;;
 esac
