@@ -51,7 +51,13 @@ for line in sys.stdin:
   du -sh "$BUNDLE"; ls -la "$BUNDLE" "$BUNDLE/tests" "$BUNDLE/benches"
 }
 
-find_lib() { find / -xdev \( -name "$1" -o -name "$1.*" \) -not -path '*/proc/*' 2>/dev/null | head -1; }
+# The first copy of library $1 under the usual roots, CUDA's own first. Not `find / -xdev`:
+# /opt (PyTorch's venv and its pip NCCL) may be another mount than / on the device machine.
+find_lib() {
+  local roots=() r
+  for r in /usr/local/cuda /usr/local /opt /usr /lib /lib64 /root; do [ -d "$r" ] && roots+=("$r"); done
+  find -H "${roots[@]}" \( -name "$1" -o -name "$1.*" \) \( -type f -o -type l \) 2>/dev/null | head -1
+}
 
 # Seconds one test binary, example or benchmark may run before it is killed: a hang (a stuck
 # NCCL group, a wait that never ends) must not eat the device tool's 10-minute command limit.
