@@ -188,8 +188,8 @@ impl Registry {
 ///   replica's tensor (a broadcast from another root, an average) would change the other's.
 ///
 /// Tensors of other roles may alias on one replica (a flat parameter buffer and views into it):
-/// broadcasting or averaging those bytes twice gives the same bytes. One tensor's replicas are
-/// checked by `check_entry`.
+/// broadcasting or averaging those bytes twice leaves the replicas identical (a second average
+/// may round the mean once more). One tensor's replicas are checked by `check_entry`.
 fn shared_memory(tensors: &[TensorView]) -> Vec<(u32, Error)> {
     let mut spans: Vec<(usize, usize, usize, usize)> = Vec::new();
     for (t, view) in tensors.iter().enumerate() {
