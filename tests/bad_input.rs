@@ -494,6 +494,57 @@ fn describe_bad_input() {
 // ------------------------------------------------------------------ registration
 
 #[test]
+fn an_empty_name_is_invalid_argument_for_every_call_that_takes_one() {
+    // A failing call with another message, so each check sees its own call's message.
+    fn set_last_error_to_something_else() {
+        // SAFETY: NULL options is refused with a message naming "options".
+        let st = unsafe { dpsync_options_set_host_replicas(ptr::null_mut(), 2) };
+        assert_eq!(st, INVALID_ARGUMENT);
+        assert!(!last_error().contains("empty"));
+    }
+    // Nothing can be registered under "", so a lookup answering NOT_FOUND would be misleading:
+    // every call says the name itself is bad (docs/API.md, "Names").
+    let fx = Fx::new();
+    let desc = fx.ctx.describe();
+    let before = fx.snapshot();
+    let ctx = fx.ctx.0;
+    let empty = cstr("");
+    let mut data = [1.0f32; 4];
+    let (idx, vals) = ([0i64; 1], [0f32; 2]);
+    let (mut pi, mut pv, mut rows) = (ptr::null(), ptr::null(), 0usize);
+    let e = empty.as_ptr();
+    // Each status and message checked right after its call (the message is per call).
+    let check = |call: &str, st: dpsync_status| {
+        let m = last_error();
+        assert_eq!(st, INVALID_ARGUMENT, "{call}(\"\"): {st:?} ({m})");
+        assert!(m.contains("name") && m.contains("empty"), "{call}: {m}");
+        set_last_error_to_something_else();
+    };
+    // SAFETY: valid handle, strings and buffers.
+    unsafe {
+        let st = dpsync_register(ctx, e, GRAD, 0, data.as_mut_ptr().cast(), 4, F32);
+        check("register", st);
+        check("unregister", dpsync_unregister(ctx, e));
+        check("allreduce", dpsync_allreduce(ctx, e, SUM));
+        check("grad_ready", dpsync_grad_ready(ctx, e, 0));
+        check(
+            "register_sparse",
+            dpsync_register_sparse(ctx, e, 0, 2, F32, I64, 0),
+        );
+        let (i, v) = (idx.as_ptr().cast(), vals.as_ptr().cast());
+        check("sparse_set", dpsync_sparse_set(ctx, e, 0, i, v, 1));
+        let st = dpsync_sparse_get(ctx, e, 0, &mut pi, &mut pv, &mut rows);
+        check("sparse_get", st);
+    }
+    assert!(
+        pi.is_null() && pv.is_null() && rows == 0,
+        "outputs untouched"
+    );
+    fx.assert_unchanged(&before, "calls with an empty name");
+    assert_eq!(fx.ctx.describe(), desc, "the context is unchanged");
+}
+
+#[test]
 fn register_rejects_bad_arguments_and_changes_nothing() {
     let mut fx = Fx::new();
     let n = fx.n;

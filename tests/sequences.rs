@@ -1082,7 +1082,7 @@ impl Sim {
                 self.unchanged()
             }
         } else if name.is_empty() {
-            Want::Err(vec![NOT_FOUND, INVALID_ARGUMENT])
+            Want::Err(vec![INVALID_ARGUMENT])
         } else {
             Want::Err(vec![NOT_FOUND])
         };
@@ -1304,7 +1304,7 @@ impl Sim {
         }
         let t = self.find(&name);
         match t {
-            _ if name.is_empty() => errs.extend([NOT_FOUND, INVALID_ARGUMENT]),
+            _ if name.is_empty() => errs.push(INVALID_ARGUMENT),
             None => errs.push(NOT_FOUND), // unknown, or a sparse gradient
             Some(t) if self.tensors[t].spec().is_none() => errs.push(INCONSISTENT),
             Some(_) => {}
@@ -1388,9 +1388,8 @@ impl Sim {
             errs.push(INVALID_ARGUMENT);
         }
         let t = self.find(name);
-        if name.is_empty() {
-            errs.extend([NOT_FOUND, INVALID_ARGUMENT]);
-        } else if self.find_sparse(name).is_some() {
+        // An empty name, or a sparse gradient's (not a dense GRAD).
+        if name.is_empty() || self.find_sparse(name).is_some() {
             errs.push(INVALID_ARGUMENT);
         } else {
             match t {

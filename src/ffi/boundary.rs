@@ -120,14 +120,24 @@ pub(super) unsafe fn try_mut<'a, T>(ptr: *mut T, argument: &str) -> Result<&'a m
         .ok_or_else(|| Error::invalid(format!("{argument} is NULL")))
 }
 
-/// A NUL-terminated UTF-8 string argument.
-pub(super) unsafe fn try_str<'a>(ptr: *const c_char, argument: &str) -> Result<&'a str> {
+/// A tensor or sparse gradient name: a non-NULL, non-empty, NUL-terminated UTF-8 string
+/// (INVALID_ARGUMENT naming `argument` otherwise). Empty names are refused by every call, not
+/// only by registration, so that a lookup never answers NOT_FOUND for a name that could not be
+/// registered.
+///
+/// # Safety
+/// A non-NULL `ptr` points to a NUL-terminated string that outlives the returned borrow.
+pub(super) unsafe fn try_name<'a>(ptr: *const c_char, argument: &str) -> Result<&'a str> {
     if ptr.is_null() {
         return Err(Error::invalid(format!("{argument} is NULL")));
     }
-    CStr::from_ptr(ptr)
+    let name = CStr::from_ptr(ptr)
         .to_str()
-        .map_err(|_| Error::invalid(format!("{argument} is not valid UTF-8")))
+        .map_err(|_| Error::invalid(format!("{argument} is not valid UTF-8")))?;
+    if name.is_empty() {
+        return Err(Error::invalid(format!("{argument} is empty")));
+    }
+    Ok(name)
 }
 
 /// A C enum value passed as `uint32_t`, decoded by `decode`.

@@ -3,7 +3,7 @@
 
 use std::ffi::c_char;
 
-use super::boundary::{dpsync_context, try_enum, try_str, with_context};
+use super::boundary::{dpsync_context, try_enum, try_name, with_context};
 use super::status::dpsync_status;
 use crate::error::{Error, Result};
 use crate::types::{ReduceOp, RoleMask};
@@ -48,7 +48,7 @@ pub unsafe extern "C" fn dpsync_allreduce(
     op: u32,
 ) -> dpsync_status {
     with_context(context, |ctx| {
-        let name = try_str(name, "name")?;
+        let name = try_name(name, "name")?;
         ctx.allreduce(name, reduce_op(op)?)
     })
 }
@@ -92,6 +92,6 @@ pub unsafe extern "C" fn dpsync_grad_ready(
     replica: usize,
 ) -> dpsync_status {
     with_context(context, |ctx| {
-        ctx.grad_ready(try_str(name, "name")?, replica)
+        ctx.grad_ready(try_name(name, "name")?, replica)
     })
 }

@@ -2,7 +2,7 @@
 
 use std::ffi::{c_char, c_void};
 
-use super::boundary::{dpsync_context, try_enum, try_str, with_context};
+use super::boundary::{dpsync_context, try_enum, try_name, with_context};
 use super::status::dpsync_status;
 use crate::error::Error;
 use crate::types::{DType, Role};
@@ -30,10 +30,7 @@ pub unsafe extern "C" fn dpsync_register(
     dtype: u32,
 ) -> dpsync_status {
     with_context(context, |ctx| {
-        let name = try_str(name, "name")?;
-        if name.is_empty() {
-            return Err(Error::invalid("name is empty"));
-        }
+        let name = try_name(name, "name")?;
         let role = try_enum(
             role,
             Role::from_code,
@@ -62,5 +59,5 @@ pub unsafe extern "C" fn dpsync_unregister(
     context: *mut dpsync_context,
     name: *const c_char,
 ) -> dpsync_status {
-    with_context(context, |ctx| ctx.unregister(try_str(name, "name")?))
+    with_context(context, |ctx| ctx.unregister(try_name(name, "name")?))
 }

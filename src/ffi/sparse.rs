@@ -3,9 +3,9 @@
 
 use std::ffi::{c_char, c_void};
 
-use super::boundary::{dpsync_context, try_enum, try_mut, try_str, with_context};
+use super::boundary::{dpsync_context, try_enum, try_mut, try_name, with_context};
 use super::status::dpsync_status;
-use crate::error::{Error, Result};
+use crate::error::Error;
 use crate::registry::sparse::{SparseSlice, SparseSpec};
 
 /// Names the gradient and replica in a message about one of their arguments.
@@ -19,15 +19,6 @@ fn about(name: &str, replica: usize) -> impl Fn(Error) -> Error + '_ {
             ),
         )
     }
-}
-
-fn sparse_name<'a>(name: *const c_char) -> Result<&'a str> {
-    // SAFETY: a non-NULL name is a NUL-terminated string (the C contract).
-    let name = unsafe { try_str(name, "name") }?;
-    if name.is_empty() {
-        return Err(Error::invalid("name is empty"));
-    }
-    Ok(name)
 }
 
 /// A sparse gradient: per step, each replica supplies `rows` indices and rows x row_len values.
@@ -51,7 +42,7 @@ pub unsafe extern "C" fn dpsync_register_sparse(
     num_embeddings: usize,
 ) -> dpsync_status {
     with_context(context, |ctx| {
-        let name = sparse_name(name)?;
+        let name = try_name(name, "name")?;
         let value_dtype = try_enum(
             value_dtype,
             SparseSpec::value_dtype_from_code,
@@ -92,7 +83,7 @@ pub unsafe extern "C" fn dpsync_sparse_set(
     rows: usize,
 ) -> dpsync_status {
     with_context(context, |ctx| {
-        let name = sparse_name(name)?;
+        let name = try_name(name, "name")?;
         if rows > 0 {
             for (argument, ptr) in [("indices", indices), ("values", values)] {
                 if ptr.is_null() {
@@ -131,7 +122,7 @@ pub unsafe extern "C" fn dpsync_sparse_get(
     rows: *mut usize,
 ) -> dpsync_status {
     with_context(context, |ctx| {
-        let name = sparse_name(name)?;
+        let name = try_name(name, "name")?;
         let indices = try_mut(indices, "indices")?;
         let values = try_mut(values, "values")?;
         let rows = try_mut(rows, "rows")?;
