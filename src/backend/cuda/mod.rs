@@ -840,7 +840,9 @@ fn table_of<P: IntoIterator<Item = u64>>(
     counts: impl Iterator<Item = usize>,
     ptrs: impl Iterator<Item = P>,
 ) -> Vec<u64> {
-    let mut host = Vec::new();
+    // Room for each segment's offset, count and two pointers (two replicas per GPU, or the
+    // BMUF triple's first two); more grows once. Built on every collective: no repeated growth.
+    let mut host = Vec::with_capacity(counts.size_hint().0 * 4);
     let mut offset = 0u64;
     for count in counts {
         host.push(offset);
