@@ -497,6 +497,20 @@ fn describe_across_gpus_shows_the_detected_peer_matrix_and_its_plan() {
             return;
         };
         let live = ctx.describe_json();
+        // GPUs of one kind share one compiled kernel image (the fake's are all sm_90): NVRTC ran
+        // once in this process (twice where the CUBIN fails and PTX follows), not once per GPU.
+        let devices = live["backend"]["devices"].as_array().expect("devices");
+        assert!(devices.len() > 1, "{live}");
+        assert!(
+            devices
+                .iter()
+                .all(|d| d["kernels"] == devices[0]["kernels"]),
+            "{live}"
+        );
+        let compiles = live["backend"]["nvrtc_compiles"]
+            .as_u64()
+            .expect("nvrtc_compiles");
+        assert!((1..=2).contains(&compiles), "{live}");
         let n = ordinals.len();
         let matrix: Vec<u8> = live["peer_access"]
             .as_array()

@@ -9,6 +9,7 @@
 
 use std::collections::HashMap;
 use std::ffi::CString;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::sys;
@@ -53,6 +54,7 @@ pub(crate) enum Image {
 /// backend's bytes (no kernel here gains from contraction).
 pub(crate) fn compile(major: i32, minor: i32, image: Image) -> Result<Vec<u8>> {
     use cudarc::nvrtc::{result, sys as nv};
+    COMPILES.fetch_add(1, Ordering::Relaxed);
     if !nvrtc_present() {
         return Err(Error::new(
             ErrorKind::Unavailable,
@@ -124,6 +126,47 @@ pub(crate) fn compile(major: i32, minor: i32, image: Image) -> Result<Vec<u8>> {
         let _ = result::destroy_program(prog);
         out
     }
+}
+
+/// NVRTC compilations run by this process (describe's `backend.nvrtc_compiles`).
+static COMPILES: AtomicUsize = AtomicUsize::new(0);
+
+pub(crate) fn nvrtc_compiles() -> usize {
+    COMPILES.load(Ordering::Relaxed)
+}
+
+/// The kernel image for compute capability `major.minor` and how it was built: compiled once
+/// per architecture and process, however many GPUs share it (a compile takes most of a second,
+/// so eight GPUs of one kind would otherwise add seconds to context creation). Machine code
+/// first (no driver JIT, no PTX-version limit); PTX if NVRTC cannot target the GPU directly.
+/// Failures are not kept: the next context tries again.
+fn image_for(major: i32, minor: i32) -> Result<Arc<KernelImage>> {
+    type ByArch = HashMap<(i32, i32), Arc<KernelImage>>;
+    static IMAGES: OnceLock<Mutex<ByArch>> = OnceLock::new();
+    let mut images = IMAGES.get_or_init(Default::default).lock();
+    if let Some(image) = images.get(&(major, minor)) {
+        return Ok(image.clone());
+    }
+    let (bytes, how) = match compile(major, minor, Image::Cubin) {
+        Ok(cubin) => (cubin, format!("cubin sm_{major}{minor}")),
+        Err(_) => (
+            compile(major, minor, Image::Ptx)?,
+            format!("ptx compute_{major}{minor}"),
+        ),
+    };
+    let built = format!(
+        "{how}, NVRTC {}",
+        nvrtc_version().unwrap_or_else(|| "?".to_owned())
+    );
+    let image = Arc::new(KernelImage { bytes, built });
+    images.insert((major, minor), image.clone());
+    Ok(image)
+}
+
+/// A module image for `cuModuleLoadData` and how it was built (describe's `kernels`).
+struct KernelImage {
+    bytes: Vec<u8>,
+    built: String,
 }
 
 /// NVRTC's version, as "major.minor" (for describe).
@@ -254,28 +297,22 @@ impl Kernels {
         let major = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
         let minor = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
         let sm_count = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
-        // Machine code first (no driver JIT, no PTX-version limit); PTX if NVRTC cannot target
-        // this GPU directly.
-        let (image, built) = match compile(major, minor, Image::Cubin) {
-            Ok(cubin) => (cubin, format!("cubin sm_{major}{minor}")),
-            Err(_) => (
-                compile(major, minor, Image::Ptx)?,
-                format!("ptx compute_{major}{minor}"),
-            ),
-        };
+        let image = image_for(major, minor)?;
         let _bound = ctx.bind()?;
         let mut module = std::ptr::null_mut();
         // SAFETY: a CUBIN, or NUL-terminated PTX; the context is current.
         check(
-            unsafe { sys::cuModuleLoadData(&mut module, image.as_ptr().cast()) },
+            unsafe { sys::cuModuleLoadData(&mut module, image.bytes.as_ptr().cast()) },
             "cuModuleLoadData (dpsync kernels)",
         )?;
-        let built = format!(
-            "{built}, NVRTC {}",
-            nvrtc_version().unwrap_or_else(|| "?".to_owned())
-        );
         let sm_count = sm_count.max(1) as u32;
-        Kernels::new(module, sm_count, built, Some(ctx.clone()), Launcher::Driver)
+        Kernels::new(
+            module,
+            sm_count,
+            image.built.clone(),
+            Some(ctx.clone()),
+            Launcher::Driver,
+        )
     }
 
     /// The kernels of a loaded module (or the emulator's), with the dense ones looked up.

@@ -1222,6 +1222,7 @@ impl Backend for CudaBackend {
             "nccl": self.nccl_library,
             "nccl_communicators": self.comms.lock().as_ref().map(|c| c.ranks()),
             "timeout_ms": self.timeout.map(|t| t.as_millis() as u64),
+            "nvrtc_compiles": kernels::nvrtc_compiles(),
         })
     }
 }
