@@ -509,6 +509,15 @@ impl Sim {
         Want::Ok(self.contents())
     }
 
+    /// Success with no byte changed, or one of `errs`.
+    fn unchanged_unless(&self, errs: Vec<dpsync_status>) -> Want {
+        if errs.is_empty() {
+            self.unchanged()
+        } else {
+            Want::Err(errs)
+        }
+    }
+
     /// Bytes of memory the library must never write: unregistered tensors and sparse slices.
     fn frozen(&self) -> Vec<Vec<u8>> {
         let mut out = Vec::new();
@@ -892,11 +901,7 @@ impl Sim {
         if self.mid_step() && !identical {
             errs.push(INVALID_STATE);
         }
-        let want = if errs.is_empty() {
-            self.unchanged()
-        } else {
-            Want::Err(errs)
-        };
+        let want = self.unchanged_unless(errs);
         let c = cstr(name);
         let what = format!(
             "register('{name}', role {role}, replica {replica}, {kind} data, count {count}, dtype {dtype})"
@@ -1696,11 +1701,7 @@ impl Sim {
                 errs.push(CONFLICT);
             }
         }
-        let want = if errs.is_empty() {
-            self.unchanged()
-        } else {
-            Want::Err(errs)
-        };
+        let want = self.unchanged_unless(errs);
         let c = cstr(name);
         let what = format!(
             "register_sparse('{name}', replica {replica}, row_len {row_len}, values {values}, \
@@ -1867,11 +1868,7 @@ impl Sim {
             Some(_) if replica < self.n && spec.is_none() => errs.push(INCONSISTENT),
             Some(_) => {}
         }
-        let want = if errs.is_empty() {
-            self.unchanged()
-        } else {
-            Want::Err(errs)
-        };
+        let want = self.unchanged_unless(errs);
         let c = cstr(name);
         let what = format!(
             "sparse_set('{name}', replica {replica}, indices {}{:?}, {rows} rows{}{})",
@@ -2027,11 +2024,7 @@ impl Sim {
             Some(s) if self.sparse[s].gathered.is_none() => errs.push(INVALID_STATE),
             Some(_) => {}
         }
-        let want = if errs.is_empty() {
-            self.unchanged()
-        } else {
-            Want::Err(errs)
-        };
+        let want = self.unchanged_unless(errs);
         let c = cstr(name);
         let (mut ip, mut vp, mut rows) = (ptr::null::<c_void>(), ptr::null::<c_void>(), 0usize);
         let outs = if null_out {
