@@ -45,7 +45,7 @@ for line in sys.stdin:
   cp -r benches/data "$BUNDLE/data"
   cp -r tests/python "$BUNDLE/python"
   # Only what the GPU run uses, without debug info: the device tool carries at most 64 MiB.
-  rm -f "$BUNDLE"/tests/{checkpoint,equivalence,header,host_threads,bmuf,sparse}-* "$BUNDLE"/benches/host_allreduce-*
+  rm -f "$BUNDLE"/tests/{checkpoint,concurrency,equivalence,header,host_threads,bmuf,overlap,sequences,sparse}-* "$BUNDLE"/benches/host_allreduce-*
   strip "$BUNDLE"/tests/* "$BUNDLE"/benches/* "$BUNDLE"/libdpsync.so "$BUNDLE"/cuda_train \
     "$BUNDLE"/bmuf_train "$BUNDLE"/train_dense "$BUNDLE"/checkpoint_sync
   du -sh "$BUNDLE"; ls -la "$BUNDLE" "$BUNDLE/tests" "$BUNDLE/benches"
