@@ -784,72 +784,31 @@ impl Collective {
     }
 }
 
-/// Every dense collective in stream order, each replica with its own caller stream: a kernel on
-/// replica r's stream writes r + 1 into its tensor (on one replica, in turn each, it spins for
-/// ~0.2 s first); the collective is issued; a kernel on the same stream copies the tensor out. No
-/// host synchronisation in between, so the copies see the result only if dpsync waited for every
-/// replica's stream and made every one wait for its work. (Trivial on the synchronous fake
-/// driver; it bites on a GPU and under FAKE_CUDA_ASYNC=1.) False when `transport` is not
-/// available here.
+/// Every dense collective in stream order, each replica with its own caller stream
+/// ([`in_stream_order`]). False when `transport` is not available here.
 fn every_collective_in_stream_order(test: &str, ordinals: &[i32], transport: u32) -> bool {
-    let n = 1usize << 12;
-    let cfg = LaunchConfig::for_num_elems(n as u32);
-    let collectives = [
+    let reps = ordinals.len();
+    [
         Collective::Grads,
         Collective::One,
         Collective::Broadcast,
         Collective::Average,
-    ];
-    for (collective, slow) in collectives
-        .into_iter()
-        .flat_map(|c| (0..ordinals.len()).map(move |slow| (c, slow)))
-    {
-        let Some(ctx) = cuda_context(test, ordinals, |o| o.set_transport(transport)) else {
-            return false;
-        };
-        let reps = ordinals.len();
-        let mut replicas = Vec::new();
-        for (r, &ordinal) in ordinals.iter().enumerate() {
-            let dev = cudarc::driver::CudaContext::new(ordinal as usize).unwrap();
-            let stream = dev.new_stream().unwrap();
-            let t = stream.alloc_zeros::<f32>(n).unwrap();
-            let out = stream.alloc_zeros::<f32>(n).unwrap();
-            stream.synchronize().unwrap();
-            register_device(&ctx, "t", collective.role(), r, dptr(&stream, &t), n, F32);
-            set_stream(&ctx, r, &stream);
-            replicas.push((spin_kernels(&dev), stream, t, out));
-        }
-        for (r, (k, stream, t, _)) in replicas.iter().enumerate() {
-            let cycles: i64 = if r == slow { 400_000_000 } else { 0 }; // ~0.2 s at 2 GHz
-            let (nn, v) = (n as u64, (r + 1) as f32);
-            let mut b = stream.launch_builder(&k.fill);
-            b.arg(t).arg(&nn).arg(&v).arg(&cycles);
-            // SAFETY: arguments match the kernel.
-            unsafe { b.launch(cfg) }.unwrap();
-        }
-        check(collective.run(&ctx, reps), &format!("{collective:?}"));
-        for (k, stream, t, out) in &replicas {
-            let nn = n as u64;
-            let mut b = stream.launch_builder(&k.copy);
-            b.arg(t).arg(out).arg(&nn);
-            // SAFETY: arguments match the kernel.
-            unsafe { b.launch(cfg) }.unwrap();
-        }
-        let want = collective.expected(reps);
-        for (r, (_, stream, _, out)) in replicas.iter().enumerate() {
-            let got = stream.clone_dtoh(out).unwrap();
-            let bad = got.iter().position(|&x| x != want);
-            assert!(
-                bad.is_none(),
-                "{collective:?} on {ordinals:?}, transport {transport}, replica {slow} slow: \
-                 replica {r}'s stream read {} at element {}, want {want}",
-                got[bad.unwrap()],
-                bad.unwrap()
-            );
-        }
-        check(synchronize(&ctx), "synchronize");
-    }
-    true
+    ]
+    .into_iter()
+    .all(|c| {
+        let what = format!("{c:?}");
+        let issue = |ctx: &Context| c.run(ctx, reps);
+        in_stream_order(
+            test,
+            &what,
+            ordinals,
+            transport,
+            c.role(),
+            |_| {},
+            issue,
+            c.expected(reps),
+        )
+    })
 }
 
 #[test]

@@ -9,7 +9,8 @@
 mod common;
 
 use common::gpu::{
-    decode, encode, for_each_transport, rank_per_replica, synchronize, Mem, Place, ACROSS_GPUS,
+    decode, encode, for_each_transport, in_stream_order, rank_per_replica, synchronize, Mem, Place,
+    ACROSS_GPUS,
 };
 use common::*;
 
@@ -208,66 +209,23 @@ fn bmuf_over_two_nccl_ranks_on_one_gpu_when_enabled() {
     assert!(two_replicas_give_the_host_bytes(&gpu, &[0, 0], T_NCCL));
 }
 
-/// The update runs in stream order, each replica with its own caller stream: a kernel on replica
-/// r's stream writes r + 1 into its params (on one replica, in turn each, it spins ~0.2 s
-/// first), then bmuf_step, then a kernel on the same stream copies the params out, with no host
-/// sync in between: every copy sees the filtered params. False if `transport` is unavailable.
+/// The update runs in stream order, each replica with its own caller stream
+/// ([`in_stream_order`]): the params are 0 at `bmuf_init` (W = 0, D = 0), replica r's become
+/// r + 1 (mean A = (reps + 1) / 2); classical momentum 0.5, block_lr 1 give D = A, W = A and
+/// params = A on every replica. False if `transport` is unavailable.
 fn bmuf_step_in_stream_order(test: &str, ordinals: &[i32], transport: u32) -> bool {
-    use common::gpu::{dptr, set_stream, spin_kernels};
-    use cudarc::driver::{LaunchConfig, PushKernelArg};
-    let n = 1usize << 12;
-    let cfg = LaunchConfig::for_num_elems(n as u32);
-    let reps = ordinals.len();
-    for slow in 0..reps {
-        let Some(ctx) = cuda_context(test, ordinals, |o| o.set_transport(transport)) else {
-            return false;
-        };
-        let mut replicas = Vec::new();
-        for (r, &ordinal) in ordinals.iter().enumerate() {
-            let dev = cudarc::driver::CudaContext::new(ordinal as usize).unwrap();
-            let stream = dev.new_stream().unwrap();
-            let p = stream.alloc_zeros::<f32>(n).unwrap();
-            let out = stream.alloc_zeros::<f32>(n).unwrap();
-            stream.synchronize().unwrap();
-            common::gpu::register_device(&ctx, "w", PARAM, r, dptr(&stream, &p), n, F32);
-            set_stream(&ctx, r, &stream);
-            replicas.push((spin_kernels(&dev), stream, p, out));
-        }
-        // W = 0, D = 0. Block: replica r's params become r + 1 (mean A = (reps + 1) / 2);
-        // classical momentum 0.5, block_lr 1: D = A, W = A, params = A.
-        check(ctx.bmuf_init(1.0, 0.5, false), "bmuf_init");
-        for (r, (k, stream, p, _)) in replicas.iter().enumerate() {
-            let value = (r + 1) as f32;
-            let cycles: i64 = if r == slow { 400_000_000 } else { 0 }; // ~0.2 s at 2 GHz
-            let nn = n as u64;
-            let mut launch = stream.launch_builder(&k.fill);
-            launch.arg(p).arg(&nn).arg(&value).arg(&cycles);
-            // SAFETY: the kernel's signature.
-            unsafe { launch.launch(cfg) }.unwrap();
-        }
-        check(ctx.bmuf_step(), "bmuf_step");
-        for (k, stream, p, out) in &replicas {
-            let nn = n as u64;
-            let mut launch = stream.launch_builder(&k.copy);
-            launch.arg(p).arg(out).arg(&nn);
-            // SAFETY: the kernel's signature.
-            unsafe { launch.launch(cfg) }.unwrap();
-        }
-        let want = (reps + 1) as f32 / 2.0;
-        for (r, (_, stream, _, out)) in replicas.iter().enumerate() {
-            let got = stream.clone_dtoh(out).unwrap();
-            let bad = got.iter().position(|&x| x != want);
-            assert!(
-                bad.is_none(),
-                "bmuf_step on {ordinals:?}, transport {transport}, replica {slow} slow: replica \
-                 {r}'s stream read {} at element {}, want {want}",
-                got[bad.unwrap()],
-                bad.unwrap()
-            );
-        }
-        check(synchronize(&ctx), "synchronize");
-    }
-    true
+    let init = |ctx: &Context| check(ctx.bmuf_init(1.0, 0.5, false), "bmuf_init");
+    let want = (ordinals.len() + 1) as f32 / 2.0;
+    in_stream_order(
+        test,
+        "bmuf_step",
+        ordinals,
+        transport,
+        PARAM,
+        init,
+        |ctx| ctx.bmuf_step(),
+        want,
+    )
 }
 
 #[test]

@@ -368,6 +368,75 @@ pub unsafe fn fake_driver_fn<F: Copy>(test: &str, symbol: &str) -> Option<F> {
 /// The replica layouts of the `*across_gpus*` tests (four GPUs, and a shared one).
 pub const ACROSS_GPUS: [&[i32]; 2] = [&[0, 1, 2, 3], &[2, 0, 2]];
 
+/// One collective in stream order, each replica with its own caller stream: a kernel on replica
+/// r's stream writes r + 1 into tensor "t" of `role` (on one replica, in turn each, it spins for
+/// ~0.2 s first); `issue` runs the collective; a kernel on the same stream copies the tensor out.
+/// No host synchronisation in between, so every copy reads `want` only if dpsync waited for
+/// every replica's stream and made every one wait for its work. (Trivial on the synchronous fake
+/// driver; it bites on a GPU and under FAKE_CUDA_ASYNC=1.) `prepare` runs once the tensors are
+/// registered (e.g. `dpsync_bmuf_init`). False when `transport` is not available here.
+#[allow(clippy::too_many_arguments)]
+pub fn in_stream_order(
+    test: &str,
+    what: &str,
+    ordinals: &[i32],
+    transport: u32,
+    role: u32,
+    prepare: impl Fn(&Context),
+    issue: impl Fn(&Context) -> dpsync_status,
+    want: f32,
+) -> bool {
+    use cudarc::driver::{LaunchConfig, PushKernelArg};
+    let n = 1usize << 12;
+    let cfg = LaunchConfig::for_num_elems(n as u32);
+    for slow in 0..ordinals.len() {
+        let Some(ctx) = super::cuda_context(test, ordinals, |o| o.set_transport(transport)) else {
+            return false;
+        };
+        let mut replicas = Vec::new();
+        for (r, &ordinal) in ordinals.iter().enumerate() {
+            let dev = CudaContext::new(ordinal as usize).unwrap();
+            let stream = dev.new_stream().unwrap();
+            let t = stream.alloc_zeros::<f32>(n).unwrap();
+            let out = stream.alloc_zeros::<f32>(n).unwrap();
+            stream.synchronize().unwrap();
+            register_device(&ctx, "t", role, r, dptr(&stream, &t), n, super::F32);
+            set_stream(&ctx, r, &stream);
+            replicas.push((spin_kernels(&dev), stream, t, out));
+        }
+        prepare(&ctx);
+        for (r, (k, stream, t, _)) in replicas.iter().enumerate() {
+            let cycles: i64 = if r == slow { 400_000_000 } else { 0 }; // ~0.2 s at 2 GHz
+            let (nn, v) = (n as u64, (r + 1) as f32);
+            let mut b = stream.launch_builder(&k.fill);
+            b.arg(t).arg(&nn).arg(&v).arg(&cycles);
+            // SAFETY: arguments match the kernel.
+            unsafe { b.launch(cfg) }.unwrap();
+        }
+        check(issue(&ctx), what);
+        for (k, stream, t, out) in &replicas {
+            let nn = n as u64;
+            let mut b = stream.launch_builder(&k.copy);
+            b.arg(t).arg(out).arg(&nn);
+            // SAFETY: arguments match the kernel.
+            unsafe { b.launch(cfg) }.unwrap();
+        }
+        for (r, (_, stream, _, out)) in replicas.iter().enumerate() {
+            let got = stream.clone_dtoh(out).unwrap();
+            let bad = got.iter().position(|&x| x != want);
+            assert!(
+                bad.is_none(),
+                "{what} on {ordinals:?}, transport {transport}, replica {slow} slow: replica \
+                 {r}'s stream read {} at element {}, want {want}",
+                got[bad.unwrap()],
+                bad.unwrap()
+            );
+        }
+        check(synchronize(&ctx), "synchronize");
+    }
+    true
+}
+
 /// Runs `case(ordinals, transport)` over NCCL and PEER_COPY for each of `layouts`. A case
 /// returns false when its transport cannot be used here: that is printed, and the transport's
 /// other layouts are skipped.

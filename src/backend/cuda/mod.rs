@@ -492,6 +492,15 @@ impl CudaBackend {
         Ok(ptr)
     }
 
+    /// Records each distinct caller stream's start event: it marks the work queued there so far.
+    fn mark_callers(&self) -> Result<()> {
+        for r in self.callers.iter().map(|&r| &self.replicas[r]) {
+            let _bound = self.groups[r.group].ctx.bind()?;
+            r.start.record(r.stream as sys::CUstream)?;
+        }
+        Ok(())
+    }
+
     /// Makes `to`'s stream wait for the work queued so far on `from`'s.
     fn order(&self, from: usize, to: usize) -> Result<()> {
         if from == to {
@@ -955,10 +964,7 @@ impl Backend for CudaBackend {
 
     fn begin(&self) -> Result<()> {
         self.observe(false)?;
-        for r in self.callers.iter().map(|&r| &self.replicas[r]) {
-            let _bound = self.groups[r.group].ctx.bind()?;
-            r.start.record(r.stream as sys::CUstream)?;
-        }
+        self.mark_callers()?;
         for g in &self.groups {
             for r in self.callers.iter().map(|&r| &self.replicas[r]) {
                 r.start.wait_on(g.stream.0)?;
@@ -972,12 +978,9 @@ impl Backend for CudaBackend {
     }
 
     fn wait_for_callers(&self) -> Result<()> {
-        // Each distinct caller stream's start event marks the work queued so far (re-recording
-        // it is fine: the waits `begin` queued captured the earlier record).
-        for r in self.callers.iter().map(|&r| &self.replicas[r]) {
-            let _bound = self.groups[r.group].ctx.bind()?;
-            r.start.record(r.stream as sys::CUstream)?;
-        }
+        // Re-recording the start events is fine: the waits `begin` queued captured the earlier
+        // record.
+        self.mark_callers()?;
         let limit = deadline(Instant::now(), self.timeout);
         for (&i, r) in self.callers.iter().map(|i| (i, &self.replicas[*i])) {
             let mut spins = 0u32;
