@@ -30,10 +30,11 @@
 // on a stream of its own context; a kernel launches only from a module loaded in the current
 // context, on a stream of that context; allocations, events, default streams and
 // cuCtxSynchronize need a current context; peer access is enabled only where
-// cuDeviceCanAccessPeer allows it, and enabling it twice is CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED.
-// A breach returns the driver's error and names the rule on stderr. Not checked: that a kernel
-// reads another device's memory only with peer access enabled (the emulator dereferences
-// whatever pointers it is given).
+// cuDeviceCanAccessPeer allows it, and enabling it twice is CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED;
+// a kernel's pointer arguments are its own device's memory, a peer's whose access its context
+// enabled, or page-locked host memory (on a GPU anything else faults). A breach returns the
+// driver's error and names the rule on stderr. Not checked: pointers a kernel reads out of a
+// table in memory (the emulator dereferences whatever it is given).
 //
 // FAKE_CUDA_NOEXEC=1 skips the work itself (kernels, copies, memsets), so that a benchmark on
 // the fake measures dpsync's own host-side cost of issuing work; FAKE_CUDA_STATS=1 prints, at
@@ -602,6 +603,26 @@ CUresult cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name) {
   *f = &m->functions.emplace(name, FakeFunction{kernel, m->ctx}).first->second;
   return OK;
 }
+// A kernel may only dereference memory of its own device, of a peer whose access its context
+// enabled (cuCtxEnablePeerAccess), or page-locked host memory; anything else faults on a GPU
+// (CUDA_ERROR_ILLEGAL_ADDRESS, 700) while the emulator would read it happily. Checked on the
+// launch's pointer arguments (not on pointers stored inside tables in device memory).
+static CUresult check_reach(CUfunction f, void** params) {
+  const void* ptrs[16];
+  int n = dpsync_emu_pointer_args(f->kernel, params, ptrs, 16);
+  int here = current->device;
+  std::lock_guard<std::mutex> g(lock);
+  for (int i = 0; i < n; ++i) {
+    if (!ptrs[i]) continue;
+    uintptr_t base = 0;
+    const Alloc* a = find((uintptr_t)ptrs[i], &base);
+    if (!a) return misuse(700, "cuLaunchKernel", "a pointer argument is neither device nor page-locked memory");
+    if (a->device_memory && a->device != here && !enabled_peers.count({here, a->device}))
+      return misuse(700, "cuLaunchKernel",
+                    "a pointer argument is another device's memory and peer access to it is not enabled");
+  }
+  return OK;
+}
 CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned, unsigned, unsigned bx, unsigned,
                         unsigned, unsigned, CUstream s, void** params, void**) {
   if (!current) return misuse(INVALID_CONTEXT, "cuLaunchKernel", "no current context");
@@ -609,6 +630,7 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned, unsigned, unsigned 
     return misuse(INVALID_HANDLE, "cuLaunchKernel", "the function's module was loaded on another device");
   if (context_of(s) != current)
     return misuse(INVALID_HANDLE, "cuLaunchKernel", "the stream belongs to another device than the current context");
+  if (CUresult r = check_reach(f, params)) return r;
   counts.launches++;
   if (noexec) return OK;
   if (async_mode) submit(queue_of(s), dpsync_emu_bind(f->kernel, gx, bx, params));

@@ -97,10 +97,36 @@ Binder binder(void (*)(A...)) {
     return bind<std::decay_t<A>...>(e, grid, block, p, std::index_sequence_for<A...>{});
   };
 }
+// The values of a launch's pointer-typed arguments, for the fake driver's check that a kernel
+// only reaches memory its device can (tests/fakecuda/fake_cuda.cpp).
+using Pointers = std::function<int(void**, const void**, int)>;
+inline std::map<const Entry*, Pointers>& pointer_lists() {
+  static std::map<const Entry*, Pointers> l;
+  return l;
+}
+template <class... A, std::size_t... I>
+int list_pointers(void** p, const void** out, int max, std::index_sequence<I...>) {
+  int n = 0;
+  auto one = [&](auto* arg) {
+    using T = std::remove_reference_t<decltype(*arg)>;
+    if constexpr (std::is_pointer_v<T>) {
+      if (n < max) out[n++] = static_cast<const void*>(*arg);
+    }
+  };
+  (one(static_cast<A*>(p[I])), ...);
+  return n;
+}
+template <class... A>
+Pointers pointers(void (*)(A...)) {
+  return [](void** p, const void** out, int max) {
+    return list_pointers<std::decay_t<A>...>(p, out, max, std::index_sequence_for<A...>{});
+  };
+}
 struct Reg {
-  Reg(const char* name, Entry e, Binder b) {
+  Reg(const char* name, Entry e, Binder b, Pointers l) {
     const Entry* at = &registry().emplace(name, std::move(e)).first->second;
     binders().emplace(at, std::move(b));
+    pointer_lists().emplace(at, std::move(l));
   }
 };
 }  // namespace emu
@@ -132,12 +158,20 @@ inline unsigned long long atomicMin(unsigned long long* p, unsigned long long v)
 }
 
 #define DPSYNC_KERNEL(name) \
-  static emu::Reg emu_reg_##name(#name, emu::entry(&name), emu::binder(&name));
+  static emu::Reg emu_reg_##name(#name, emu::entry(&name), emu::binder(&name), \
+                                 emu::pointers(&name));
 
 // The emulator's C entry points (src/backend/cuda/emulate.rs).
 extern "C" const void* dpsync_emu_find(const char* name) {
   auto it = emu::registry().find(name);
   return it == emu::registry().end() ? nullptr : &it->second;
+}
+
+// Up to `max` of the launch's pointer arguments into `out`; how many there were.
+extern "C" int dpsync_emu_pointer_args(const void* kernel, void** params, const void** out,
+                                       int max) {
+  auto e = static_cast<const emu::Entry*>(kernel);
+  return emu::pointer_lists().at(e)(params, out, max);
 }
 
 namespace emu {
