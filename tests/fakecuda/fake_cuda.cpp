@@ -32,7 +32,8 @@
 // cuCtxSynchronize need a current context; peer access is enabled only where
 // cuDeviceCanAccessPeer allows it, and enabling it twice is CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED;
 // a kernel's pointer arguments are its own device's memory, a peer's whose access its context
-// enabled, or page-locked host memory (on a GPU anything else faults). A breach returns the
+// enabled, or page-locked host memory, aligned to their element type (on a GPU anything else
+// faults). A breach returns the
 // driver's error and names the rule on stderr. Not checked: pointers a kernel reads out of a
 // table in memory (the emulator dereferences whatever it is given).
 //
@@ -604,16 +605,20 @@ CUresult cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name) {
   return OK;
 }
 // A kernel may only dereference memory of its own device, of a peer whose access its context
-// enabled (cuCtxEnablePeerAccess), or page-locked host memory; anything else faults on a GPU
-// (CUDA_ERROR_ILLEGAL_ADDRESS, 700) while the emulator would read it happily. Checked on the
+// enabled (cuCtxEnablePeerAccess), or page-locked host memory, through pointers aligned to their
+// element type; anything else faults on a GPU (CUDA_ERROR_ILLEGAL_ADDRESS, 700, or
+// CUDA_ERROR_MISALIGNED_ADDRESS, 716) while the emulator would read it happily. Checked on the
 // launch's pointer arguments (not on pointers stored inside tables in device memory).
 static CUresult check_reach(CUfunction f, void** params) {
   const void* ptrs[16];
-  int n = dpsync_emu_pointer_args(f->kernel, params, ptrs, 16);
+  unsigned align[16];
+  int n = dpsync_emu_pointer_args(f->kernel, params, ptrs, align, 16);
   int here = current->device;
   std::lock_guard<std::mutex> g(lock);
   for (int i = 0; i < n; ++i) {
     if (!ptrs[i]) continue;
+    if ((uintptr_t)ptrs[i] % align[i])
+      return misuse(716, "cuLaunchKernel", "a pointer argument is not aligned to its element type");
     uintptr_t base = 0;
     const Alloc* a = find((uintptr_t)ptrs[i], &base);
     if (!a) return misuse(700, "cuLaunchKernel", "a pointer argument is neither device nor page-locked memory");

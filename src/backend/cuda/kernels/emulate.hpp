@@ -97,20 +97,25 @@ Binder binder(void (*)(A...)) {
     return bind<std::decay_t<A>...>(e, grid, block, p, std::index_sequence_for<A...>{});
   };
 }
-// The values of a launch's pointer-typed arguments, for the fake driver's check that a kernel
-// only reaches memory its device can (tests/fakecuda/fake_cuda.cpp).
-using Pointers = std::function<int(void**, const void**, int)>;
+// The values of a launch's pointer-typed arguments and their pointees' alignments, for the fake
+// driver's check that a kernel only reaches memory its device can, aligned as a GPU needs
+// (tests/fakecuda/fake_cuda.cpp).
+using Pointers = std::function<int(void**, const void**, unsigned*, int)>;
 inline std::map<const Entry*, Pointers>& pointer_lists() {
   static std::map<const Entry*, Pointers> l;
   return l;
 }
 template <class... A, std::size_t... I>
-int list_pointers(void** p, const void** out, int max, std::index_sequence<I...>) {
+int list_pointers(void** p, const void** out, unsigned* align, int max,
+                  std::index_sequence<I...>) {
   int n = 0;
   auto one = [&](auto* arg) {
     using T = std::remove_reference_t<decltype(*arg)>;
     if constexpr (std::is_pointer_v<T>) {
-      if (n < max) out[n++] = static_cast<const void*>(*arg);
+      if (n < max) {
+        align[n] = alignof(std::remove_pointer_t<T>);
+        out[n++] = static_cast<const void*>(*arg);
+      }
     }
   };
   (one(static_cast<A*>(p[I])), ...);
@@ -118,8 +123,9 @@ int list_pointers(void** p, const void** out, int max, std::index_sequence<I...>
 }
 template <class... A>
 Pointers pointers(void (*)(A...)) {
-  return [](void** p, const void** out, int max) {
-    return list_pointers<std::decay_t<A>...>(p, out, max, std::index_sequence_for<A...>{});
+  return [](void** p, const void** out, unsigned* align, int max) {
+    return list_pointers<std::decay_t<A>...>(p, out, align, max,
+                                             std::index_sequence_for<A...>{});
   };
 }
 struct Reg {
@@ -167,11 +173,12 @@ extern "C" const void* dpsync_emu_find(const char* name) {
   return it == emu::registry().end() ? nullptr : &it->second;
 }
 
-// Up to `max` of the launch's pointer arguments into `out`; how many there were.
+// Up to `max` of the launch's pointer arguments into `out`, their pointees' alignments into
+// `align`; how many there were.
 extern "C" int dpsync_emu_pointer_args(const void* kernel, void** params, const void** out,
-                                       int max) {
+                                       unsigned* align, int max) {
   auto e = static_cast<const emu::Entry*>(kernel);
-  return emu::pointer_lists().at(e)(params, out, max);
+  return emu::pointer_lists().at(e)(params, out, align, max);
 }
 
 namespace emu {
