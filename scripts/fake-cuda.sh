@@ -3,9 +3,9 @@
 # dpsync's kernels and the tests' own on CPU threads) and tests/fakecuda/fake_nccl.cpp (a
 # libnccl.so.2 stand-in that matches every rank's calls and checks them) into target/fakecuda,
 # and runs tests/cuda*.rs against them: on one fake GPU; on four under three peer-access patterns
-# (all pairs, none, Caffe2's seed topology GPU1<->GPU2 only); with two NCCL ranks on one GPU; and
-# with NCCL faults injected. All of it twice: with synchronous streams, and with asynchronous
-# ones (FAKE_CUDA_ASYNC=1, see fake_cuda.cpp's header). This exercises the whole CUDA backend's
+# (all pairs, none, Caffe2's seed topology GPU1<->GPU2 only); with two NCCL ranks on one GPU; with
+# a slow NCCL setup; and with NCCL faults injected. All of it twice: with synchronous streams, and
+# with asynchronous ones (FAKE_CUDA_ASYNC=1, see fake_cuda.cpp's header). This exercises the whole CUDA backend's
 # host side (contexts, streams, events, memory, pointer attributes, tables, launches, peer and
 # staged copies, NCCL groups, sends and receives, timeouts and aborts) and its stream ordering by
 # events, without a GPU. It proves nothing about real NCCL transports, speed or the hardware
@@ -71,6 +71,9 @@ for streams in synchronous asynchronous; do
   step "two NCCL ranks on one fake GPU (DPSYNC_NCCL_RANK_PER_REPLICA=1), $streams streams"
   DPSYNC_NCCL_RANK_PER_REPLICA=1 NCCL_MULTI_RANK_GPU_ENABLE=1 \
     cargo test --release "${TESTS[@]}" "$@" -- --test-threads=1 two_nccl_ranks
+  step "slow NCCL setup (FAKE_NCCL_SETUP_MS=800) under a 200 ms timeout, $streams streams"
+  FAKE_CUDA_DEVICES=2 FAKE_NCCL_SETUP_MS=800 \
+    cargo test --release --test cuda "$@" -- --test-threads=1 slow_nccl_setup
   for fault in hang error; do
     step "NCCL fault injected: FAKE_NCCL_FAULT=$fault, $streams streams"
     FAKE_CUDA_DEVICES=2 FAKE_NCCL_FAULT=$fault \

@@ -397,6 +397,129 @@ fn a_stuck_collective_times_out_and_poisons_only_its_context() {
     check(synchronize(&other), "synchronize on a fresh context");
 }
 
+/// dpsync leaves the calling thread's current CUDA context as it found it, also through NCCL,
+/// whose group launches, aborts and destroys may switch it (the fake NCCL does what the CUDA
+/// runtime would). On a thread with no context current, every call must leave none current.
+#[test]
+fn the_callers_current_context_is_left_as_it_was() {
+    let test = "the_callers_current_context_is_left_as_it_was";
+    if Place::gpu(test).is_none() {
+        return;
+    }
+    let layout: Vec<i32> = if device_count() >= 2 {
+        vec![0, 1]
+    } else {
+        vec![0, 0]
+    };
+    let n = 1000;
+    let mems: Vec<_> = layout
+        .iter()
+        .map(|&ordinal| {
+            let stream = default_stream(ordinal);
+            let d = stream.clone_htod(&vec![1.0f32; n]).unwrap();
+            stream.synchronize().unwrap();
+            (dptr(&stream, &d), d)
+        })
+        .collect();
+    let ptrs: Vec<usize> = mems.iter().map(|m| m.0).collect();
+    std::thread::spawn(move || {
+        let current = || {
+            let mut c = std::ptr::null_mut();
+            // SAFETY: plain query.
+            unsafe { cudarc::driver::sys::cuCtxGetCurrent(&mut c) };
+            c
+        };
+        assert!(current().is_null(), "a new thread has no current context");
+        for_each_transport(&[&layout], |ordinals, transport| {
+            let Some(ctx) = cuda_context(test, ordinals, |o| o.set_transport(transport)) else {
+                return false;
+            };
+            let after = |what: &str| {
+                assert!(
+                    current().is_null(),
+                    "transport {transport}: {what} left a context current"
+                )
+            };
+            after("dpsync_context_create");
+            for (r, &p) in ptrs.iter().enumerate() {
+                register_device(&ctx, "g", GRAD, r, p, n, F32);
+            }
+            after("dpsync_register");
+            check(ctx.allreduce_grads(SUM), "allreduce_grads");
+            after("dpsync_allreduce_grads");
+            check(ctx.broadcast(GRAD, 1), "broadcast");
+            after("dpsync_broadcast");
+            check(synchronize(&ctx), "synchronize");
+            after("dpsync_synchronize");
+            drop(ctx);
+            after("dpsync_context_destroy");
+            true
+        });
+    })
+    .join()
+    .expect("the checks on a thread without a current context pass");
+    drop(mems);
+}
+
+/// Creating NCCL communicators and a set's first group (where NCCL connects the ranks) take
+/// seconds on a multi-GPU machine; a collective timeout set for steady-state steps must not cut
+/// them short. The fake NCCL stretches both with FAKE_NCCL_SETUP_MS (scripts/fake-cuda.sh);
+/// elsewhere this prints that it was skipped. With a timeout a quarter of that, AUTO still
+/// chooses NCCL, and the first collectives of both transports succeed with the right sums.
+#[test]
+fn slow_nccl_setup_is_not_a_collective_timeout() {
+    let Some(setup_ms) = std::env::var("FAKE_NCCL_SETUP_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .filter(|&ms| ms >= 8)
+    else {
+        eprintln!(
+            "slow_nccl_setup_is_not_a_collective_timeout: skipped: needs the fake NCCL's slow \
+             setup (FAKE_NCCL_SETUP_MS; scripts/fake-cuda.sh)"
+        );
+        return;
+    };
+    assert!(
+        Place::gpus("slow_nccl_setup", 2).is_some(),
+        "the fake has 2+ GPUs"
+    );
+    for transport in [T_AUTO, T_NCCL] {
+        let ctx = cuda_context("slow nccl setup", &[0, 1], |o| {
+            o.set_transport(transport);
+            // SAFETY: valid options.
+            check(
+                unsafe { dpsync_options_set_timeout_ms(o.0, setup_ms / 4) },
+                "set_timeout_ms",
+            );
+        })
+        .expect("the fake CUDA driver and NCCL are loaded");
+        let json = ctx.describe_json();
+        assert_eq!(json["transport"], "nccl", "transport {transport}: {json}");
+        let n = 1000;
+        let mut keep = Vec::new();
+        for (r, ordinal) in [0, 1].into_iter().enumerate() {
+            let stream = default_stream(ordinal);
+            let d = stream.clone_htod(&vec![1.0f32; n]).unwrap();
+            register_device(&ctx, "g", GRAD, r, dptr(&stream, &d), n, F32);
+            stream.synchronize().unwrap();
+            keep.push((d, stream));
+        }
+        for step in 1..=2 {
+            check(ctx.allreduce_grads(SUM), "allreduce_grads");
+            check(synchronize(&ctx), "synchronize");
+            for (r, (d, stream)) in keep.iter().enumerate() {
+                let got = stream.clone_dtoh(d).unwrap();
+                let want = (1u32 << step) as f32;
+                assert_eq!(
+                    got,
+                    vec![want; n],
+                    "transport {transport}, step {step}, replica {r}"
+                );
+            }
+        }
+    }
+}
+
 /// A failing NCCL, provoked by the fake NCCL of scripts/fake-cuda.sh (FAKE_NCCL_FAULT=hang: the
 /// communicators stay in progress forever; =error: they report an asynchronous error): the
 /// collective returns TIMEOUT or BACKEND_ERROR, the communicators are aborted, the context
@@ -441,7 +564,12 @@ fn a_failing_nccl_collective_poisons_the_context() {
         stream.synchronize().unwrap();
         keep.push(d);
     }
-    // Communicator init runs before the fault applies (it is read per collective).
+    // A first collective without the fault (the fake reads it per group): a set's first group
+    // may take nccl::SETUP_TIME, so a hang there would take a minute to time out.
+    std::env::remove_var("FAKE_NCCL_FAULT");
+    check(ctx.allreduce_grads(SUM), "allreduce_grads before the fault");
+    check(synchronize(&ctx), "synchronize before the fault");
+    std::env::set_var("FAKE_NCCL_FAULT", &fault);
     expect_err(ctx.allreduce_grads(SUM), want.0, &[want.1]);
     expect_err(ctx.allreduce_grads(SUM), INVALID_STATE, &["destroy"]);
     expect_err(synchronize(&ctx), INVALID_STATE, &["destroy"]);

@@ -668,6 +668,10 @@ void fake_cuda_enqueue(void* s, int device, void (*fn)(void*), void* arg) {
 }
 // The current context's device, or -1 when none is current.
 int fake_cuda_current_device() { return current ? current->device : -1; }
+// For the fake NCCL: what the CUDA runtime's cudaSetDevice(cudaGetDevice()) leaves current,
+// as NCCL's group launch and its destroy and abort do: the primary context of the current
+// context's device, or device 0's when none was current.
+void fake_cuda_runtime_restore() { current = &primaries[current ? current->device : 0]; }
 // The device of a stream's context; the default streams (0, 1, 2) are the current context's.
 int fake_cuda_stream_device(void* s) {
   if ((uintptr_t)s <= 2) return fake_cuda_current_device();

@@ -21,6 +21,9 @@
 // ncclCommGetAsyncError once after init and after every group that touched them, then success, so
 // the callers' polling loops run; their ncclGroupEnd returns ncclInProgress, as real NCCL may.
 //
+// FAKE_NCCL_SETUP_MS=n: a non-blocking communicator stays in progress for n ms after its init
+// and again after the first group that gives it ops, as real NCCL's setup and its lazy
+// connection of the ranks (NCCL_RUNTIME_CONNECT) take seconds on a multi-GPU machine.
 // FAKE_NCCL_FAULT, read whenever a group with ops runs (never at init): "hang" = the ops run but
 // their communicators report ncclInProgress until aborted (a stuck collective); "error" = the ops
 // do not run and the communicators report ncclSystemError ("fake NCCL: injected failure").
@@ -65,6 +68,8 @@ struct Comm {
   int rank, device;
   bool blocking;
   bool dead = false, finalized = false, hang = false, pending = false;
+  bool connected = false;  // its first group with ops ran (FAKE_NCCL_SETUP_MS)
+  std::chrono::steady_clock::time_point busy_until{};
   int error = Success;
   std::string last;  // ncclGetLastError
 };
@@ -74,6 +79,19 @@ struct Op {
   Kind kind; Comm* comm; const void* send; void* recv; size_t count; int dtype, arg;
   void* stream = nullptr;
 };
+
+// FAKE_NCCL_SETUP_MS: `c` reports ncclInProgress for that long from now.
+void setup_delay(Comm* c) {
+  if (c->blocking) return;
+  const char* v = std::getenv("FAKE_NCCL_SETUP_MS");
+  if (v && std::atoi(v) > 0)
+    c->busy_until = std::chrono::steady_clock::now() + std::chrono::milliseconds(std::atoi(v));
+}
+
+// Real NCCL's group launch, destroy and abort set each rank's device through the CUDA runtime
+// and restore the runtime's idea of the previous one, which can change the calling thread's
+// current context (fake_cuda_runtime_restore says how): callers must keep their own.
+void runtime_restore();
 
 std::mutex mu;  // guards everything below; every entry point takes it
 std::map<std::string, Clique*> cliques;  // by unique id; like the comms, never freed
@@ -124,6 +142,7 @@ struct Cuda {
   int (*stream_device)(void*);
   int (*async)();
   void (*enqueue)(void*, int, void (*)(void*), void*);
+  void (*runtime_restore)();
 };
 void* cuda_sym(const char* name) {
   if (void* p = dlsym(RTLD_DEFAULT, name)) return p;
@@ -132,6 +151,10 @@ void* cuda_sym(const char* name) {
       if (void* p = dlsym(h, name)) return p;  // the handle stays open: p must stay valid
   return nullptr;
 }
+const Cuda* cuda(Comm* c);
+void runtime_restore() {
+  if (const Cuda* cu = cuda(nullptr)) cu->runtime_restore();
+}
 const Cuda* cuda(Comm* c) {
   static Cuda api{};
   if (!api.device_of) {
@@ -139,8 +162,10 @@ const Cuda* cuda(Comm* c) {
              (int (*)())cuda_sym("fake_cuda_current_device"),
              (int (*)(void*))cuda_sym("fake_cuda_stream_device"),
              (int (*)())cuda_sym("fake_cuda_async"),
-             (void (*)(void*, int, void (*)(void*), void*))cuda_sym("fake_cuda_enqueue")};
-    if (!got.device_of || !got.current_device || !got.stream_device || !got.async || !got.enqueue) {
+             (void (*)(void*, int, void (*)(void*), void*))cuda_sym("fake_cuda_enqueue"),
+             (void (*)())cuda_sym("fake_cuda_runtime_restore")};
+    if (!got.device_of || !got.current_device || !got.stream_device || !got.async || !got.enqueue ||
+        !got.runtime_restore) {
       fail(c, UnhandledCudaError,
            "fake NCCL: the fake CUDA driver's fake_cuda_* helpers were not found; load "
            "target/fakecuda/libcuda.so.1 before using the fake NCCL");
@@ -474,6 +499,8 @@ int run_group() {
     else execute(p);
     if (fault == "hang")
       for (const Op* o : ops) o->comm->hang = true;
+    for (const Op* o : ops)
+      if (!o->comm->connected) o->comm->connected = true, setup_delay(o->comm);
   }
   bool nonblocking = false;
   for (Comm* c : g.touched) {
@@ -540,6 +567,7 @@ int init(void** out, int nranks, const ncclUniqueId& id, int rank, bool blocking
                                              "context current", rank, nranks));
   }
   Comm* c = new Comm{q, rank, device, blocking};
+  setup_delay(c);
   comms.insert(c);
   q->ranks[rank] = c;
   *out = c;
@@ -643,6 +671,7 @@ int ncclCommFinalize(void* comm) {
 int ncclCommDestroy(void* comm) {
   std::lock_guard<std::mutex> guard(mu);
   if (comm) live(comm)->dead = true;
+  runtime_restore();
   return Success;
 }
 int ncclCommAbort(void* comm) { return ncclCommDestroy(comm); }
@@ -653,6 +682,7 @@ int ncclCommGetAsyncError(void* comm, int* state) {
   Comm* c = live(comm);
   if (c->hang) *state = InProgress;  // a stuck collective: until ncclCommAbort
   else if (c->error != Success) *state = c->error;
+  else if (std::chrono::steady_clock::now() < c->busy_until) *state = InProgress;
   else *state = c->pending ? InProgress : Success;
   c->pending = false;
   return Success;
@@ -688,6 +718,9 @@ int ncclGroupStart() {
 int ncclGroupEnd() {
   std::lock_guard<std::mutex> guard(mu);
   if (depth == 0) return fail(nullptr, InvalidUsage, "fake NCCL: ncclGroupEnd without ncclGroupStart");
-  return --depth > 0 ? Success : run_group();
+  if (--depth > 0) return Success;
+  int rc = run_group();
+  runtime_restore();
+  return rc;
 }
 }

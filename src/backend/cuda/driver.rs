@@ -159,6 +159,21 @@ impl Drop for PrimaryContext {
     }
 }
 
+/// Keeps the calling thread's current context: restores it when the guard drops, whatever
+/// happened in between (NCCL's group calls may switch it).
+pub fn keep_current() -> Result<Bound> {
+    let mut previous = std::ptr::null_mut();
+    // SAFETY: plain driver call.
+    check(
+        unsafe { sys::cuCtxGetCurrent(&mut previous) },
+        "cuCtxGetCurrent",
+    )?;
+    Ok(Bound {
+        previous,
+        changed: true,
+    })
+}
+
 /// Restores the previously current context on drop.
 pub struct Bound {
     previous: sys::CUcontext,

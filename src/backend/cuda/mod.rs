@@ -249,9 +249,14 @@ fn deadline(issued: Instant, timeout: Option<Duration>) -> Option<Instant> {
     timeout.map(|t| issued + t)
 }
 
+/// The deadline of NCCL setup work started at `issued` (nccl::SETUP_TIME).
+fn setup_deadline(issued: Instant, timeout: Option<Duration>) -> Option<Instant> {
+    timeout.map(|t| issued + t.max(nccl::SETUP_TIME))
+}
+
 /// One pause of a polling loop: yields at first, then sleeps 50 µs (a long wait should not
 /// hold a core).
-fn back_off(spins: &mut u32) {
+pub(super) fn back_off(spins: &mut u32) {
     *spins += 1;
     if *spins < 1000 {
         std::thread::yield_now();
@@ -390,7 +395,7 @@ impl CudaBackend {
             return Ok(set.clone());
         }
         let ctxs: Vec<&PrimaryContext> = self.groups.iter().map(|g| g.ctx.as_ref()).collect();
-        let set = CommSet::get(&ctxs, deadline(issued, self.timeout))?;
+        let set = CommSet::get(&ctxs, setup_deadline(issued, self.timeout))?;
         *slot = Some(set.clone());
         Ok(set)
     }
@@ -401,6 +406,7 @@ impl CudaBackend {
             streams: self.groups.iter().map(|g| g.stream.0).collect(),
             ctxs: self.groups.iter().map(|g| g.ctx.as_ref()).collect(),
             deadline: deadline(issued, self.timeout),
+            setup: setup_deadline(issued, self.timeout),
         }
     }
 
@@ -1274,6 +1280,10 @@ impl Drop for CudaBackend {
                 comms.abort();
             }
         }
+        // The communicators go first (finalized and destroyed if this was their last context),
+        // while the streams NCCL queued on and the contexts' references are still alive; the
+        // fields would drop them after `groups`.
+        drop(self.comms.get_mut().take());
     }
 }
 

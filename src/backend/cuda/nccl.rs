@@ -9,18 +9,25 @@
 //! Communicators are non-blocking (so a stuck collective can be timed out and aborted), created
 //! lazily and cached process-wide by the exact device set; contexts over the same devices share
 //! them, and the last one to go destroys them.
+//!
+//! NCCL's group calls, aborts and destroys may switch the calling thread's current context
+//! (its group launch sets the device of each rank and restores the *runtime's* idea of the
+//! previous one, which is device 0's primary context when none was current), so every entry
+//! point here keeps the caller's current context with [`driver::keep_current`].
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::CUstream;
 use cudarc::nccl::sys::{ncclConfig_t, ncclUniqueId};
 use libloading::Library;
 use parking_lot::Mutex;
 
-use super::driver::PrimaryContext;
+use super::back_off;
+use super::driver::{self, PrimaryContext};
 use crate::error::{Error, ErrorKind, Result};
 use crate::types::DType;
 
@@ -190,24 +197,37 @@ impl Drop for OpenGroup<'_> {
 }
 
 /// How a group's calls are queued: rank r's on `streams[r]` with `ctxs[r]` current; the group
-/// must leave the in-progress state by `deadline`.
+/// must leave the in-progress state by `deadline`, or by `setup` if it is the set's first
+/// (where NCCL connects the ranks, which takes seconds).
 pub struct Launch<'a> {
     pub streams: Vec<CUstream>,
     pub ctxs: Vec<&'a PrimaryContext>,
     pub deadline: Option<Instant>,
+    pub setup: Option<Instant>,
 }
+
+/// The least time given to creating communicators and to a set's first group, whatever the
+/// collective timeout: on a multi-GPU machine NCCL takes seconds to set up and, since 2.22,
+/// connects the ranks during their first collective. A timeout tuned for steady-state steps
+/// would otherwise fail the first step (or make AUTO fall back to peer copies).
+pub const SETUP_TIME: Duration = Duration::from_secs(60);
+
+/// Serialises the group launches of every set in the process. NCCL asks that operations on
+/// different communicators be issued in one order on every rank; sets sharing GPUs (contexts
+/// over [0,1] and [1,0], or over overlapping devices) could otherwise interleave their launches
+/// differently on each GPU.
+static LAUNCH: Mutex<()> = Mutex::new(());
 
 /// One communicator per device of a device set (rank i = i-th device), in one clique.
 pub struct CommSet {
     ordinals: Vec<i32>,
     comms: Vec<Comm>,
-    /// Serialises group launches from contexts sharing the set: every rank must see the
-    /// collectives in the same order.
-    launch: Mutex<()>,
+    /// A group with ops completed its launch: NCCL connected the ranks.
+    connected: AtomicBool,
     aborted: Mutex<bool>,
 }
 
-// SAFETY: handles are used under `launch` (or at teardown, when no one else holds the set).
+// SAFETY: handles are used under `LAUNCH` (or at teardown, when no one else holds the set).
 unsafe impl Send for CommSet {}
 unsafe impl Sync for CommSet {}
 
@@ -256,6 +276,7 @@ impl CommSet {
         )?;
         let n = devices.len() as c_int;
         let mut comms: Vec<Comm> = vec![std::ptr::null_mut(); devices.len()];
+        let _kept = driver::keep_current()?;
         // SAFETY: group calls bracket one init per device, each with its context current.
         unsafe {
             check(api, (api.group_start)(), "ncclGroupStart")?;
@@ -284,7 +305,7 @@ impl CommSet {
             let set = CommSet {
                 ordinals,
                 comms,
-                launch: Mutex::new(()),
+                connected: AtomicBool::new(false),
                 aborted: Mutex::new(false),
             };
             if let Err(e) = first_error.and(end).and_then(|_| set.poll_ready(deadline)) {
@@ -323,10 +344,21 @@ impl CommSet {
                     format!("NCCL rank {rank} has no communicator"),
                 ));
             }
+            let mut spins = 0u32;
             loop {
                 let mut state = SUCCESS;
                 // SAFETY: a live communicator.
-                unsafe { (api.comm_get_async_error)(comm, &mut state) };
+                let asked = unsafe { (api.comm_get_async_error)(comm, &mut state) };
+                if asked != SUCCESS {
+                    return Err(Error::new(
+                        ErrorKind::Backend,
+                        format!(
+                            "ncclCommGetAsyncError (rank {rank}, cuda:{}): {}",
+                            self.ordinals[rank],
+                            text(api, asked, comm)
+                        ),
+                    ));
+                }
                 match state {
                     SUCCESS => break,
                     IN_PROGRESS => {
@@ -339,7 +371,7 @@ impl CommSet {
                                 ),
                             ));
                         }
-                        std::thread::yield_now();
+                        back_off(&mut spins);
                     }
                     code => {
                         return Err(Error::new(
@@ -380,18 +412,21 @@ impl CommSet {
     }
 
     /// Runs `issue` between `ncclGroupStart` and `ncclGroupEnd` with the communicators live and
-    /// group launches of contexts sharing the set serialised, then polls until every rank left
-    /// the in-progress state. `issue` queues calls and reports the first failure; the group is
-    /// closed either way.
+    /// the process's group launches serialised, then polls until every rank left the
+    /// in-progress state (by the launch's deadline, or its setup deadline for the set's first
+    /// group). `issue` queues calls and reports the first failure; the group is closed either
+    /// way.
     fn grouped(
         &self,
         what: &str,
-        deadline: Option<Instant>,
+        launch: &Launch<'_>,
         issue: impl FnOnce(&Api) -> Result<()>,
     ) -> Result<()> {
         let api = api()?;
-        let _order = self.launch.lock();
+        let _order = LAUNCH.lock();
         let _live = self.live()?;
+        let _kept = driver::keep_current()?;
+        let first = !self.connected.load(Ordering::Acquire);
         // SAFETY: group calls around calls on live communicators.
         check(api, unsafe { (api.group_start)() }, "ncclGroupStart")?;
         let open = OpenGroup(api);
@@ -404,7 +439,9 @@ impl CommSet {
             &format!("ncclGroupEnd ({what})"),
         );
         queued.and(end)?;
-        self.poll_ready(deadline)
+        self.poll_ready(if first { launch.setup } else { launch.deadline })?;
+        self.connected.store(true, Ordering::Release);
+        Ok(())
     }
 
     /// One call per rank in one group: `call(api, rank, comm, stream)` with rank's context
@@ -415,7 +452,7 @@ impl CommSet {
         launch: &Launch<'_>,
         call: impl Fn(&Api, usize, Comm, CUstream) -> u32,
     ) -> Result<()> {
-        self.grouped(what, launch.deadline, |api| {
+        self.grouped(what, launch, |api| {
             let mut queued = Ok(());
             for (rank, &comm) in self.comms.iter().enumerate() {
                 let done = launch.ctxs[rank].bind().and_then(|_bound| {
@@ -470,7 +507,7 @@ impl CommSet {
         moves: &[(usize, u64, usize, u64, usize)],
         launch: &Launch<'_>,
     ) -> Result<()> {
-        self.grouped("send/recv", launch.deadline, |api| {
+        self.grouped("send/recv", launch, |api| {
             let mut queued = Ok(());
             for &(from, src, to, dst, bytes) in moves {
                 let (send_comm, recv_comm) = (self.comms[from], self.comms[to]);
@@ -515,6 +552,7 @@ impl CommSet {
             return;
         }
         *aborted = true;
+        let kept = driver::keep_current();
         if let Ok(api) = api() {
             for &comm in &self.comms {
                 if !comm.is_null() {
@@ -523,6 +561,7 @@ impl CommSet {
                 }
             }
         }
+        drop(kept);
         // Lock order is cache, then aborted (CommSet::get): release ours first.
         drop(aborted);
         // Only our own entry: another, live set may be cached under the same devices.
@@ -542,6 +581,9 @@ impl Drop for CommSet {
             return;
         }
         let Ok(api) = api() else { return };
+        let _kept = driver::keep_current();
+        // Bounded: a set whose work never ends is aborted rather than hang its last owner.
+        let deadline = Some(Instant::now() + SETUP_TIME);
         // SAFETY: the last owner; finalize flushes, then destroy frees.
         unsafe {
             (api.group_start)();
@@ -549,7 +591,7 @@ impl Drop for CommSet {
                 (api.comm_finalize)(comm);
             }
             (api.group_end)();
-            if self.poll_ready(None).is_err() {
+            if self.poll_ready(deadline).is_err() {
                 for &comm in &self.comms {
                     (api.comm_abort)(comm);
                 }
