@@ -68,6 +68,9 @@ for streams in synchronous asynchronous; do
     FAKE_CUDA_DEVICES=4 FAKE_CUDA_PEER=$peer cargo test --release "${TESTS[@]}" "$@" -- \
       --test-threads=1 across
   done
+  step "a peer limit (FAKE_CUDA_PEER_LIMIT=1) across four fake GPUs, $streams streams"
+  FAKE_CUDA_DEVICES=4 FAKE_CUDA_PEER_LIMIT=1 \
+    cargo test --release --test cuda "$@" -- --test-threads=1 a_peer_limit
   step "two NCCL ranks on one fake GPU (DPSYNC_NCCL_RANK_PER_REPLICA=1), $streams streams"
   DPSYNC_NCCL_RANK_PER_REPLICA=1 NCCL_MULTI_RANK_GPU_ENABLE=1 \
     cargo test --release "${TESTS[@]}" "$@" -- --test-threads=1 two_nccl_ranks

@@ -615,6 +615,48 @@ fn describe_of_a_live_context_matches_the_dry_run() {
 /// Several GPUs: the live context detects the peer matrix (under scripts/fake-cuda.sh, the one
 /// FAKE_CUDA_PEER describes, so the other multi-GPU tests really ran on that pattern) and
 /// executes the plan a dry run gives for that matrix.
+/// A device out of peer connections (CUDA_ERROR_TOO_MANY_PEERS when enabling one more) is not
+/// a failure: those pairs count as without access and use staged copies. The fake driver's
+/// FAKE_CUDA_PEER_LIMIT provokes it (scripts/fake-cuda.sh); elsewhere this prints that it was
+/// skipped.
+#[test]
+fn a_peer_limit_falls_back_to_staged_copies() {
+    let test = "a_peer_limit_falls_back_to_staged_copies";
+    let Some(limit) = std::env::var("FAKE_CUDA_PEER_LIMIT")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    else {
+        eprintln!(
+            "{test}: skipped: needs the fake driver's FAKE_CUDA_PEER_LIMIT (scripts/fake-cuda.sh)"
+        );
+        return;
+    };
+    if Place::gpus(test, 4).is_none() {
+        return;
+    }
+    let ordinals = [0, 1, 2, 3];
+    let ctx = cuda_context(test, &ordinals, |o| o.set_transport(T_PEER_COPY)).unwrap();
+    let live = ctx.describe_json();
+    let rows = live["peer_access"].as_array().expect("peer_access");
+    for (i, row) in rows.iter().enumerate() {
+        let peers = (row.as_array().unwrap().iter().enumerate())
+            .filter(|&(j, v)| j != i && v == 1)
+            .count();
+        assert!(
+            peers <= limit,
+            "replica {i} has {peers} peers over the limit {limit}: {live}"
+        );
+    }
+    assert!(
+        rows.iter()
+            .flat_map(|r| r.as_array().unwrap())
+            .any(|v| v == 0),
+        "some pairs went without access: {live}"
+    );
+    drop(ctx);
+    assert!(allreduce_every_dtype(&ordinals, T_PEER_COPY, 1000));
+}
+
 #[test]
 fn describe_across_gpus_shows_the_detected_peer_matrix_and_its_plan() {
     if Place::gpus("describe_across_gpus", 4).is_none() {
@@ -699,6 +741,57 @@ fn set_stream_checks_its_arguments() {
             "legacy stream",
         );
     }
+}
+
+/// The special stream handles: cudaStreamLegacy (0x1) is the replica's legacy default stream
+/// whatever context the calling thread has current (none here, or GPU 0's for a replica on GPU
+/// 1); cudaStreamPerThread (0x2) is refused, naming it, since it is another stream on every
+/// thread.
+#[test]
+fn set_stream_takes_the_legacy_handle_and_refuses_the_per_thread_one() {
+    let test = "set_stream_takes_the_legacy_handle_and_refuses_the_per_thread_one";
+    if Place::gpu(test).is_none() {
+        return;
+    }
+    let two = device_count() >= 2;
+    std::thread::spawn(move || {
+        let ordinals: &[i32] = if two { &[0, 1] } else { &[0] };
+        let ctx = cuda_context(test, ordinals, |_| {}).unwrap();
+        let last = ordinals.len() - 1;
+        // No context current on this new thread; then, with two GPUs, GPU 0's.
+        let mut bound_gpu0 = None;
+        for round in 0..if two { 2 } else { 1 } {
+            if round == 1 {
+                let gpu0 = gpu();
+                gpu0.bind_to_thread().unwrap();
+                bound_gpu0 = Some(gpu0);
+            }
+            // SAFETY: a live context; the special handles are never dereferenced.
+            unsafe {
+                check(
+                    dpsync_set_stream(ctx.0, last, std::ptr::without_provenance_mut(0x1)),
+                    "cudaStreamLegacy",
+                );
+                expect_err(
+                    dpsync_set_stream(ctx.0, 0, std::ptr::without_provenance_mut(0x2)),
+                    INVALID_ARGUMENT,
+                    &["cudaStreamPerThread", "replica 0"],
+                );
+            }
+            let json = ctx.describe_json();
+            assert!(
+                json["backend"]["caller_streams"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .all(|s| s == "legacy default"),
+                "round {round}: {json}"
+            );
+        }
+        drop(bound_gpu0);
+    })
+    .join()
+    .expect("the special handles behave");
 }
 
 /// Two NCCL ranks on the one GPU ([`rank_per_replica`]): a 2-rank communicator on one GPU.

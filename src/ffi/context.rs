@@ -67,6 +67,8 @@ pub unsafe extern "C" fn dpsync_loss_scale(
 /// The caller's CUDA stream (cudaStream_t / CUstream, NULL = legacy default stream) for a CUDA
 /// replica. Collectives start after work already queued on it and work queued on it afterwards
 /// waits for them, through events, without blocking the host. INVALID_ARGUMENT for host replicas.
+/// cudaStreamLegacy (0x1) is the same as NULL; cudaStreamPerThread (0x2) is INVALID_ARGUMENT, as
+/// it names another stream on every thread: pass the stream's own handle.
 #[no_mangle]
 pub unsafe extern "C" fn dpsync_set_stream(
     context: *mut dpsync_context,

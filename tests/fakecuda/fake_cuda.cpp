@@ -24,6 +24,8 @@
 // under kernels/emulate.hpp) and the tests'. FAKE_CUDA_DEVICES sets the device count (default 1,
 // at most 8). FAKE_CUDA_PEER sets which devices can access each other: unset, every pair of
 // distinct devices; "0", none; a list of pairs such as "1-2,0-3", exactly those pairs (both ways).
+// FAKE_CUDA_PEER_LIMIT=n: cuCtxEnablePeerAccess enables at most n peers per device, then answers
+// CUDA_ERROR_TOO_MANY_PEERS, as hardware with a peer limit does.
 //
 // In both modes the fake enforces the driver's context rules for several devices, as the CUDA
 // programming guide states them (wrong results would not reveal a breach): an event is recorded only
@@ -33,9 +35,9 @@
 // cuDeviceCanAccessPeer allows it, and enabling it twice is CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED;
 // a kernel's pointer arguments are its own device's memory, a peer's whose access its context
 // enabled, or page-locked host memory, aligned to their element type (on a GPU anything else
-// faults). A breach returns the
-// driver's error and names the rule on stderr. Not checked: pointers a kernel reads out of a
-// table in memory (the emulator dereferences whatever it is given).
+// faults). A breach returns the driver's error and names the rule on stderr. Not checked:
+// pointers a kernel reads out of a table in memory (the emulator dereferences whatever it is
+// given).
 //
 // FAKE_CUDA_NOEXEC=1 skips the work itself (kernels, copies, memsets), so that a benchmark on
 // the fake measures dpsync's own host-side cost of issuing work; FAKE_CUDA_STATS=1 prints, at
@@ -87,7 +89,7 @@ typedef FakeFunction* CUfunction;
 
 enum : int {
   OK = 0, INVALID_VALUE = 1, INVALID_DEVICE = 101, INVALID_CONTEXT = 201, PEER_UNSUPPORTED = 217,
-  INVALID_HANDLE = 400, NOT_FOUND = 500, NOT_READY = 600, PEER_ALREADY = 704
+  INVALID_HANDLE = 400, NOT_FOUND = 500, NOT_READY = 600, PEER_ALREADY = 704, TOO_MANY_PEERS = 711
 };
 
 namespace {
@@ -409,7 +411,15 @@ CUresult cuCtxEnablePeerAccess(CUcontext peer, unsigned flags) {
     return misuse(PEER_UNSUPPORTED, "cuCtxEnablePeerAccess",
                   "cuDeviceCanAccessPeer says this pair has no peer access");
   std::lock_guard<std::mutex> g(lock);
-  return enabled_peers.insert({current->device, peer->device}).second ? OK : PEER_ALREADY;
+  if (enabled_peers.count({current->device, peer->device})) return PEER_ALREADY;
+  // FAKE_CUDA_PEER_LIMIT=n: a device enables at most n peers (the hardware's limit).
+  if (const char* v = std::getenv("FAKE_CUDA_PEER_LIMIT")) {
+    long mine = std::count_if(enabled_peers.begin(), enabled_peers.end(),
+                              [&](const std::pair<int, int>& e) { return e.first == current->device; });
+    if (mine >= std::atol(v)) return TOO_MANY_PEERS;
+  }
+  enabled_peers.insert({current->device, peer->device});
+  return OK;
 }
 
 CUresult cuStreamCreate(CUstream* s, unsigned flags) {
@@ -576,6 +586,7 @@ CUresult cuGetErrorName(CUresult e, const char** s) {
     case NOT_FOUND: *s = "CUDA_ERROR_NOT_FOUND"; break;
     case NOT_READY: *s = "CUDA_ERROR_NOT_READY"; break;
     case PEER_ALREADY: *s = "CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED"; break;
+    case TOO_MANY_PEERS: *s = "CUDA_ERROR_TOO_MANY_PEERS"; break;
     default: *s = "CUDA_ERROR_(fake driver)";
   }
   return OK;

@@ -378,8 +378,9 @@ impl Drop for PinnedMemory {
 
 /// Where a pointer lives, from its attributes: `None` for memory CUDA does not know (pageable
 /// host memory: the driver answers CUDA_ERROR_INVALID_VALUE), else (is device memory, device
-/// ordinal, is managed). Any other failure is an error, not "host": treating device memory as
-/// host memory would make host threads dereference it. Needs a context current.
+/// ordinal (plain device memory only, else -1), is managed). Any other failure is an error, not
+/// "host": treating device memory as host memory would make host threads dereference it. Needs
+/// a context current.
 pub fn pointer_memory(ptr: usize) -> Result<Option<(bool, i32, bool)>> {
     let mut kind: u32 = 0;
     // SAFETY: attribute queries only read the driver's tables.
@@ -394,23 +395,30 @@ pub fn pointer_memory(ptr: usize) -> Result<Option<(bool, i32, bool)>> {
         return Ok(None);
     }
     check(known, "cuPointerGetAttribute")?;
-    let mut ordinal: i32 = -1;
+    let query = |attribute, out: *mut std::ffi::c_void, what: &str| {
+        // SAFETY: as above; `out` has room for the attribute's value.
+        check(
+            unsafe { sys::cuPointerGetAttribute(out, attribute, ptr as sys::CUdeviceptr) },
+            &format!("cuPointerGetAttribute ({what})"),
+        )
+    };
     let mut managed: u32 = 0;
-    // SAFETY: as above.
-    unsafe {
-        sys::cuPointerGetAttribute(
-            &mut ordinal as *mut i32 as *mut std::ffi::c_void,
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-            ptr as sys::CUdeviceptr,
-        );
-        sys::cuPointerGetAttribute(
-            &mut managed as *mut u32 as *mut std::ffi::c_void,
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_MANAGED,
-            ptr as sys::CUdeviceptr,
-        );
-    }
+    query(
+        sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_MANAGED,
+        &mut managed as *mut u32 as *mut std::ffi::c_void,
+        "is managed",
+    )?;
     let device = kind == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32
         || kind == sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED as u32;
+    // Only plain device memory needs its device (host and managed memory are reachable).
+    let mut ordinal: i32 = -1;
+    if device && managed == 0 {
+        query(
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            &mut ordinal as *mut i32 as *mut std::ffi::c_void,
+            "device ordinal",
+        )?;
+    }
     Ok(Some((device, ordinal, managed != 0)))
 }
 
@@ -425,16 +433,18 @@ pub fn can_access_peer(a: &PrimaryContext, b: &PrimaryContext) -> Result<bool> {
     Ok(can != 0)
 }
 
-/// Lets kernels in `a`'s context read `b`'s memory. Already enabled (by us, another context or
-/// the framework) is fine.
-pub fn enable_peer_access(a: &PrimaryContext, b: &PrimaryContext) -> Result<()> {
+/// Lets kernels in `a`'s context read `b`'s memory: whether it could. Already enabled (by us,
+/// another context or the framework) is fine; a device out of peer connections
+/// (CUDA_ERROR_TOO_MANY_PEERS) or a pair the driver refuses after all is `false`, so that pair
+/// uses staged copies instead.
+pub fn enable_peer_access(a: &PrimaryContext, b: &PrimaryContext) -> Result<bool> {
+    use sys::CUresult as R;
     let _bound = a.bind()?;
     // SAFETY: a is current; b is retained.
     match unsafe { sys::cuCtxEnablePeerAccess(b.ctx, 0) } {
-        sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {
-            Ok(())
-        }
-        other => check(other, "cuCtxEnablePeerAccess"),
+        R::CUDA_SUCCESS | R::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(true),
+        R::CUDA_ERROR_TOO_MANY_PEERS | R::CUDA_ERROR_PEER_ACCESS_UNSUPPORTED => Ok(false),
+        other => check(other, "cuCtxEnablePeerAccess").map(|_| false),
     }
 }
 

@@ -200,14 +200,24 @@ pub enum Bmuf {
     Nesterov = 2,
 }
 
-/// The compiled module of one device. The dense kernels, launched for every bucket, are looked
-/// up once; the others by name on first use.
+/// The kernels besides the dense walk and add, by name prefix and the dtypes they exist for
+/// (kernels/bmuf.cu, kernels/sparse.cu).
+const NAMED: &[(&str, &[DType])] = &[
+    ("bmuf", &FLOATS),
+    ("sum_runs", &FLOATS),
+    ("divide", &DType::ALL),
+    ("index_check", &[DType::I32, DType::I64]),
+    ("index_report", &[DType::I32, DType::I64]),
+];
+const FLOATS: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::Bf16];
+
+/// The compiled module of one device, every kernel looked up when it loads.
 pub struct Kernels {
     module: sys::CUmodule,
     walk: [sys::CUfunction; 6],
     add: [sys::CUfunction; 6],
-    /// Keyed by (name prefix, dtype), so a hit formats no string (launches are on the hot path).
-    named: Mutex<HashMap<(&'static str, DType), sys::CUfunction>>,
+    /// [`NAMED`], keyed by (name prefix, dtype), so a launch formats no string.
+    named: HashMap<(&'static str, DType), sys::CUfunction>,
     pub sm_count: u32,
     /// What was loaded ("cubin sm_90", or "ptx compute_90" when NVRTC could not target the GPU)
     /// and by which NVRTC, for describe.
@@ -327,7 +337,7 @@ impl Kernels {
             module,
             walk: [std::ptr::null_mut(); 6],
             add: [std::ptr::null_mut(); 6],
-            named: Mutex::new(HashMap::new()),
+            named: HashMap::new(),
             sm_count,
             built,
             _ctx: ctx,
@@ -336,6 +346,15 @@ impl Kernels {
         for (i, dtype) in DType::ALL.iter().enumerate() {
             kernels.walk[i] = kernels.lookup(&format!("walk_{}", dtype.name()))?;
             kernels.add[i] = kernels.lookup(&format!("add_{}", dtype.name()))?;
+        }
+        // Every other kernel too, now: with the driver's lazy loading (the default since CUDA
+        // 12.2) a function is loaded when first looked up, which may wait for the device, and
+        // that must not happen in the middle of a collective, behind NCCL kernels.
+        for &(prefix, dtypes) in NAMED {
+            for &dtype in dtypes {
+                let f = kernels.lookup(&format!("{prefix}_{}", dtype.name()))?;
+                kernels.named.insert((prefix, dtype), f);
+            }
         }
         Ok(kernels)
     }
@@ -370,15 +389,14 @@ impl Kernels {
         Ok(f)
     }
 
-    /// `{prefix}_{dtype}` (e.g. `bmuf_f16`), looked up once.
+    /// `{prefix}_{dtype}` (e.g. `bmuf_f16`), one of [`NAMED`] (looked up at load).
     fn named(&self, prefix: &'static str, dtype: DType) -> Result<sys::CUfunction> {
-        let mut named = self.named.lock();
-        if let Some(f) = named.get(&(prefix, dtype)) {
-            return Ok(*f);
-        }
-        let f = self.lookup(&format!("{prefix}_{}", dtype.name()))?;
-        named.insert((prefix, dtype), f);
-        Ok(f)
+        self.named.get(&(prefix, dtype)).copied().ok_or_else(|| {
+            Error::new(
+                ErrorKind::Backend,
+                format!("no kernel {prefix}_{} in dpsync's module", dtype.name()),
+            )
+        })
     }
 
     fn grid(&self, work_items: usize, per_block: usize) -> u32 {

@@ -152,14 +152,27 @@ impl Drop for Handed {
 
 /// Idle device memory of completed collectives (coalescing maps, outputs replaced by newer
 /// ones), reused for the next per-step buffers: freeing and allocating them every step would
-/// call `cuMemFree`, which may wait for the whole device and so block the host.
+/// call `cuMemFree`, which waits for the whole device (the callers' streams included) and so
+/// blocks the host. Nothing is freed while a collective is issued: spares beyond
+/// [`MAX_SPARES`] retire and are freed by `synchronize` (which blocks anyway), by an
+/// allocation that ran out of memory, or at destroy.
 #[derive(Default)]
 struct Spares {
     mems: Vec<DeviceMemory>,
+    retired: Vec<DeviceMemory>,
 }
 
-/// Spares kept at most; the oldest beyond that are freed.
+/// Spares kept for reuse at most; the oldest beyond that retire.
 const MAX_SPARES: usize = 32;
+
+/// The size fresh per-step memory is allocated with: at least 64 KiB, rounded up to one of four
+/// sizes per doubling (at most a quarter wasted), so that buffers whose size varies a little
+/// from step to step (sparse gathers) find a spare instead of allocating anew.
+fn size_class(bytes: usize) -> usize {
+    let b = bytes.max(64 << 10);
+    let step = b.next_power_of_two() / 8;
+    b.div_ceil(step) * step
+}
 
 impl Spares {
     /// The smallest spare on `ctx`'s device that holds `bytes` without wasting more than half
@@ -173,10 +186,12 @@ impl Spares {
         Some(self.mems.remove(i))
     }
 
-    /// Every spare on `ctx`'s device, for the caller to free (outside the state lock).
+    /// Every spare and retired allocation on `ctx`'s device, for the caller to free (outside
+    /// the state lock).
     fn release(&mut self, ctx: &Arc<PrimaryContext>) -> Vec<DeviceMemory> {
         let (mine, others) = std::mem::take(&mut self.mems)
             .into_iter()
+            .chain(std::mem::take(&mut self.retired))
             .partition(|m| m.is_on(ctx));
         self.mems = others;
         mine
@@ -186,7 +201,7 @@ impl Spares {
     fn put(&mut self, mems: Vec<DeviceMemory>) {
         self.mems.extend(mems);
         let excess = self.mems.len().saturating_sub(MAX_SPARES);
-        self.mems.drain(..excess);
+        self.retired.extend(self.mems.drain(..excess));
     }
 }
 
@@ -443,13 +458,14 @@ impl CudaBackend {
         Ok(ptr)
     }
 
-    /// `bytes` of device memory on `group`'s device for work about to be queued on its stream,
-    /// contents undefined: a spare of a completed collective when one fits ([`Spares`]).
+    /// At least `bytes` of device memory on `group`'s device for work about to be queued on
+    /// its stream, contents undefined: a spare of a completed collective when one fits, else
+    /// a fresh allocation of the size class ([`Spares`]).
     fn device_memory(&self, group: &Group, bytes: usize) -> Result<DeviceMemory> {
         if let Some(mem) = self.state.lock().spares.take(&group.ctx, bytes) {
             return Ok(mem);
         }
-        self.fresh_memory(group, bytes)
+        self.fresh_memory(group, size_class(bytes))
     }
 
     /// A new allocation of `bytes` on `group`'s device. Out of memory, the idle spares on that
@@ -876,10 +892,11 @@ fn detect_peer_access(ctxs: &[Arc<PrimaryContext>], group_of: &[usize]) -> Resul
     let mut device = vec![0u8; g * g];
     for a in 0..g {
         for b in 0..g {
-            if a == b || ctxs[a].ordinal == ctxs[b].ordinal {
-                device[a * g + b] = 1;
-            } else if driver::can_access_peer(&ctxs[a], &ctxs[b])? {
-                driver::enable_peer_access(&ctxs[a], &ctxs[b])?;
+            let same = a == b || ctxs[a].ordinal == ctxs[b].ordinal;
+            if same
+                || (driver::can_access_peer(&ctxs[a], &ctxs[b])?
+                    && driver::enable_peer_access(&ctxs[a], &ctxs[b])?)
+            {
                 device[a * g + b] = 1;
             }
         }
@@ -937,8 +954,10 @@ impl Backend for CudaBackend {
         let want = group.ctx.ordinal;
         let _bound = group.ctx.bind()?;
         match driver::pointer_memory(ptr)? {
+            // Managed memory is device memory for every GPU, wherever it lives now: its memory
+            // type may read HOST or DEVICE depending on where it was last touched.
+            Some((_, _, true)) => Ok(Memory::Device),
             None | Some((false, _, _)) => Ok(Memory::Host),
-            Some((true, _, true)) => Ok(Memory::Device),
             Some((true, got, false)) if got == want => Ok(Memory::Device),
             Some((true, got, false)) => Err(Error::invalid(format!(
                 "device memory of cuda:{got}, but replica {replica} is on cuda:{want}"
@@ -948,6 +967,19 @@ impl Backend for CudaBackend {
 
     fn set_stream(&mut self, replica: usize, stream: usize) -> Result<()> {
         let group = &self.groups[self.replicas[replica].group];
+        // The special handles: cuStreamGetCtx would answer with the calling thread's current
+        // context, not the stream's.
+        const LEGACY: usize = 0x1;
+        const PER_THREAD: usize = 0x2;
+        if stream == PER_THREAD {
+            return Err(Error::invalid(format!(
+                "cuda_stream: cudaStreamPerThread (0x2) for replica {replica} names a different \
+                 stream on every thread, so dpsync's events would not order the caller's work; \
+                 pass the stream's own handle"
+            )));
+        }
+        // The legacy default stream of the replica's device, whichever handle names it.
+        let stream = if stream == LEGACY { 0 } else { stream };
         if stream != 0 {
             let ctx = driver::stream_context(stream as sys::CUstream).map_err(|e| {
                 Error::invalid(format!(
@@ -1121,10 +1153,28 @@ impl Backend for CudaBackend {
         self.order(gs, gd)?;
         let g = &self.groups[gd];
         let _bound = g.ctx.bind()?;
-        // SAFETY: the caller guarantees both ranges; UVA resolves the devices.
+        if gs == gd {
+            // SAFETY: the caller guarantees both ranges.
+            return driver::check(
+                unsafe { sys::cuMemcpyAsync(dst as u64, src as u64, bytes, g.stream.0) },
+                "cuMemcpyAsync (replica copy)",
+            );
+        }
+        // Between devices, the peer copy names both contexts rather than relying on UVA to find
+        // them; the driver stages it where the pair has no peer access.
+        // SAFETY: as above.
         driver::check(
-            unsafe { sys::cuMemcpyAsync(dst as u64, src as u64, bytes, g.stream.0) },
-            "cuMemcpyAsync (replica copy)",
+            unsafe {
+                sys::cuMemcpyPeerAsync(
+                    dst as u64,
+                    g.ctx.ctx,
+                    src as u64,
+                    self.groups[gs].ctx.ctx,
+                    bytes,
+                    g.stream.0,
+                )
+            },
+            "cuMemcpyPeerAsync (replica copy)",
         )
     }
 
@@ -1184,6 +1234,11 @@ impl Backend for CudaBackend {
     /// out of range.
     fn synchronize(&self) -> Result<()> {
         self.observe(true)?;
+        let mut state = self.state.lock();
+        // The host waits here anyway: free what retired (cuMemFree waits for the device).
+        let retired = std::mem::take(&mut state.spares.retired);
+        drop(state);
+        drop(retired);
         let mut state = self.state.lock();
         let mut errors = std::mem::take(&mut state.index_errors).into_iter();
         match errors.next() {
@@ -1295,6 +1350,22 @@ mod tests {
         let mut h = std::collections::hash_map::DefaultHasher::new();
         key.hash(&mut h);
         h.finish()
+    }
+
+    #[test]
+    fn size_classes_waste_at_most_a_quarter_and_are_few() {
+        let mut classes = std::collections::BTreeSet::new();
+        for bytes in (1..=4 << 20).step_by(997) {
+            let c = size_class(bytes);
+            assert!(c >= bytes && c >= 64 << 10, "{bytes} -> {c}");
+            assert!(
+                bytes <= 64 << 10 || c * 4 <= bytes * 5,
+                "{bytes} -> {c} wastes over 25 %"
+            );
+            classes.insert(c);
+        }
+        // 64 KiB, then four per doubling up to 4 MiB.
+        assert_eq!(classes.len(), 1 + 4 * 6, "{classes:?}");
     }
 
     #[test]
