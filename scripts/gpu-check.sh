@@ -7,9 +7,10 @@
 #   bash scripts/gpu-check.sh --run [DIR [PART...]]   # there: run the bundle, report to
 #                                             # $OUT/REPORT.md (else DIR/REPORT.md)
 #
-# PARTs (default all): tests ranks examples python bench — to split the check over several
-# device calls, each under the tool's 10-minute limit. Every binary runs under a timeout
-# (GPU_CHECK_TIMEOUT, 240 s).
+# PARTs run in the order given (default: bench examples python tests ranks) — to split the check
+# over several device calls, each under the tool's 10-minute limit. Every binary runs under a
+# timeout (GPU_CHECK_TIMEOUT, 240 s), cut to what is left of the whole run's budget
+# (GPU_CHECK_BUDGET, 560 s); a step the budget no longer allows is reported as NOT RUN.
 #
 # Without arguments both halves run on this machine (a GPU machine with Rust).
 # NCCL and NVRTC from pip wheels are found under /opt and /usr and pointed at with
@@ -43,6 +44,8 @@ for line in sys.stdin:
   cp target/release/libdpsync.so "$BUNDLE/"
   cp build/examples/{cuda_train,bmuf_train,train_dense,checkpoint_sync} "$BUNDLE/"
   cp -r benches/data "$BUNDLE/data"
+  # What was built: .git does not travel to the GPU machine.
+  { git rev-parse HEAD 2>/dev/null || echo unknown; git status --porcelain 2>/dev/null | grep -q . && echo "(with uncommitted changes)"; } >"$BUNDLE/VERSION"
   cp -r tests/python "$BUNDLE/python"
   # Only what the GPU run uses, without debug info: the device tool carries at most 64 MiB.
   rm -f "$BUNDLE"/tests/{checkpoint,concurrency,equivalence,header,host_threads,bmuf,overlap,sequences,sparse}-* "$BUNDLE"/benches/host_allreduce-*
@@ -51,22 +54,40 @@ for line in sys.stdin:
   du -sh "$BUNDLE"; ls -la "$BUNDLE" "$BUNDLE/tests" "$BUNDLE/benches"
 }
 
-# The first copy of library $1 under the usual roots, CUDA's own first. Not `find / -xdev`:
-# /opt (PyTorch's venv and its pip NCCL) may be another mount than / on the device machine.
+# Library $1: the copy in python3's own `nvidia` packages first (the NCCL PyTorch uses), else
+# the first under the usual roots, CUDA's own first. Not `find / -xdev`: /opt (PyTorch's venv and
+# its pip NCCL) may be another mount than / on the device machine.
 find_lib() {
+  local found
+  found=$(python3 - "$1" 2>/dev/null <<'PY'
+import glob, importlib.util, os, sys
+spec = importlib.util.find_spec("nvidia")
+for root in (spec.submodule_search_locations if spec else []):
+    hits = sorted(glob.glob(os.path.join(root, "**", "lib", sys.argv[1]), recursive=True))
+    if hits:
+        print(hits[0])
+        break
+PY
+)
+  if [ -n "$found" ]; then echo "$found"; return; fi
   local roots=() r
   for r in /usr/local/cuda /usr/local /opt /usr /lib /lib64 /root; do [ -d "$r" ] && roots+=("$r"); done
-  find -H "${roots[@]}" \( -name "$1" -o -name "$1.*" \) \( -type f -o -type l \) 2>/dev/null | head -1
+  find -H "${roots[@]}" -name "$1" \( -type f -o -type l \) 2>/dev/null | sort | head -1
 }
 
 # Seconds one test binary, example or benchmark may run before it is killed: a hang (a stuck
 # NCCL group, a wait that never ends) must not eat the device tool's 10-minute command limit.
 STEP_TIMEOUT=${GPU_CHECK_TIMEOUT:-240}
+# Seconds for the whole run: the device tool kills a command at 600 s, and a killed run reports
+# nothing about the steps it never reached.
+BUDGET=${GPU_CHECK_BUDGET:-560}
 
 run() {
   local dir=${1:-$BUNDLE}
   shift || true
-  local parts=" ${*:-tests ranks examples python bench} "
+  local parts=("$@")
+  [ ${#parts[@]} -gt 0 ] || parts=(bench examples python tests ranks)
+  local deadline=$((SECONDS + BUDGET))
   # The report grows in $OUT when the device tool runs this: a command killed at its limit
   # still brings back every section written so far.
   local report="${OUT:-$dir}/REPORT.md"
@@ -76,32 +97,42 @@ run() {
   [ -n "${DPSYNC_NCCL_LIBRARY:-}" ] || export DPSYNC_NCCL_LIBRARY="$nccl"
   [ -n "${DPSYNC_NVRTC_LIBRARY:-}" ] || export DPSYNC_NVRTC_LIBRARY="$nvrtc"
   [ -n "$nvrtc" ] && export LD_LIBRARY_PATH="$(dirname "$nvrtc"):${LD_LIBRARY_PATH:-}"
+  dir=$(cd "$dir" && pwd)
   export LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}"
   # A GPU test or benchmark that cannot make its CUDA context fails here instead of skipping.
   export DPSYNC_REQUIRE_GPU=1
-  local failures=0
+  local failures=0 nccl_code
+  nccl_code=$(python3 -c 'import ctypes, os; l = ctypes.CDLL(os.environ["DPSYNC_NCCL_LIBRARY"]); v = ctypes.c_int(); l.ncclGetVersion(ctypes.byref(v)); print(v.value)' 2>/dev/null)
   {
-    echo "# dpsync GPU check, $(date -u +%Y-%m-%dT%H:%MZ), parts:$parts"
+    echo "# dpsync GPU check, $(date -u +%Y-%m-%dT%H:%MZ), parts: ${parts[*]}"
     echo
     echo '```'
+    echo "bundle built from: $(tr '\n' ' ' <"$dir/VERSION" 2>/dev/null || echo unknown)"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
     echo "NCCL library: ${DPSYNC_NCCL_LIBRARY:-none}"
     echo "NVRTC library: ${DPSYNC_NVRTC_LIBRARY:-none}"
-    python3 -c 'import ctypes, os; l = ctypes.CDLL(os.environ["DPSYNC_NCCL_LIBRARY"]); v = ctypes.c_int(); l.ncclGetVersion(ctypes.byref(v)); print("NCCL version code:", v.value)' 2>&1 || true
+    echo "NCCL version code: ${nccl_code:-unknown}"
     ldd --version 2>&1 | head -1
     grep -h '^PRETTY_NAME' /etc/os-release 2>/dev/null
     echo '```'
   } >"$report"
   section() { printf '\n## %s\n\n```\n' "$1" >>"$report"; echo "== $1" >&2; }
   endsection() { printf '```\n' >>"$report"; }
-  # Runs a command under the step timeout, appending its output to the report; says how a
-  # non-zero exit ended. Returns the command's status.
+  # Runs a command under the step timeout (cut to what is left of the budget, less 15 s for the
+  # report), appending its output to the report; says how a non-zero exit ended. Returns the
+  # command's status; 125 without running it when the budget is spent.
   timed() {
-    timeout -k 10 "$STEP_TIMEOUT" "$@" >>"$report" 2>&1
+    local limit=$((deadline - SECONDS - 15))
+    [ "$limit" -gt "$STEP_TIMEOUT" ] && limit=$STEP_TIMEOUT
+    if [ "$limit" -lt 20 ]; then
+      echo "NOT RUN (out of time: GPU_CHECK_BUDGET=${BUDGET} s): $*" >>"$report"
+      return 125
+    fi
+    timeout -k 10 "$limit" "$@" >>"$report" 2>&1
     local rc=$?
     case $rc in
       0) ;;
-      124|137) echo "TIMED OUT after ${STEP_TIMEOUT} s (exit $rc)" >>"$report" ;;
+      124|137) echo "TIMED OUT after ${limit} s (exit $rc)" >>"$report" ;;
       *) [ $rc -gt 128 ] && echo "KILLED by signal $((rc - 128))" >>"$report"; echo "exit $rc" >>"$report" ;;
     esac
     return $rc
@@ -115,36 +146,44 @@ run() {
     local rc=$?
     [ $rc = 0 ] && return 0
     [ $rc = 101 ] && return 1 # ordinary test failures: every test ran and reported
-    echo "-- rerunning the tests that did not report, one process each" >>"$report"
-    local done_tests; done_tests=$(tail -n +"$((before + 1))" "$report" | sed -n 's/^test \(.*\) \.\.\. \(ok\|FAILED\|ignored\)$/\1/p')
+    [ $rc = 125 ] && return 1 # not run: out of time
+    # A started test prints "test NAME ... " first; with --nocapture its result may come lines
+    # later. Every started test is left out of the rerun; the last one started is the culprit.
+    local started; started=$(tail -n +"$((before + 1))" "$report" | sed -n 's/^test \([^ ]*\) \.\.\. .*$/\1/p')
+    [ -n "$started" ] && echo "CRASHED or HUNG in: $(tail -1 <<<"$started")" >>"$report"
+    echo "-- rerunning the tests that never started, one process each" >>"$report"
     local name
     "$t" --list "$@" 2>/dev/null | sed -n 's/: test$//p' | while read -r name; do
-      grep -qxF "$name" <<<"$done_tests" && continue
-      timed "$t" --exact "$name" --test-threads=1 --nocapture "$@"
+      grep -qxF "$name" <<<"$started" && continue
+      timed "$t" --exact "$name" --test-threads=1 --nocapture "$@" </dev/null
     done
     return 1
   }
   # The GPU tests, the library's unit tests and the host collectives (tests that read source
   # files by their build-time path are left to CI). The kernel emulation tests need a C++20
   # compiler and prove nothing more on a GPU: CI runs them.
-  if [[ $parts == *" tests "* ]]; then
+  part_tests() {
     for t in "$dir"/tests/cuda-* "$dir"/tests/cuda_bmuf-* "$dir"/tests/cuda_sparse-* \
              "$dir"/tests/dpsync-* "$dir"/tests/collectives-* "$dir"/tests/bad_input-*; do
       section "test binary $(basename "$t")"
       test_binary "$t" --skip emulate || { failures=$((failures + 1)); echo "FAILED" >>"$report"; }
       endsection
     done
-  fi
+  }
   # Two NCCL ranks on the one GPU: informative (needs NCCL >= 2.30), not counted as a failure.
-  if [[ $parts == *" ranks "* ]]; then
+  part_ranks() {
     section "two NCCL ranks on one GPU (DPSYNC_NCCL_RANK_PER_REPLICA=1 NCCL_MULTI_RANK_GPU_ENABLE=1)"
-    for t in "$dir"/tests/cuda-* "$dir"/tests/cuda_bmuf-* "$dir"/tests/cuda_sparse-*; do
-      DPSYNC_NCCL_RANK_PER_REPLICA=1 NCCL_MULTI_RANK_GPU_ENABLE=1 \
-        timed "$t" two_nccl_ranks --test-threads=1 --nocapture || echo "FAILED (informative)" >>"$report"
-    done
+    if [ "${nccl_code:-0}" -lt 23000 ]; then
+      echo "skipped: NCCL ${nccl_code:-not found} is older than 2.30, which refuses two ranks on one GPU" >>"$report"
+    else
+      for t in "$dir"/tests/cuda-* "$dir"/tests/cuda_bmuf-* "$dir"/tests/cuda_sparse-*; do
+        DPSYNC_NCCL_RANK_PER_REPLICA=1 NCCL_MULTI_RANK_GPU_ENABLE=1 \
+          timed "$t" two_nccl_ranks --test-threads=1 --nocapture || echo "FAILED (informative)" >>"$report"
+      done
+    fi
     endsection
-  fi
-  if [[ $parts == *" examples "* ]]; then
+  }
+  part_examples() {
     for run in "cuda_train --gpus 0,0,0,0" "cuda_train --gpus 0,0 --transport peer_copy" \
       "cuda_train --gpus 0 --transport nccl" "bmuf_train --gpus 0,0,0,0" \
       "bmuf_train --gpus 0,0 --transport peer_copy --nesterov"; do
@@ -153,22 +192,42 @@ run() {
       timed "$dir"/$run && echo "exit 0" >>"$report" || failures=$((failures + 1))
       endsection
     done
-  fi
-  if [[ $parts == *" python "* ]]; then
+  }
+  part_python() {
     section "python smoke test"
     timed python3 "$dir/python/smoke_test.py" "$dir/libdpsync.so" || failures=$((failures + 1))
     endsection
-  fi
-  if [[ $parts == *" bench "* ]]; then
+  }
+  # Each benchmark section in its own process, so one failure cannot hide the others; the GPU's
+  # clocks and throttle reasons before and after (read only). The raw-NCCL baseline asks for two
+  # ranks on the one GPU (NCCL >= 2.30); an older NCCL makes that target NOT MEASURED.
+  part_bench() {
+    section "GPU clocks before the benchmarks"
+    nvidia-smi --query-gpu=clocks.sm,clocks.mem,clocks.max.sm,temperature.gpu,power.draw,clocks_throttle_reasons.active --format=csv >>"$report" 2>&1
+    endsection
     for b in "$dir"/benches/cuda_allreduce-*; do
-      section "benchmark $(basename "$b")"
-      timed "$b" || failures=$((failures + 1))
-      endsection
-      section "benchmark $(basename "$b"), raw NCCL baseline with two ranks on one GPU"
-      NCCL_MULTI_RANK_GPU_ENABLE=1 timed "$b" || echo "FAILED (informative)" >>"$report"
-      endsection
+      for what in resnet sum bmuf; do
+        section "benchmark $(basename "$b") $what"
+        NCCL_MULTI_RANK_GPU_ENABLE=1 timed "$b" "$what" || failures=$((failures + 1))
+        endsection
+      done
     done
-  fi
+    section "GPU clocks after the benchmarks"
+    nvidia-smi --query-gpu=clocks.sm,clocks.mem,clocks.max.sm,temperature.gpu,power.draw,clocks_throttle_reasons.active --format=csv >>"$report" 2>&1
+    endsection
+  }
+  local part
+  for part in "${parts[@]}"; do
+    case $part in
+      tests|ranks|examples|python|bench) "part_$part" ;;
+      *) echo "unknown part '$part' (tests ranks examples python bench)" >>"$report"; failures=$((failures + 1)) ;;
+    esac
+  done
+  section "targets (the benchmarks' TARGET lines)"
+  grep -h '^TARGET ' "$report" >>"$report.targets" 2>/dev/null
+  if [ -s "$report.targets" ]; then cat "$report.targets" >>"$report"; else echo "none in this run" >>"$report"; fi
+  rm -f "$report.targets"
+  endsection
   printf '\n%d failing sections\n' "$failures" >>"$report"
   [ "$report" = "$dir/REPORT.md" ] || cp "$report" "$dir/REPORT.md"
   cat "$report"

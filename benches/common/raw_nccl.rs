@@ -7,7 +7,8 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 type Comm = *mut c_void;
 type NcclResult = c_int;
 const NCCL_FLOAT32: c_int = 7;
-const NCCL_SUM: c_int = 0;
+/// `ncclAvg` (NCCL >= 2.10): the benchmark averages, as dpsync does there.
+const NCCL_AVG: c_int = 4;
 
 type AllReduce = unsafe extern "C" fn(
     *const c_void,
@@ -22,6 +23,7 @@ type InitAll = unsafe extern "C" fn(*mut Comm, c_int, *const c_int) -> NcclResul
 type ErrorString = unsafe extern "C" fn(NcclResult) -> *const c_char;
 type Group = unsafe extern "C" fn() -> NcclResult;
 type Destroy = unsafe extern "C" fn(Comm) -> NcclResult;
+type GetVersion = unsafe extern "C" fn(*mut c_int) -> NcclResult;
 
 pub struct Comms {
     comms: Vec<Comm>,
@@ -43,6 +45,25 @@ fn open() -> Result<libloading::Library, String> {
         }
     }
     Err(format!("NCCL not found (tried {names:?})"))
+}
+
+/// The NCCL the baseline would use, as "2.28.9 (NCCL_VERSION_CODE 22809)".
+pub fn version() -> Result<String, String> {
+    let lib = open()?;
+    // SAFETY: ncclGetVersion's C signature; writes one int.
+    unsafe {
+        let get: GetVersion = *lib
+            .get::<GetVersion>(b"ncclGetVersion\0")
+            .map_err(|e| format!("NCCL symbol missing: {e}"))?;
+        let mut v: c_int = 0;
+        get(&mut v);
+        let (major, minor, patch) = if v >= 10000 {
+            (v / 10000, (v / 100) % 100, v % 100)
+        } else {
+            (v / 1000, (v / 100) % 10, v % 100)
+        };
+        Ok(format!("{major}.{minor}.{patch} (NCCL_VERSION_CODE {v})"))
+    }
 }
 
 impl Comms {
@@ -91,12 +112,12 @@ impl Comms {
         }
     }
 
-    /// `ncclAllReduce` in place of `n` f32 at `ptr` for `rank` on `stream`.
-    pub fn allreduce_f32_in_place(&self, rank: usize, ptr: u64, n: usize, stream: *mut c_void) {
+    /// `ncclAllReduce` (average) in place of `n` f32 at `ptr` for `rank` on `stream`.
+    pub fn allreduce_f32_avg_in_place(&self, rank: usize, ptr: u64, n: usize, stream: *mut c_void) {
         let p = ptr as *mut c_void;
         // SAFETY: live device memory of `n` f32 on the rank's device.
         let code =
-            unsafe { (self.all_reduce)(p, p, n, NCCL_FLOAT32, NCCL_SUM, self.comms[rank], stream) };
+            unsafe { (self.all_reduce)(p, p, n, NCCL_FLOAT32, NCCL_AVG, self.comms[rank], stream) };
         assert_eq!(code, 0, "ncclAllReduce rank {rank}");
     }
 }
