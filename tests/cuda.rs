@@ -397,6 +397,48 @@ fn a_stuck_collective_times_out_and_poisons_only_its_context() {
     check(synchronize(&other), "synchronize on a fresh context");
 }
 
+/// The segment-table cache (one device table per tensor layout, 4096 at most per GPU) is
+/// emptied when full, while the collective being issued may already use one of its tables: a
+/// broadcast looks up the replicas' table, then uploads the root's, and that upload can be the
+/// one that empties the cache. Here every step has a new layout (the tensor re-registered one
+/// element further on), and one allreduce first makes the count odd, so that some broadcast's
+/// second upload finds the cache full. Every step must still copy the root's values (on the
+/// fake driver a freed table is poisoned, so a walk through it crashes or writes garbage).
+#[test]
+fn broadcasts_stay_right_across_the_table_caches_flush() {
+    let test = "broadcasts_stay_right_across_the_table_caches_flush";
+    let Some(ctx) = cuda_context(test, &[0, 0], |o| o.set_transport(T_PEER_COPY)) else {
+        return;
+    };
+    let stream = default_stream(0);
+    let (n, steps) = (16usize, 4200usize);
+    let root: Vec<f32> = (0..n + steps).map(|i| i as f32 + 0.5).collect();
+    let src = stream.clone_htod(&root).unwrap();
+    let dst = stream.clone_htod(&vec![0.0f32; n + steps]).unwrap();
+    let g = stream.clone_htod(&[1.0f32, 2.0]).unwrap();
+    let g1 = stream.clone_htod(&[3.0f32, 4.0]).unwrap();
+    stream.synchronize().unwrap();
+    let (src_p, dst_p) = (dptr(&stream, &src), dptr(&stream, &dst));
+    register_device(&ctx, "g", GRAD, 0, dptr(&stream, &g), 2, F32);
+    register_device(&ctx, "g", GRAD, 1, dptr(&stream, &g1), 2, F32);
+    check(
+        ctx.allreduce_grads(SUM),
+        "allreduce_grads (one table first)",
+    );
+    for step in 0..steps {
+        let at = 4 * step;
+        register_device(&ctx, "p", PARAM, 0, src_p + at, n, F32);
+        register_device(&ctx, "p", PARAM, 1, dst_p + at, n, F32);
+        check(ctx.broadcast(PARAM, 0), "broadcast");
+        check(ctx.unregister("p"), "unregister");
+    }
+    check(synchronize(&ctx), "synchronize");
+    // Step s wrote dst[s..s + n]; each later step overwrote all but its first element with the
+    // same values, so every element ends as the root's.
+    let got = stream.clone_dtoh(&dst).unwrap();
+    assert_eq!(&got[..n + steps - 1], &root[..n + steps - 1]);
+}
+
 /// dpsync leaves the calling thread's current CUDA context as it found it, also through NCCL,
 /// whose group launches, aborts and destroys may switch it (the fake NCCL does what the CUDA
 /// runtime would). On a thread with no context current, every call must leave none current.

@@ -470,3 +470,59 @@ fn gathers_across_gpus_are_ordered_by_each_replicas_stream() {
             .all(|coalesce| gather_in_stream_order(test, ordinals, transport, coalesce))
     });
 }
+
+/// Coalescing waits on the host for the indices, which come after the work already queued on
+/// the replica's stream. That wait is bounded by the timeout like any other: a caller stream
+/// stuck for a second makes `allreduce_grads` return TIMEOUT after 50 ms (the context then
+/// refuses further collectives), rather than block until the stream is free. Needs asynchronous
+/// streams (a GPU, or the fake driver's FAKE_CUDA_ASYNC=1).
+#[test]
+fn the_coalescing_wait_for_the_indices_times_out() {
+    use common::gpu::{dptr, gpu, needs_async_streams, set_stream, spin_kernels};
+    use cudarc::driver::{LaunchConfig, PushKernelArg};
+    let test = "the_coalescing_wait_for_the_indices_times_out";
+    if needs_async_streams(test) {
+        return;
+    }
+    let Some(ctx) = cuda_context(test, &[0, 0], |o| {
+        o.set_sparse_coalesce(true);
+        // SAFETY: valid options.
+        check(
+            unsafe { dpsync::dpsync_options_set_timeout_ms(o.0, 50) },
+            "set_timeout_ms",
+        );
+    }) else {
+        return;
+    };
+    let gpu = gpu();
+    let k = spin_kernels(&gpu);
+    let caller = gpu.new_stream().unwrap();
+    let (rows, row_len) = (8usize, 2usize);
+    let indices = caller.alloc_zeros::<i32>(rows).unwrap();
+    let values = caller.alloc_zeros::<f32>(rows * row_len).unwrap();
+    let spun = caller.alloc_zeros::<f32>(1024).unwrap();
+    caller.synchronize().unwrap();
+    ctx.reg_sparse_all("emb", row_len, F32, I32, 0);
+    for r in 0..2 {
+        set_stream(&ctx, r, &caller);
+        let (i, v) = (dptr(&caller, &indices), dptr(&caller, &values));
+        check(
+            ctx.sparse_set_raw("emb", r, i as *const c_void, v as *const c_void, rows),
+            "sparse_set",
+        );
+    }
+    let mut b = caller.launch_builder(&k.fill);
+    let (n, value, cycles) = (1024u64, 1.0f32, 2_000_000_000i64); // ~1 s
+    b.arg(&spun).arg(&n).arg(&value).arg(&cycles);
+    // SAFETY: arguments match the kernel.
+    unsafe { b.launch(LaunchConfig::for_num_elems(1024)) }.unwrap();
+    let started = std::time::Instant::now();
+    expect_err(ctx.allreduce_grads(SUM), TIMEOUT, &["timeout"]);
+    let waited = started.elapsed();
+    expect_err(ctx.allreduce_grads(SUM), INVALID_STATE, &["destroy"]);
+    caller.synchronize().unwrap();
+    assert!(
+        waited < std::time::Duration::from_millis(900),
+        "allreduce_grads returned after {waited:?}, not at the 50 ms timeout"
+    );
+}

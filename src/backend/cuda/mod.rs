@@ -56,6 +56,8 @@ use crate::types::{DType, Device, Memory, ReduceOp, Transport};
 struct Scratch {
     fusion: Option<DeviceMemory>,
     staging: Option<DeviceMemory>,
+    /// Page-locked memory the host reads device data into (coalescing), and its size.
+    host: Option<(driver::PinnedMemory, usize)>,
     /// Segment tables by content (they only change when the registry does).
     tables: HashMap<TableKey, DeviceMemory>,
 }
@@ -444,9 +446,10 @@ impl CudaBackend {
             return Ok(mem.ptr);
         }
         if scratch.tables.len() >= MAX_TABLES {
-            // Tables in the cache may still be read by queued kernels.
-            self.sync_group(group)?;
-            scratch.tables.clear();
+            // Tables in the cache may still be read by queued kernels, this collective's
+            // included: they are freed (or reused) once it completes, not now.
+            let old = std::mem::take(&mut scratch.tables).into_values();
+            self.state.lock().issuing.keep.extend(old);
         }
         let bytes: Vec<u8> = host.0.iter().flat_map(|w| w.to_ne_bytes()).collect();
         let _bound = group.ctx.bind()?;
@@ -481,6 +484,42 @@ impl CudaBackend {
         })
     }
 
+    /// Blocks the host until `group`'s stream has run everything queued on it so far, polling
+    /// as `reap` does: within the timeout, watching NCCL's asynchronous errors. A timeout or an
+    /// error fails the context (communicators aborted), as in `reap`; `cuStreamSynchronize`
+    /// would wait forever behind a stuck NCCL kernel.
+    fn wait_group(&self, group: &Group) -> Result<()> {
+        let waited = (|| {
+            let _bound = group.ctx.bind()?;
+            group.progress.record(group.stream.0)?;
+            let limit = deadline(Instant::now(), self.timeout);
+            let mut spins = 0u32;
+            while !group.progress.query()? {
+                if let Some(comms) = self.comms.lock().as_ref() {
+                    comms.async_error()?;
+                }
+                if limit.is_some_and(|d| Instant::now() >= d) {
+                    return Err(Error::new(
+                        ErrorKind::Timeout,
+                        format!(
+                            "cuda:{}: the work queued before this collective did not finish \
+                             within the {} ms timeout; the context refuses further \
+                             collectives (destroy it)",
+                            group.ctx.ordinal,
+                            self.timeout.unwrap_or_default().as_millis()
+                        ),
+                    ));
+                }
+                back_off(&mut spins);
+            }
+            Ok(())
+        })();
+        waited.map_err(|e| match e.kind {
+            ErrorKind::Timeout | ErrorKind::Backend => self.nccl_failed(e),
+            _ => e,
+        })
+    }
+
     fn sync_group(&self, group: &Group) -> Result<()> {
         // SAFETY: our stream.
         driver::check(
@@ -500,14 +539,12 @@ impl CudaBackend {
         if let Some(mem) = slot.as_ref().filter(|m| m.bytes >= bytes) {
             return Ok(mem.ptr);
         }
-        if slot.is_some() {
+        if let Some(old) = slot.take() {
             // The old buffer may still be read by queued work, on this device or (peer reads
-            // and copies) on another.
-            for g in &self.groups {
-                self.sync_group(g)?;
-            }
+            // and copies) on another: freed (or reused) once this collective completes, which
+            // is after all of that on every device.
+            self.state.lock().issuing.keep.push(old);
         }
-        *slot = None;
         let mem = self.fresh_memory(group, bytes)?;
         let ptr = mem.ptr;
         *slot = Some(mem);

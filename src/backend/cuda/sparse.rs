@@ -6,7 +6,8 @@
 //!   complete; `synchronize` reports it. The host never waits for the check.
 //! - Coalescing: the result's row count depends on the data and the host must know it (it
 //!   sizes the outputs and `dpsync_sparse_get` returns it), so the indices are copied to the
-//!   host after the work queued before them (the host waits here), sorted there by the
+//!   host after the work queued before them (the host waits here, polling within the
+//!   timeout: `CudaBackend::wait_group`), sorted there by the
 //!   backends' shared [`coalescing_order`], and the rows of each run are summed on the device
 //!   by `sum_runs_<dtype>` (kernels/sparse.cu). Value rows never leave the device.
 
@@ -127,18 +128,26 @@ impl CudaBackend {
         alloc: &mut dyn FnMut(usize) -> Result<Allocation>,
     ) -> Result<Coalesced> {
         let group = &self.groups[self.replicas[replica].group];
-        // u64 words: aligned for either index type.
+        // Into page-locked memory, so that the copy is queued rather than made synchronous
+        // (it would wait, without a timeout, for everything queued before it); then a bounded
+        // wait. u64 words: aligned for either index type.
         let bytes = slice.rows * slice.index_dtype.size();
         let mut raw = vec![0u64; bytes.div_ceil(8)];
-        {
-            let _bound = group.ctx.bind()?;
-            if bytes > 0 {
-                // SAFETY: `rows` indices on this device; the host buffer holds them. Pageable
-                // memory makes the copy synchronous, and the stream sync below covers it too.
+        if bytes > 0 {
+            let host = {
+                let mut scratch = group.scratch.lock();
+                match scratch.host.take() {
+                    Some((mem, size)) if size >= bytes => (mem, size),
+                    _ => (PinnedMemory::new(&group.ctx, bytes)?, bytes),
+                }
+            };
+            let copied = (|| {
+                let _bound = group.ctx.bind()?;
+                // SAFETY: `rows` indices on this device; the pinned buffer holds `bytes`.
                 check(
                     unsafe {
                         sys::cuMemcpyDtoHAsync_v2(
-                            raw.as_mut_ptr().cast(),
+                            host.0.ptr,
                             slice.indices as u64,
                             bytes,
                             group.stream.0,
@@ -146,8 +155,22 @@ impl CudaBackend {
                     },
                     "cuMemcpyDtoHAsync (indices to coalesce)",
                 )?;
+                self.wait_group(group)
+            })();
+            if let Err(e) = copied {
+                // The copy may still write the buffer: leak it rather than free it.
+                std::mem::forget(host);
+                return Err(e);
             }
-            self.sync_group(group)?;
+            // SAFETY: the copy completed; `raw` holds at least `bytes`.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    host.0.ptr as *const u8,
+                    raw.as_mut_ptr().cast::<u8>(),
+                    bytes,
+                )
+            };
+            group.scratch.lock().host = Some(host);
         }
         let keys = widen_indices(slice.index_dtype, raw.as_ptr() as usize, slice.rows);
         let (unique, positions, bounds) = coalescing_order(&keys);
