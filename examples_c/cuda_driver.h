@@ -22,6 +22,7 @@ typedef unsigned long long CUdeviceptr;
 static struct {
   CUresult (*init)(unsigned);
   CUresult (*device_get)(int *, int);
+  CUresult (*device_count)(int *);
   CUresult (*primary_retain)(CUcontext *, int);
   CUresult (*set_current)(CUcontext);
   CUresult (*mem_alloc)(CUdeviceptr *, size_t);
@@ -39,6 +40,7 @@ static inline int load_cuda(void) {
 #define SYM(field, name) *(void **)(&cu.field) = dlsym(lib, name); if (!cu.field) return 0
   SYM(init, "cuInit");
   SYM(device_get, "cuDeviceGet");
+  SYM(device_count, "cuDeviceGetCount");
   SYM(primary_retain, "cuDevicePrimaryCtxRetain");
   SYM(set_current, "cuCtxSetCurrent");
   SYM(mem_alloc, "cuMemAlloc_v2");
@@ -70,12 +72,30 @@ static inline void use_gpu(int32_t ordinal) {
   CU(cu.set_current(c));
 }
 
-/* 1 when the driver loads and dpsync can make a context on `gpus`; otherwise prints
- * "<name>: skipped: <why>" and returns 0. */
+/* Says why the run is skipped and returns 0 — or, under DPSYNC_REQUIRE_GPU=1 (the GPU
+ * machine's check, scripts/gpu-check.sh), fails, so that a missing piece is not a pass. */
+static inline int cuda_skip(const char *name, const char *why) {
+  const char *require = getenv("DPSYNC_REQUIRE_GPU");
+  if (require && strcmp(require, "1") == 0) {
+    fprintf(stderr, "%s: DPSYNC_REQUIRE_GPU=1, but %s\n", name, why);
+    exit(1);
+  }
+  printf("%s: skipped: %s\n", name, why);
+  return 0;
+}
+
+/* 1 when the driver loads, the GPUs named exist and dpsync can make a context on `gpus`;
+ * otherwise prints "<name>: skipped: <why>" and returns 0. */
 static inline int cuda_usable(const char *name, const int32_t *gpus, size_t n) {
-  if (!load_cuda()) {
-    printf("%s: skipped: no CUDA driver\n", name);
-    return 0;
+  if (!load_cuda()) return cuda_skip(name, "no CUDA driver");
+  int count = 0;
+  CU(cu.device_count(&count));
+  for (size_t i = 0; i < n; i++) {
+    if (gpus[i] >= count) {
+      /* Not a failure: CTest names GPUs a one-GPU machine lacks (the multi-GPU runs). */
+      printf("%s: skipped: needs GPU %d, found %d GPU(s)\n", name, (int)gpus[i], count);
+      return 0;
+    }
   }
   dpsync_options *probe = NULL;
   dpsync_context *ctx = NULL;
@@ -86,10 +106,7 @@ static inline int cuda_usable(const char *name, const int32_t *gpus, size_t n) {
   }
   dpsync_status st = dpsync_context_create(probe, &ctx);
   dpsync_options_free(probe);
-  if (st == DPSYNC_STATUS_UNAVAILABLE) {
-    printf("%s: skipped: %s\n", name, dpsync_last_error());
-    return 0;
-  }
+  if (st == DPSYNC_STATUS_UNAVAILABLE) return cuda_skip(name, dpsync_last_error());
   if (st != DPSYNC_STATUS_OK) {
     fprintf(stderr, "%s: dpsync_context_create: %s\n", name, dpsync_last_error());
     exit(1);

@@ -337,6 +337,17 @@ fn host_tensors_on_cuda_replicas_wait_for_the_callers_streams() {
             };
             assert_eq!(rc, sys::CUresult::CUDA_SUCCESS, "cuMemcpyDtoHAsync");
         }
+        // Declared ready on both replicas (from the second step on, early buckets have an op):
+        // a host bucket is still left to allreduce_grads, since reducing it here would block
+        // this thread until the GPUs caught up.
+        for r in 0..2 {
+            check(ctx.grad_ready("cpu_grad", r), "grad_ready");
+        }
+        let overlap = &ctx.describe_json()["overlap"];
+        assert_eq!(
+            overlap["buckets_reduced_early_this_step"], 0,
+            "step {slow}: {overlap}"
+        );
         check(ctx.allreduce_grads(SUM), "allreduce_grads");
         let want = 2.0 * base + 3.0;
         for (r, (_, _, host)) in replicas.iter().enumerate() {

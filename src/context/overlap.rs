@@ -131,10 +131,15 @@ impl Context {
         if self.overlap.ready[mark] {
             return Ok(()); // declared twice: nothing new
         }
-        if let (1, Some(op)) = (self.overlap.missing[b], self.overlap.op) {
+        let planned = &plan.buckets[b];
+        // Host tensors on CUDA replicas are reduced by the host after the callers' streams ran
+        // what they queued: started here, that wait would block this backward thread (and,
+        // through the context's lock, every other replica's) until all the GPUs caught up.
+        // allreduce_grads reduces them instead, once.
+        let early = !self.executor.touching_waits(planned.memory);
+        if let (1, Some(op), true) = (self.overlap.missing[b], self.overlap.op, early) {
             // The bucket over its own tensors only, renumbered: a step costs O(tensors), not
             // O(tensors x buckets) (backends key their caches by pointers, not indices).
-            let planned = &plan.buckets[b];
             let tensors: Vec<&TensorView> = (planned.tensors.iter())
                 .map(|&t| &snapshot.tensors[t])
                 .collect();

@@ -159,16 +159,21 @@ impl Executor {
         }
     }
 
+    /// Whether touching memory of `memory`'s kind makes the host wait for the callers' streams
+    /// (host tensors on device replicas: [`Executor::backend_to_touch`]).
+    pub fn touching_waits(&self, memory: Memory) -> bool {
+        memory == Memory::Host && self.host.is_some()
+    }
+
     /// The backend to read or write memory of `memory`'s kind now. Host memory on device
     /// replicas is touched by the host at once, so the host first waits for the work the
     /// callers queued before this call (it may be what writes that memory): the collective
     /// then starts after it, as the stream contract promises.
     fn backend_to_touch(&self, memory: Memory) -> Result<&dyn Backend> {
-        if let (Memory::Host, Some(host)) = (memory, &self.host) {
+        if self.touching_waits(memory) {
             self.backend.wait_for_callers()?;
-            return Ok(host);
         }
-        Ok(self.backend.as_ref())
+        Ok(self.backend_for(memory))
     }
 
     /// Reduces `buckets` (indices into `tensors`) in order, by the plan's programs.

@@ -1041,6 +1041,9 @@ impl Backend for CudaBackend {
         self.observe(false)?;
         self.mark_callers()?;
         for g in &self.groups {
+            // The stream names its context, but some drivers want it current for a wait on an
+            // event of another device; cheap when it already is.
+            let _bound = g.ctx.bind()?;
             for r in self.callers.iter().map(|&r| &self.replicas[r]) {
                 r.start.wait_on(g.stream.0)?;
             }
