@@ -514,6 +514,25 @@ fn the_callers_current_context_is_left_as_it_was() {
     drop(mems);
 }
 
+/// A GRAD "g" of `n` ones on replica 0 (GPU 0) and replica 1 (GPU 1), with its streams.
+fn ones_on_gpus_0_and_1(
+    ctx: &Context,
+    n: usize,
+) -> Vec<(
+    cudarc::driver::CudaSlice<f32>,
+    std::sync::Arc<cudarc::driver::CudaStream>,
+)> {
+    (0..2)
+        .map(|r| {
+            let stream = default_stream(r as i32);
+            let d = stream.clone_htod(&vec![1.0f32; n]).unwrap();
+            register_device(ctx, "g", GRAD, r, dptr(&stream, &d), n, F32);
+            stream.synchronize().unwrap();
+            (d, stream)
+        })
+        .collect()
+}
+
 /// Creating NCCL communicators and a set's first group (where NCCL connects the ranks) take
 /// seconds on a multi-GPU machine; a collective timeout set for steady-state steps must not cut
 /// them short. The fake NCCL stretches both with FAKE_NCCL_SETUP_MS (scripts/fake-cuda.sh);
@@ -549,14 +568,7 @@ fn slow_nccl_setup_is_not_a_collective_timeout() {
         let json = ctx.describe_json();
         assert_eq!(json["transport"], "nccl", "transport {transport}: {json}");
         let n = 1000;
-        let mut keep = Vec::new();
-        for (r, ordinal) in [0, 1].into_iter().enumerate() {
-            let stream = default_stream(ordinal);
-            let d = stream.clone_htod(&vec![1.0f32; n]).unwrap();
-            register_device(&ctx, "g", GRAD, r, dptr(&stream, &d), n, F32);
-            stream.synchronize().unwrap();
-            keep.push((d, stream));
-        }
+        let keep = ones_on_gpus_0_and_1(&ctx, n);
         for step in 1..=2 {
             check(ctx.allreduce_grads(SUM), "allreduce_grads");
             check(synchronize(&ctx), "synchronize");
@@ -609,14 +621,9 @@ fn a_failing_nccl_collective_poisons_the_context() {
     })
     .expect("the fake CUDA driver and NCCL are loaded");
     let n = 1000;
-    let mut keep = Vec::new();
-    for (r, ordinal) in [0, 1].into_iter().enumerate() {
-        let stream = default_stream(ordinal);
-        let d = stream.clone_htod(&vec![1.0f32; n]).unwrap();
-        register_device(&ctx, "g", GRAD, r, dptr(&stream, &d), n, F32);
-        stream.synchronize().unwrap();
-        keep.push(d);
-    }
+    let mut keep: Vec<_> = (ones_on_gpus_0_and_1(&ctx, n).into_iter())
+        .map(|(d, _)| d)
+        .collect();
     // A first collective without the fault (the fake reads it per group): a set's first group
     // may take nccl::SETUP_TIME, so a hang there would take a minute to time out.
     std::env::remove_var("FAKE_NCCL_FAULT");
