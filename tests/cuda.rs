@@ -416,8 +416,8 @@ fn a_stuck_collective_times_out_and_poisons_only_its_context() {
 /// second upload finds the cache full. Every step must still copy the root's values (on the
 /// fake driver a freed table is poisoned, so a walk through it crashes or writes garbage).
 #[test]
-fn broadcasts_stay_right_across_the_table_caches_flush() {
-    let test = "broadcasts_stay_right_across_the_table_caches_flush";
+fn broadcasts_stay_right_when_the_table_cache_empties() {
+    let test = "broadcasts_stay_right_when_the_table_cache_empties";
     let Some(ctx) = cuda_context(test, &[0, 0], |o| o.set_transport(T_PEER_COPY)) else {
         return;
     };
