@@ -68,6 +68,9 @@ for streams in synchronous asynchronous; do
     FAKE_CUDA_DEVICES=4 FAKE_CUDA_PEER=$peer cargo test --release "${TESTS[@]}" "$@" -- \
       --test-threads=1 across
   done
+  step "the caller's current context and set_stream's special handles on two fake GPUs, $streams streams"
+  FAKE_CUDA_DEVICES=2 cargo test --release --test cuda "$@" -- --test-threads=1 \
+    the_callers_current_context set_stream_takes
   step "a peer limit (FAKE_CUDA_PEER_LIMIT=1) across four fake GPUs, $streams streams"
   FAKE_CUDA_DEVICES=4 FAKE_CUDA_PEER_LIMIT=1 \
     cargo test --release --test cuda "$@" -- --test-threads=1 a_peer_limit
@@ -79,7 +82,7 @@ for streams in synchronous asynchronous; do
     cargo test --release --test cuda "$@" -- --test-threads=1 slow_nccl_setup
   for fault in hang error; do
     step "NCCL fault injected: FAKE_NCCL_FAULT=$fault, $streams streams"
-    FAKE_CUDA_DEVICES=2 FAKE_NCCL_FAULT=$fault \
+    FAKE_CUDA_DEVICES=2 FAKE_NCCL_FAULT=$fault DPSYNC_NCCL_SETUP_TIMEOUT_MS=1000 \
       cargo test --release --test cuda "$@" -- --test-threads=1 a_failing_nccl
   done
 done

@@ -19,7 +19,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 BUNDLE=gpu-bundle
 
-bundle() {
+# A subshell: its `set -e` must not leak into `run` (no-argument mode runs both).
+bundle() (
   set -e
   source scripts/common.sh
   ensure_tools
@@ -52,7 +53,7 @@ for line in sys.stdin:
   strip "$BUNDLE"/tests/* "$BUNDLE"/benches/* "$BUNDLE"/libdpsync.so "$BUNDLE"/cuda_train \
     "$BUNDLE"/bmuf_train "$BUNDLE"/train_dense "$BUNDLE"/checkpoint_sync
   du -sh "$BUNDLE"; ls -la "$BUNDLE" "$BUNDLE/tests" "$BUNDLE/benches"
-}
+)
 
 # Library $1: the copy in python3's own `nvidia` packages first (the NCCL PyTorch uses), else
 # the first under the usual roots, CUDA's own first. Not `find / -xdev`: /opt (PyTorch's venv and
@@ -94,15 +95,16 @@ run() {
   local nccl nvrtc
   nccl=$(find_lib libnccl.so.2)
   nvrtc=$(find_lib libnvrtc.so.13)
-  [ -n "${DPSYNC_NCCL_LIBRARY:-}" ] || export DPSYNC_NCCL_LIBRARY="$nccl"
-  [ -n "${DPSYNC_NVRTC_LIBRARY:-}" ] || export DPSYNC_NVRTC_LIBRARY="$nvrtc"
+  # Only when found: an empty path would make dlopen return the program itself.
+  [ -n "${DPSYNC_NCCL_LIBRARY:-}" ] || [ -z "$nccl" ] || export DPSYNC_NCCL_LIBRARY="$nccl"
+  [ -n "${DPSYNC_NVRTC_LIBRARY:-}" ] || [ -z "$nvrtc" ] || export DPSYNC_NVRTC_LIBRARY="$nvrtc"
   [ -n "$nvrtc" ] && export LD_LIBRARY_PATH="$(dirname "$nvrtc"):${LD_LIBRARY_PATH:-}"
   dir=$(cd "$dir" && pwd)
   export LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}"
   # A GPU test or benchmark that cannot make its CUDA context fails here instead of skipping.
   export DPSYNC_REQUIRE_GPU=1
   local failures=0 nccl_code
-  nccl_code=$(python3 -c 'import ctypes, os; l = ctypes.CDLL(os.environ["DPSYNC_NCCL_LIBRARY"]); v = ctypes.c_int(); l.ncclGetVersion(ctypes.byref(v)); print(v.value)' 2>/dev/null)
+  nccl_code=$(python3 -c 'import ctypes, os; l = ctypes.CDLL(os.environ["DPSYNC_NCCL_LIBRARY"]); v = ctypes.c_int(); l.ncclGetVersion(ctypes.byref(v)); print(v.value)' 2>/dev/null || true)
   {
     echo "# dpsync GPU check, $(date -u +%Y-%m-%dT%H:%MZ), parts: ${parts[*]}"
     echo
@@ -224,7 +226,7 @@ run() {
     esac
   done
   section "targets (the benchmarks' TARGET lines)"
-  grep -h '^TARGET ' "$report" >>"$report.targets" 2>/dev/null
+  grep -h '^TARGET ' "$report" >>"$report.targets" 2>/dev/null || true
   if [ -s "$report.targets" ]; then cat "$report.targets" >>"$report"; else echo "none in this run" >>"$report"; fi
   rm -f "$report.targets"
   endsection

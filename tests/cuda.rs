@@ -624,8 +624,9 @@ fn a_failing_nccl_collective_poisons_the_context() {
     let mut keep: Vec<_> = (ones_on_gpus_0_and_1(&ctx, n).into_iter())
         .map(|(d, _)| d)
         .collect();
-    // A first collective without the fault (the fake reads it per group): a set's first group
-    // may take nccl::SETUP_TIME, so a hang there would take a minute to time out.
+    // A first collective without the fault (the fake reads it per group). A stuck launch is
+    // reported after nccl::setup_time(), which scripts/fake-cuda.sh shortens for this test
+    // (DPSYNC_NCCL_SETUP_TIMEOUT_MS); its default is a minute.
     std::env::remove_var("FAKE_NCCL_FAULT");
     check(ctx.allreduce_grads(SUM), "allreduce_grads before the fault");
     check(synchronize(&ctx), "synchronize before the fault");

@@ -36,7 +36,10 @@ pub struct Comms {
 }
 
 fn open() -> Result<libloading::Library, String> {
-    let mut names: Vec<String> = std::env::var("DPSYNC_NCCL_LIBRARY").into_iter().collect();
+    // An empty path would make dlopen return the program itself.
+    let mut names: Vec<String> = (std::env::var("DPSYNC_NCCL_LIBRARY").into_iter())
+        .filter(|p| !p.trim().is_empty())
+        .collect();
     names.extend(["libnccl.so.2".to_owned(), "libnccl.so".to_owned()]);
     for name in &names {
         // SAFETY: loading NCCL runs only its initialisers.

@@ -4,8 +4,9 @@
 //! on every caller stream and makes each device's communication stream wait on all of them;
 //! the collective's kernels, copies and NCCL calls run on the communication streams;
 //! [`Backend::end`] records a completion event per device and makes every caller stream wait
-//! on all of them. The host never blocks except in [`Backend::synchronize`] (and once when a
-//! scratch buffer must grow).
+//! on all of them. The host never blocks except in [`Backend::synchronize`], for host tensors
+//! (the callers' streams first) and for sparse coalescing (the indices): each a polled wait
+//! within the timeout.
 //!
 //! One bucket: the replicas of each device are summed by one table-walk kernel (into a fusion
 //! buffer when other devices take part, or straight back into every replica when the device
@@ -116,8 +117,11 @@ struct Leftovers {
     /// Device index checks whose answers arrive with the collective.
     checks: Vec<DeferredCheck>,
     /// Memory its queued work, or work issued before it, may still use: coalescing maps, and
-    /// [`Allocation`]s dropped meanwhile ([`Dropped`]).
+    /// [`Allocation`]s dropped meanwhile ([`Dropped`]). Spares once it completes.
     keep: Vec<DeviceMemory>,
+    /// As `keep`, but not worth keeping for reuse (outgrown scratch buffers, the tables of a
+    /// full cache): freed by the next `synchronize` once it completes.
+    retire: Vec<DeviceMemory>,
 }
 
 /// Where this backend's dropped [`Allocation`]s go. Work already queued may still use them, so
@@ -162,6 +166,8 @@ impl Drop for Handed {
 struct Spares {
     mems: Vec<DeviceMemory>,
     retired: Vec<DeviceMemory>,
+    /// Outgrown page-locked staging buffers (`cuMemFreeHost` may wait for the device too).
+    retired_host: Vec<driver::PinnedMemory>,
 }
 
 /// Spares kept for reuse at most; the oldest beyond that retire.
@@ -191,11 +197,15 @@ impl Spares {
     /// Every spare and retired allocation on `ctx`'s device, for the caller to free (outside
     /// the state lock).
     fn release(&mut self, ctx: &Arc<PrimaryContext>) -> Vec<DeviceMemory> {
-        let (mine, others) = std::mem::take(&mut self.mems)
+        let (mut mine, others): (Vec<_>, Vec<_>) = std::mem::take(&mut self.mems)
             .into_iter()
-            .chain(std::mem::take(&mut self.retired))
             .partition(|m| m.is_on(ctx));
         self.mems = others;
+        let (retired, others): (Vec<_>, Vec<_>) = std::mem::take(&mut self.retired)
+            .into_iter()
+            .partition(|m| m.is_on(ctx));
+        self.retired = others;
+        mine.extend(retired);
         mine
     }
 
@@ -266,9 +276,9 @@ fn deadline(issued: Instant, timeout: Option<Duration>) -> Option<Instant> {
     timeout.map(|t| issued + t)
 }
 
-/// The deadline of NCCL setup work started at `issued` (nccl::SETUP_TIME).
+/// The deadline of NCCL setup work and group launches started at `issued` ([`nccl::setup_time`]).
 fn setup_deadline(issued: Instant, timeout: Option<Duration>) -> Option<Instant> {
-    timeout.map(|t| issued + t.max(nccl::SETUP_TIME))
+    timeout.map(|t| issued + t.max(nccl::setup_time()))
 }
 
 /// One pause of a polling loop: yields at first, then sleeps 50 µs (a long wait should not
@@ -422,8 +432,7 @@ impl CudaBackend {
         nccl::Launch {
             streams: self.groups.iter().map(|g| g.stream.0).collect(),
             ctxs: self.groups.iter().map(|g| g.ctx.as_ref()).collect(),
-            deadline: deadline(issued, self.timeout),
-            setup: setup_deadline(issued, self.timeout),
+            deadline: setup_deadline(issued, self.timeout),
         }
     }
 
@@ -449,7 +458,7 @@ impl CudaBackend {
             // Tables in the cache may still be read by queued kernels, this collective's
             // included: they are freed (or reused) once it completes, not now.
             let old = std::mem::take(&mut scratch.tables).into_values();
-            self.state.lock().issuing.keep.extend(old);
+            self.state.lock().issuing.retire.extend(old);
         }
         let bytes: Vec<u8> = host.0.iter().flat_map(|w| w.to_ne_bytes()).collect();
         let _bound = group.ctx.bind()?;
@@ -543,7 +552,7 @@ impl CudaBackend {
             // The old buffer may still be read by queued work, on this device or (peer reads
             // and copies) on another: freed (or reused) once this collective completes, which
             // is after all of that on every device.
-            self.state.lock().issuing.keep.push(old);
+            self.state.lock().issuing.retire.push(old);
         }
         let mem = self.fresh_memory(group, bytes)?;
         let ptr = mem.ptr;
@@ -617,6 +626,7 @@ impl CudaBackend {
                 state.check_slots.push(slot);
             }
             state.spares.put(leftovers.keep);
+            state.spares.retired.extend(leftovers.retire);
         }
         Ok(())
     }
@@ -1277,8 +1287,10 @@ impl Backend for CudaBackend {
         let mut state = self.state.lock();
         // The host waits here anyway: free what retired (cuMemFree waits for the device).
         let retired = std::mem::take(&mut state.spares.retired);
+        let retired_host = std::mem::take(&mut state.spares.retired_host);
         drop(state);
         drop(retired);
+        drop(retired_host);
         let mut state = self.state.lock();
         let mut errors = std::mem::take(&mut state.index_errors).into_iter();
         match errors.next() {

@@ -17,7 +17,6 @@
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -196,21 +195,31 @@ impl Drop for OpenGroup<'_> {
     }
 }
 
-/// How a group's calls are queued: rank r's on `streams[r]` with `ctxs[r]` current; the group
-/// must leave the in-progress state by `deadline`, or by `setup` if it is the set's first
-/// (where NCCL connects the ranks, which takes seconds).
+/// How a group's calls are queued: rank r's on `streams[r]` with `ctxs[r]` current; the group's
+/// launch must leave the in-progress state by `deadline` ([`setup_time`]; the collective's own
+/// timeout bounds its completion, in the backend).
 pub struct Launch<'a> {
     pub streams: Vec<CUstream>,
     pub ctxs: Vec<&'a PrimaryContext>,
     pub deadline: Option<Instant>,
-    pub setup: Option<Instant>,
 }
 
-/// The least time given to creating communicators and to a set's first group, whatever the
-/// collective timeout: on a multi-GPU machine NCCL takes seconds to set up and, since 2.22,
-/// connects the ranks during their first collective. A timeout tuned for steady-state steps
-/// would otherwise fail the first step (or make AUTO fall back to peer copies).
-pub const SETUP_TIME: Duration = Duration::from_secs(60);
+/// The least time given to creating communicators and to launching a group, whatever the
+/// collective timeout: NCCL takes seconds to set up on a multi-GPU machine and connects ranks
+/// lazily, during the launch of the first group that needs a connection (a new peer for sends,
+/// since 2.22 a new algorithm for collectives), which the host cannot predict. A timeout tuned
+/// for steady-state steps would otherwise fail such a step (or make AUTO fall back to peer
+/// copies). 60 s, or `DPSYNC_NCCL_SETUP_TIMEOUT_MS` (read once; a test aid, and for machines
+/// whose setup is slower still).
+pub fn setup_time() -> Duration {
+    static TIME: OnceLock<Duration> = OnceLock::new();
+    *TIME.get_or_init(|| {
+        std::env::var("DPSYNC_NCCL_SETUP_TIMEOUT_MS")
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map_or(Duration::from_secs(60), Duration::from_millis)
+    })
+}
 
 /// Serialises the group launches of every set in the process. NCCL asks that operations on
 /// different communicators be issued in one order on every rank; sets sharing GPUs (contexts
@@ -222,8 +231,6 @@ static LAUNCH: Mutex<()> = Mutex::new(());
 pub struct CommSet {
     ordinals: Vec<i32>,
     comms: Vec<Comm>,
-    /// A group with ops completed its launch: NCCL connected the ranks.
-    connected: AtomicBool,
     aborted: Mutex<bool>,
 }
 
@@ -305,7 +312,6 @@ impl CommSet {
             let set = CommSet {
                 ordinals,
                 comms,
-                connected: AtomicBool::new(false),
                 aborted: Mutex::new(false),
             };
             if let Err(e) = first_error.and(end).and_then(|_| set.poll_ready(deadline)) {
@@ -413,9 +419,8 @@ impl CommSet {
 
     /// Runs `issue` between `ncclGroupStart` and `ncclGroupEnd` with the communicators live and
     /// the process's group launches serialised, then polls until every rank left the
-    /// in-progress state (by the launch's deadline, or its setup deadline for the set's first
-    /// group). `issue` queues calls and reports the first failure; the group is closed either
-    /// way.
+    /// in-progress state (by the launch's deadline) before any other call may use them.
+    /// `issue` queues calls and reports the first failure; the group is closed either way.
     fn grouped(
         &self,
         what: &str,
@@ -423,10 +428,11 @@ impl CommSet {
         issue: impl FnOnce(&Api) -> Result<()>,
     ) -> Result<()> {
         let api = api()?;
-        let _order = LAUNCH.lock();
+        let order = LAUNCH.lock();
+        // Held through the poll: no other context may call on these communicators before
+        // they left the in-progress state (NCCL's rule for non-blocking communicators).
         let _live = self.live()?;
         let _kept = driver::keep_current()?;
-        let first = !self.connected.load(Ordering::Acquire);
         // SAFETY: group calls around calls on live communicators.
         check(api, unsafe { (api.group_start)() }, "ncclGroupStart")?;
         let open = OpenGroup(api);
@@ -438,10 +444,10 @@ impl CommSet {
             unsafe { (api.group_end)() },
             &format!("ncclGroupEnd ({what})"),
         );
+        // Issued: other sets may launch while this one finishes (connecting, enqueueing).
+        drop(order);
         queued.and(end)?;
-        self.poll_ready(if first { launch.setup } else { launch.deadline })?;
-        self.connected.store(true, Ordering::Release);
-        Ok(())
+        self.poll_ready(launch.deadline)
     }
 
     /// One call per rank in one group: `call(api, rank, comm, stream)` with rank's context
@@ -581,9 +587,10 @@ impl Drop for CommSet {
             return;
         }
         let Ok(api) = api() else { return };
+        let order = LAUNCH.lock();
         let _kept = driver::keep_current();
         // Bounded: a set whose work never ends is aborted rather than hang its last owner.
-        let deadline = Some(Instant::now() + SETUP_TIME);
+        let deadline = Some(Instant::now() + setup_time());
         // SAFETY: the last owner; finalize flushes, then destroy frees.
         unsafe {
             (api.group_start)();
@@ -591,6 +598,7 @@ impl Drop for CommSet {
                 (api.comm_finalize)(comm);
             }
             (api.group_end)();
+            drop(order);
             if self.poll_ready(deadline).is_err() {
                 for &comm in &self.comms {
                     (api.comm_abort)(comm);

@@ -138,7 +138,14 @@ impl CudaBackend {
                 let mut scratch = group.scratch.lock();
                 match scratch.host.take() {
                     Some((mem, size)) if size >= bytes => (mem, size),
-                    _ => (PinnedMemory::new(&group.ctx, bytes)?, bytes),
+                    outgrown => {
+                        // Freed by the next synchronize: cuMemFreeHost may wait for the device.
+                        if let Some((old, _)) = outgrown {
+                            self.state.lock().spares.retired_host.push(old);
+                        }
+                        let size = super::size_class(bytes);
+                        (PinnedMemory::new(&group.ctx, size)?, size)
+                    }
                 }
             };
             let copied = (|| {
