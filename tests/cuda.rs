@@ -375,11 +375,7 @@ fn a_stuck_collective_times_out_and_poisons_only_its_context() {
         return;
     }
     let Some(ctx) = cuda_context("timeout", &[0, 0], |o| {
-        // SAFETY: valid options.
-        check(
-            unsafe { dpsync_options_set_timeout_ms(o.0, 50) },
-            "set_timeout_ms",
-        );
+        o.set_timeout_ms(50);
     }) else {
         return;
     };
@@ -558,11 +554,7 @@ fn slow_nccl_setup_is_not_a_collective_timeout() {
     for transport in [T_AUTO, T_NCCL] {
         let ctx = cuda_context("slow nccl setup", &[0, 1], |o| {
             o.set_transport(transport);
-            // SAFETY: valid options.
-            check(
-                unsafe { dpsync_options_set_timeout_ms(o.0, setup_ms / 4) },
-                "set_timeout_ms",
-            );
+            o.set_timeout_ms(setup_ms / 4);
         })
         .expect("the fake CUDA driver and NCCL are loaded");
         let json = ctx.describe_json();
@@ -613,11 +605,7 @@ fn a_failing_nccl_collective_poisons_the_context() {
     );
     let ctx = cuda_context("nccl fault", &[0, 1], |o| {
         o.set_transport(T_NCCL);
-        // SAFETY: valid options.
-        check(
-            unsafe { dpsync_options_set_timeout_ms(o.0, 100) },
-            "set_timeout_ms",
-        );
+        o.set_timeout_ms(100);
     })
     .expect("the fake CUDA driver and NCCL are loaded");
     let n = 1000;

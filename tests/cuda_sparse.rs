@@ -486,11 +486,7 @@ fn the_coalescing_wait_for_the_indices_times_out() {
     }
     let Some(ctx) = cuda_context(test, &[0, 0], |o| {
         o.set_sparse_coalesce(true);
-        // SAFETY: valid options.
-        check(
-            unsafe { dpsync::dpsync_options_set_timeout_ms(o.0, 50) },
-            "set_timeout_ms",
-        );
+        o.set_timeout_ms(50);
     }) else {
         return;
     };

@@ -137,6 +137,14 @@ impl Options {
         );
     }
 
+    pub fn set_timeout_ms(&self, ms: u64) {
+        // SAFETY: valid handle.
+        check(
+            unsafe { dpsync_options_set_timeout_ms(self.0, ms) },
+            "set_timeout_ms",
+        );
+    }
+
     /// `matrix` is n x n row-major.
     pub fn set_peer_access(&self, matrix: &[u8], n: usize) {
         assert_eq!(matrix.len(), n * n);
