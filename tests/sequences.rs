@@ -1335,23 +1335,9 @@ impl Sim {
     fn op_broadcast(&mut self) {
         let roles = self.pick_roles();
         let root = self.pick_replica();
-        let mut errs = Vec::new();
-        if roles == 0 || roles & !0xF != 0 || root >= self.n {
-            errs.push(INVALID_ARGUMENT);
-        }
-        if self.inconsistent(roles) {
-            errs.push(INCONSISTENT);
-        }
-        let want = if errs.is_empty() {
-            let mut pred = self.contents();
-            for t in self.selected(roles) {
-                let b = self.tensors[t].buf(root).clone();
-                Self::set_all(&mut pred, t, &b);
-            }
-            Want::Ok(pred)
-        } else {
-            Want::Err(errs)
-        };
+        let want = self.roles_want(roles, root >= self.n, |sim, t| {
+            sim.tensors[t].buf(root).clone()
+        });
         // SAFETY: valid handle.
         self.call(
             format!("broadcast(roles {roles:#x}, root {root})"),
@@ -1362,27 +1348,32 @@ impl Sim {
 
     fn op_average(&mut self) {
         let roles = self.pick_roles();
+        let want = self.roles_want(roles, false, |sim, t| sim.reduce(t, AVG));
+        // SAFETY: valid handle.
+        self.call(format!("average(roles {roles:#x})"), want, |ctx| unsafe {
+            dpsync_average(ctx, roles)
+        });
+    }
+
+    /// What a collective over the tensors of `roles` must do: fail with INVALID_ARGUMENT (bad
+    /// `roles`, or `bad_arg` for another argument) or INCONSISTENT (a selected tensor), or
+    /// leave every selected tensor as `result` on every replica.
+    fn roles_want(&self, roles: u32, bad_arg: bool, result: impl Fn(&Sim, usize) -> Buf) -> Want {
         let mut errs = Vec::new();
-        if roles == 0 || roles & !0xF != 0 {
+        if roles == 0 || roles & !0xF != 0 || bad_arg {
             errs.push(INVALID_ARGUMENT);
         }
         if self.inconsistent(roles) {
             errs.push(INCONSISTENT);
         }
-        let want = if errs.is_empty() {
-            let mut pred = self.contents();
-            for t in self.selected(roles) {
-                let b = self.reduce(t, AVG);
-                Self::set_all(&mut pred, t, &b);
-            }
-            Want::Ok(pred)
-        } else {
-            Want::Err(errs)
-        };
-        // SAFETY: valid handle.
-        self.call(format!("average(roles {roles:#x})"), want, |ctx| unsafe {
-            dpsync_average(ctx, roles)
-        });
+        if !errs.is_empty() {
+            return Want::Err(errs);
+        }
+        let mut pred = self.contents();
+        for t in self.selected(roles) {
+            Self::set_all(&mut pred, t, &result(self, t));
+        }
+        Want::Ok(pred)
     }
 
     // ---- overlap
