@@ -17,6 +17,15 @@ pub use sparse::{
     coalescing_order, narrow_indices, widen_indices, Coalesced, IndexCheck, SliceRef, ValuesRef,
 };
 
+/// The size to allocate per-step memory with, whose size varies a little from step to step
+/// (sparse gathers): at least `floor`, rounded up to one of four sizes per doubling (at most a
+/// quarter wasted), so that the next step's slightly larger request still fits the spare.
+pub fn size_class(bytes: usize, floor: usize) -> usize {
+    let b = bytes.max(floor).max(8);
+    let step = b.next_power_of_two() / 8;
+    b.div_ceil(step) * step
+}
+
 /// One tensor's elements on every replica: `ptrs[r]` is replica r's first element.
 #[derive(Clone, Copy, Debug)]
 pub struct Segment<'a> {
@@ -316,4 +325,29 @@ fn bmuf_unavailable(backend: &str) -> Error {
         ErrorKind::Unavailable,
         format!("BMUF is not implemented on the {backend} backend yet"),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::size_class;
+
+    #[test]
+    fn size_classes_waste_at_most_a_quarter_and_are_few() {
+        let floor = 64 << 10;
+        let mut classes = std::collections::BTreeSet::new();
+        for bytes in (1..=4 << 20).step_by(997) {
+            let c = size_class(bytes, floor);
+            assert!(c >= bytes && c >= floor, "{bytes} -> {c}");
+            assert!(
+                bytes <= floor || c * 4 <= bytes * 5,
+                "{bytes} -> {c} wastes over 25 %"
+            );
+            assert_eq!(size_class(c, floor), c, "a class is its own class");
+            classes.insert(c);
+        }
+        // 64 KiB, then four per doubling up to 4 MiB.
+        assert_eq!(classes.len(), 1 + 4 * 6, "{classes:?}");
+        assert_eq!(size_class(0, 0), 8);
+        assert_eq!(size_class(1000, 0), 1024);
+    }
 }

@@ -16,7 +16,9 @@
 use std::collections::HashMap;
 
 use super::Executor;
-use crate::backend::{Allocation, Coalesced, IndexCheck, SliceRef, Transfer, ValuesRef};
+use crate::backend::{
+    size_class, Allocation, Coalesced, IndexCheck, SliceRef, Transfer, ValuesRef,
+};
 use crate::error::Result;
 use crate::plan::sparse::{world_offsets, IndexGroup};
 use crate::registry::sparse::SparseInput;
@@ -24,6 +26,8 @@ use crate::types::ReduceOp;
 
 /// The root of the coalesced gather.
 const ROOT: usize = 0;
+/// The smallest fresh output: tiny slices need not each get their own size class.
+const PAGE: usize = 4096;
 
 /// One replica's part of a gathered slice; `None` when it has no rows (C sees NULL).
 type PerReplica = Vec<Option<Allocation>>;
@@ -150,21 +154,24 @@ impl Executor {
     }
 
     /// Memory for a gathered output of `bytes` on `replica`: a spare from an earlier step when
-    /// one fits (not more than twice the size), else a new allocation. Not zero-filled: the
-    /// gather writes every byte of an output.
+    /// one fits (not more than twice its size class), else a new allocation rounded up to a size
+    /// class, so that the next steps' slightly larger slices still fit it (fresh memory costs
+    /// a zero fill and page faults on the host, a possible device sync on CUDA). Not
+    /// zero-filled: the gather writes every byte of an output.
     fn alloc_output(&self, replica: usize, bytes: usize) -> Result<Allocation> {
         let mut spare = self.spare_outputs.lock();
+        let class = size_class(bytes, PAGE);
         let best = spare
             .iter()
             .enumerate()
-            .filter(|(_, (r, a))| *r == replica && a.bytes() >= bytes && a.bytes() <= 2 * bytes)
+            .filter(|(_, (r, a))| *r == replica && a.bytes() >= bytes && a.bytes() <= 2 * class)
             .min_by_key(|(_, (_, a))| a.bytes())
             .map(|(i, _)| i);
         match best {
             Some(i) => Ok(spare.swap_remove(i).1),
             None => {
                 drop(spare);
-                self.backend.alloc(replica, bytes)
+                self.backend.alloc(replica, class)
             }
         }
     }

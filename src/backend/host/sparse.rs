@@ -71,6 +71,14 @@ unsafe fn sum_runs<T: Reducible>(
     let (src, dst) = (src as *const T, dst as *mut T);
     let mut acc = vec![T::Acc::default(); BLOCK.min(row_len)];
     for (k, run) in bounds.windows(2).enumerate() {
+        if run[1] - run[0] == 1 {
+            // A lone row is its own sum, bit for bit (widening a half to f32 and rounding it
+            // back is exact): one copy instead of a pass through the accumulator. On skewed
+            // streams most indices occur once.
+            let r = positions[run[0]];
+            std::ptr::copy_nonoverlapping(src.add(r * row_len), dst.add(k * row_len), row_len);
+            continue;
+        }
         sum_rows(
             src,
             &positions[run[0]..run[1]],
