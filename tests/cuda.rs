@@ -404,6 +404,49 @@ fn a_stuck_collective_times_out_and_poisons_only_its_context() {
     check(synchronize(&other), "synchronize on a fresh context");
 }
 
+/// Host tensors on CUDA replicas wait on the host for the callers' streams; a stream that does
+/// not get there in time fails the context like any collective that timed out (its queued
+/// waits may never end), and the host tensors stay as they were.
+#[test]
+fn a_stuck_caller_stream_times_out_the_host_tensors_wait_and_fails_the_context() {
+    if needs_async_streams("a_stuck_caller_stream_times_out") {
+        return;
+    }
+    let Some(ctx) = cuda_context("host_wait_timeout", &[0, 0], |o| {
+        o.set_timeout_ms(50);
+    }) else {
+        return;
+    };
+    let gpu = gpu();
+    let k = spin_kernels(&gpu);
+    let caller = gpu.new_stream().unwrap();
+    let n = 256;
+    let scratch = caller.alloc_zeros::<f32>(n).unwrap();
+    caller.synchronize().unwrap();
+    let mut host = [vec![1.0f32; n], vec![2.0f32; n]];
+    for (r, h) in host.iter_mut().enumerate() {
+        ctx.reg("cpu_grad", GRAD, r, h, F32);
+        set_stream(&ctx, r, &caller);
+    }
+    let mut b = caller.launch_builder(&k.fill);
+    let (nn, vv, cc) = (n as u64, 1.0f32, 2_000_000_000i64); // ~1 s
+    b.arg(&scratch).arg(&nn).arg(&vv).arg(&cc);
+    // SAFETY: arguments match the kernel.
+    unsafe { b.launch(LaunchConfig::for_num_elems(n as u32)) }.unwrap();
+    expect_err(
+        ctx.allreduce_grads(SUM),
+        TIMEOUT,
+        &["replica 0", "callers' streams", "50 ms"],
+    );
+    assert!(
+        host[0].iter().all(|&x| x == 1.0) && host[1].iter().all(|&x| x == 2.0),
+        "the host tensors were touched"
+    );
+    expect_err(ctx.allreduce_grads(SUM), INVALID_STATE, &["destroy"]);
+    caller.synchronize().unwrap();
+    drop(ctx);
+}
+
 /// The segment-table cache (one device table per tensor layout, 4096 at most per GPU) is
 /// emptied when full, while the collective being issued may already use one of its tables: a
 /// broadcast looks up the replicas' table, then uploads the root's, and that upload can be the

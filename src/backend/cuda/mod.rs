@@ -493,32 +493,46 @@ impl CudaBackend {
     /// error fails the context (communicators aborted), as in `reap`; `cuStreamSynchronize`
     /// would wait forever behind a stuck NCCL kernel.
     fn wait_group(&self, group: &Group) -> Result<()> {
-        let waited = (|| {
+        self.failing(|| {
             let _bound = group.ctx.bind()?;
             group.progress.record(group.stream.0)?;
-            let limit = deadline(Instant::now(), self.timeout);
-            let mut spins = 0u32;
-            while !group.progress.query()? {
-                if let Some(comms) = self.comms.lock().as_ref() {
-                    comms.async_error()?;
-                }
-                if limit.is_some_and(|d| Instant::now() >= d) {
-                    return Err(Error::new(
-                        ErrorKind::Timeout,
-                        format!(
-                            "cuda:{}: the work queued before this collective did not finish \
-                             within the {} ms timeout; the context refuses further \
-                             collectives (destroy it)",
-                            group.ctx.ordinal,
-                            self.timeout.unwrap_or_default().as_millis()
-                        ),
-                    ));
-                }
-                back_off(&mut spins);
+            self.poll(
+                || group.progress.query(),
+                |ms| {
+                    format!(
+                        "cuda:{}: the work queued before this collective did not finish within \
+                         the {ms} ms timeout; the context refuses further collectives (destroy \
+                         it)",
+                        group.ctx.ordinal
+                    )
+                },
+            )
+        })
+    }
+
+    /// Polls `done` until it holds, within the timeout, watching NCCL's asynchronous errors
+    /// meanwhile; `late(timeout_ms)` words the TIMEOUT.
+    fn poll(&self, done: impl Fn() -> Result<bool>, late: impl Fn(u128) -> String) -> Result<()> {
+        let limit = deadline(Instant::now(), self.timeout);
+        let mut spins = 0u32;
+        while !done()? {
+            if let Some(comms) = self.comms.lock().as_ref() {
+                comms.async_error()?;
             }
-            Ok(())
-        })();
-        waited.map_err(|e| match e.kind {
+            if limit.is_some_and(|d| Instant::now() >= d) {
+                let ms = self.timeout.unwrap_or_default().as_millis();
+                return Err(Error::new(ErrorKind::Timeout, late(ms)));
+            }
+            back_off(&mut spins);
+        }
+        Ok(())
+    }
+
+    /// Runs a host wait on queued work: if it times out or the device fails, the work may
+    /// never finish, so the context fails (communicators aborted, further collectives refused)
+    /// like a collective that timed out.
+    fn failing(&self, wait: impl FnOnce() -> Result<()>) -> Result<()> {
+        wait().map_err(|e| match e.kind {
             ErrorKind::Timeout | ErrorKind::Backend => self.nccl_failed(e),
             _ => e,
         })
@@ -1061,28 +1075,26 @@ impl Backend for CudaBackend {
     }
 
     fn wait_for_callers(&self) -> Result<()> {
-        // Re-recording the start events is fine: the waits `begin` queued captured the earlier
-        // record.
-        self.mark_callers()?;
-        let limit = deadline(Instant::now(), self.timeout);
-        for (&i, r) in self.callers.iter().map(|i| (i, &self.replicas[*i])) {
-            let mut spins = 0u32;
-            while !r.start.query()? {
-                if limit.is_some_and(|d| Instant::now() >= d) {
-                    return Err(Error::new(
-                        ErrorKind::Timeout,
+        self.failing(|| {
+            // Re-recording the start events is fine: the waits `begin` queued captured the
+            // earlier record.
+            self.mark_callers()?;
+            for &i in &self.callers {
+                let start = &self.replicas[i].start;
+                self.poll(
+                    || start.query(),
+                    |ms| {
                         format!(
                             "host memory on CUDA replicas waits for the work already queued on \
                              the callers' streams, and replica {i}'s stream did not finish it \
-                             within the {} ms timeout",
-                            self.timeout.unwrap_or_default().as_millis()
-                        ),
-                    ));
-                }
-                back_off(&mut spins);
+                             within the {ms} ms timeout; the context refuses further \
+                             collectives (destroy it)"
+                        )
+                    },
+                )?;
             }
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     fn end(&self, join: bool) -> Result<()> {
