@@ -118,7 +118,9 @@ fn allreduce_every_dtype_size_and_transport_on_shared_gpus() {
     }
     // 64 MiB per replica (minutes on the fake driver's CPU threads: real GPUs only).
     if std::env::var("DPSYNC_FAKE_CUDA").as_deref() == Ok("1") {
-        eprintln!("allreduce of 64 MiB: skipped on the fake CUDA driver (minutes of emulation)");
+        skip(format_args!(
+            "allreduce of 64 MiB: skipped on the fake CUDA driver (minutes of emulation)"
+        ));
     } else {
         allreduce_case::<f32>(&[0, 0], T_AUTO, 16 << 20);
     }
@@ -144,7 +146,9 @@ fn allreduce_across_gpus_every_dtype_and_transport() {
         for ordinals in sets {
             for n in [1usize, 1000, 65_537] {
                 if !allreduce_every_dtype(ordinals, transport, n) {
-                    eprintln!("transport {transport} skipped: not available here");
+                    skip(format_args!(
+                        "transport {transport} skipped: not available here"
+                    ));
                     continue 'transports;
                 }
             }
@@ -584,10 +588,10 @@ fn slow_nccl_setup_is_not_a_collective_timeout() {
         .and_then(|v| v.parse::<u64>().ok())
         .filter(|&ms| ms >= 8)
     else {
-        eprintln!(
+        skip(format_args!(
             "slow_nccl_setup_is_not_a_collective_timeout: skipped: needs the fake NCCL's slow \
              setup (FAKE_NCCL_SETUP_MS; scripts/fake-cuda.sh)"
-        );
+        ));
         return;
     };
     assert!(
@@ -635,10 +639,10 @@ fn a_failing_nccl_collective_poisons_the_context() {
             "injected failure",
         ),
         _ => {
-            eprintln!(
+            skip(format_args!(
                 "a_failing_nccl_collective_poisons_the_context: skipped: needs the fake NCCL's \
                  fault injection (FAKE_NCCL_FAULT=hang or error; scripts/fake-cuda.sh)"
-            );
+            ));
             return;
         }
     };
@@ -718,9 +722,9 @@ fn a_peer_limit_falls_back_to_staged_copies() {
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
     else {
-        eprintln!(
+        skip(format_args!(
             "{test}: skipped: needs the fake driver's FAKE_CUDA_PEER_LIMIT (scripts/fake-cuda.sh)"
-        );
+        ));
         return;
     };
     if Place::gpus(test, 4).is_none() {
@@ -994,7 +998,9 @@ fn grad_ready_across_gpus_gives_the_hosts_bytes() {
         let host = overlap_steps(&Place::Host, ordinals, T_HOST).unwrap();
         for transport in [T_NCCL, T_PEER_COPY] {
             let Some(got) = overlap_steps(&gpus, ordinals, transport) else {
-                eprintln!("transport {transport} skipped: not available here");
+                skip(format_args!(
+                    "transport {transport} skipped: not available here"
+                ));
                 continue;
             };
             assert_eq!(got, host, "{ordinals:?} transport {transport}");

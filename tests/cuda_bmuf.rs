@@ -180,7 +180,9 @@ fn bmuf_across_gpus_follows_the_host_run() {
     };
     for transport in [T_NCCL, T_PEER_COPY] {
         if !two_replicas_give_the_host_bytes(&gpu, &[1, 0], transport) {
-            eprintln!("transport {transport} skipped: not available here");
+            skip(format_args!(
+                "transport {transport} skipped: not available here"
+            ));
             continue;
         }
         // Not the half types here: between GPUs their partial sums are rounded to the half type

@@ -138,7 +138,9 @@ impl Place {
         let place = Place::gpu(test)?;
         let found = device_count();
         if found < n {
-            eprintln!("{test}: skipped: needs {n} CUDA devices, found {found}");
+            super::skip(format_args!(
+                "{test}: skipped: needs {n} CUDA devices, found {found}"
+            ));
             return None;
         }
         Some(place)
@@ -324,10 +326,10 @@ pub fn needs_async_streams(test: &str) -> bool {
     let env = |k: &str| std::env::var(k).as_deref() == Ok("1");
     let synchronous = env("DPSYNC_FAKE_CUDA") && !env("FAKE_CUDA_ASYNC");
     if synchronous {
-        eprintln!(
+        super::skip(format_args!(
             "{test}: skipped: needs asynchronous streams (a real GPU, or the fake CUDA driver \
              with FAKE_CUDA_ASYNC=1)"
-        );
+        ));
     }
     synchronous
 }
@@ -339,10 +341,10 @@ pub fn needs_async_streams(test: &str) -> bool {
 pub fn rank_per_replica(test: &str) -> bool {
     let on = std::env::var("DPSYNC_NCCL_RANK_PER_REPLICA").as_deref() == Ok("1");
     if !on {
-        eprintln!(
+        super::skip(format_args!(
             "{test}: skipped: set DPSYNC_NCCL_RANK_PER_REPLICA=1 (and NCCL_MULTI_RANK_GPU_ENABLE=1 \
              on NCCL >= 2.30) to run it"
-        );
+        ));
     }
     on
 }
@@ -360,7 +362,9 @@ pub unsafe fn fake_driver_fn<F: Copy>(test: &str, symbol: &str) -> Option<F> {
         lib.and_then(|l| Some(*l.get::<F>(symbol.as_bytes()).ok()?))
     };
     if found.is_none() {
-        eprintln!("{test}: skipped: needs the fake CUDA driver's {symbol}");
+        super::skip(format_args!(
+            "{test}: skipped: needs the fake CUDA driver's {symbol}"
+        ));
     }
     found
 }
@@ -444,7 +448,9 @@ pub fn for_each_transport(layouts: &[&[i32]], mut case: impl FnMut(&[i32], u32) 
     for transport in [super::T_NCCL, super::T_PEER_COPY] {
         for ordinals in layouts {
             if !case(ordinals, transport) {
-                eprintln!("transport {transport} skipped: not available here");
+                super::skip(format_args!(
+                    "transport {transport} skipped: not available here"
+                ));
                 break;
             }
         }

@@ -67,6 +67,14 @@ pub fn cstr(s: &str) -> CString {
     CString::new(s).expect("test names have no NUL")
 }
 
+/// Says on the test's real stderr why a test did not run its subject. `eprintln!` would be
+/// captured by the test harness and shown only for failures, so a skipped GPU test would pass
+/// silently; a write to the stderr handle is not captured.
+pub fn skip(why: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "{why}");
+}
+
 /// The calling thread's last error message, copied.
 pub fn last_error() -> String {
     // SAFETY: dpsync_last_error returns a NUL-terminated string valid until the next call.
@@ -879,7 +887,10 @@ pub fn cuda_context(test: &str, ordinals: &[i32], configure: impl Fn(&Options)) 
                 last_error()
             );
         }
-        eprintln!("{test}: skipped: no CUDA device ({})", last_error());
+        skip(format_args!(
+            "{test}: skipped: no CUDA device ({})",
+            last_error()
+        ));
         return None;
     }
     check(st, "dpsync_context_create (CUDA)");
