@@ -4,8 +4,9 @@
 # libnccl.so.2 stand-in that matches every rank's calls and checks them) into target/fakecuda,
 # and runs tests/cuda*.rs against them: on one fake GPU; on four under three peer-access patterns
 # (all pairs, none, Caffe2's seed topology GPU1<->GPU2 only); with two NCCL ranks on one GPU; with
-# a slow NCCL setup; and with NCCL faults injected. All of it twice: with synchronous streams, and
-# with asynchronous ones (FAKE_CUDA_ASYNC=1, see fake_cuda.cpp's header). This exercises the whole CUDA backend's
+# a slow NCCL setup; with NCCL unusable; and with NCCL faults injected. All of it twice: with
+# synchronous streams, and with asynchronous ones (FAKE_CUDA_ASYNC=1, see fake_cuda.cpp's header).
+# This exercises the whole CUDA backend's
 # host side (contexts, streams, events, memory, pointer attributes, tables, launches, peer and
 # staged copies, NCCL groups, sends and receives, timeouts and aborts) and its stream ordering by
 # events, without a GPU. It proves nothing about real NCCL transports, speed or the hardware
@@ -49,7 +50,7 @@ step "fake CUDA driver: target/fakecuda/libcuda.so.1"
 build_fake_cuda
 # DPSYNC_REQUIRE_GPU: with the fake driver and NCCL here, an UNAVAILABLE context is a failure.
 export DPSYNC_FAKE_CUDA=1 DPSYNC_REQUIRE_GPU=1 LD_LIBRARY_PATH="$PWD/target/fakecuda:${LD_LIBRARY_PATH:-}"
-unset FAKE_CUDA_DEVICES FAKE_CUDA_PEER FAKE_NCCL_FAULT DPSYNC_NCCL_LIBRARY
+unset FAKE_CUDA_DEVICES FAKE_CUDA_PEER FAKE_NCCL_FAULT FAKE_NCCL_INIT_FAULT DPSYNC_NCCL_LIBRARY
 TESTS=(--test cuda --test cuda_bmuf --test cuda_sparse)
 # Twice: with synchronous streams (every launch and copy done when the call returns), then with
 # FAKE_CUDA_ASYNC=1 (streams as worker threads with random pauses, events and waits as on a GPU),
@@ -80,6 +81,11 @@ for streams in synchronous asynchronous; do
   step "slow NCCL setup (FAKE_NCCL_SETUP_MS=800) under a 200 ms timeout, $streams streams"
   FAKE_CUDA_DEVICES=2 FAKE_NCCL_SETUP_MS=800 \
     cargo test --release --test cuda "$@" -- --test-threads=1 slow_nccl_setup
+  step "NCCL unusable (DPSYNC_NCCL_LIBRARY names a missing file; FAKE_NCCL_INIT_FAULT=1), $streams streams"
+  FAKE_CUDA_DEVICES=2 DPSYNC_NCCL_LIBRARY=/nonexistent/libnccl.so.2 \
+    cargo test --release --test cuda "$@" -- --test-threads=1 unusable_nccl
+  FAKE_CUDA_DEVICES=2 FAKE_NCCL_INIT_FAULT=1 \
+    cargo test --release --test cuda "$@" -- --test-threads=1 unusable_nccl
   for fault in hang error; do
     step "NCCL fault injected: FAKE_NCCL_FAULT=$fault, $streams streams"
     FAKE_CUDA_DEVICES=2 FAKE_NCCL_FAULT=$fault DPSYNC_NCCL_SETUP_TIMEOUT_MS=1000 \

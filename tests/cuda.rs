@@ -606,22 +606,82 @@ fn slow_nccl_setup_is_not_a_collective_timeout() {
         .expect("the fake CUDA driver and NCCL are loaded");
         let json = ctx.describe_json();
         assert_eq!(json["transport"], "nccl", "transport {transport}: {json}");
-        let n = 1000;
-        let keep = ones_on_gpus_0_and_1(&ctx, n);
-        for step in 1..=2 {
-            check(ctx.allreduce_grads(SUM), "allreduce_grads");
-            check(synchronize(&ctx), "synchronize");
-            for (r, (d, stream)) in keep.iter().enumerate() {
-                let got = stream.clone_dtoh(d).unwrap();
-                let want = (1u32 << step) as f32;
-                assert_eq!(
-                    got,
-                    vec![want; n],
-                    "transport {transport}, step {step}, replica {r}"
-                );
-            }
+        two_sums_of_ones(&ctx, &format!("transport {transport}"));
+    }
+}
+
+/// Registers 1000 ones on GPUs 0 and 1 and checks that two SUM steps give 2, then 4.
+fn two_sums_of_ones(ctx: &Context, what: &str) {
+    let n = 1000;
+    let keep = ones_on_gpus_0_and_1(ctx, n);
+    for step in 1..=2 {
+        check(ctx.allreduce_grads(SUM), "allreduce_grads");
+        check(synchronize(ctx), "synchronize");
+        for (r, (d, stream)) in keep.iter().enumerate() {
+            let got = stream.clone_dtoh(d).unwrap();
+            let want = (1u32 << step) as f32;
+            assert_eq!(got, vec![want; n], "{what}, step {step}, replica {r}");
         }
     }
+}
+
+/// NCCL that cannot be used: a DPSYNC_NCCL_LIBRARY that does not load (that library alone is
+/// tried, never another NCCL the loader finds), or an NCCL whose communicators fail to
+/// initialise (the fake NCCL's FAKE_NCCL_INIT_FAULT=1). AUTO uses peer copies and says why;
+/// NCCL asked for explicitly is UNAVAILABLE (a bad path, at creation) or fails its collective
+/// naming NCCL's error. scripts/fake-cuda.sh runs both cases; elsewhere this prints that it was
+/// skipped.
+#[test]
+fn unusable_nccl_sends_auto_to_peer_copy_and_fails_an_explicit_request() {
+    let missing = std::env::var("DPSYNC_NCCL_LIBRARY")
+        .ok()
+        .filter(|p| !p.is_empty() && !std::path::Path::new(p).exists());
+    let init_fault = std::env::var("FAKE_NCCL_INIT_FAULT").as_deref() == Ok("1");
+    let want_reason = match (&missing, init_fault) {
+        (Some(path), _) => path.clone(),
+        (None, true) => "injected init failure".to_owned(),
+        (None, false) => {
+            skip(format_args!(
+                "unusable_nccl_sends_auto_to_peer_copy: skipped: needs DPSYNC_NCCL_LIBRARY naming \
+                 a missing file, or the fake NCCL's FAKE_NCCL_INIT_FAULT=1 (scripts/fake-cuda.sh)"
+            ));
+            return;
+        }
+    };
+    assert!(
+        Place::gpus("unusable_nccl", 2).is_some(),
+        "the fake has 2+ GPUs"
+    );
+    let auto = cuda_context("unusable nccl", &[0, 1], |_| {}).expect("AUTO falls back");
+    let json = auto.describe_json();
+    assert_eq!(json["transport"], "peer_copy", "{json}");
+    let reason = json["transport_reason"].as_str().unwrap_or_default();
+    assert!(reason.contains(&want_reason), "{reason}");
+    two_sums_of_ones(&auto, "AUTO without a usable NCCL");
+    drop(auto);
+    let o = Options::new();
+    o.set_cuda_replicas(&[0, 1]);
+    o.set_transport(T_NCCL);
+    let mut p = std::ptr::null_mut();
+    // SAFETY: valid options and out pointer.
+    let st = unsafe { dpsync_context_create(o.0, &mut p) };
+    if missing.is_some() {
+        expect_err(st, UNAVAILABLE, &["DPSYNC_NCCL_LIBRARY", &want_reason]);
+        return;
+    }
+    check(
+        st,
+        "an explicit NCCL context (communicators are made at first use)",
+    );
+    let ctx = Context(p);
+    let _keep = ones_on_gpus_0_and_1(&ctx, 16);
+    let st = ctx.allreduce_grads(SUM);
+    assert_ne!(st, OK, "a collective without communicators");
+    assert!(
+        last_error().contains(&want_reason),
+        "{st:?}: {}",
+        last_error()
+    );
 }
 
 /// A failing NCCL, provoked by the fake NCCL of scripts/fake-cuda.sh (FAKE_NCCL_FAULT=hang: the

@@ -27,6 +27,7 @@
 // FAKE_NCCL_FAULT, read whenever a group with ops runs (never at init): "hang" = the ops run but
 // their communicators report ncclInProgress until aborted (a stuck collective); "error" = the ops
 // do not run and the communicators report ncclSystemError ("fake NCCL: injected failure").
+// FAKE_NCCL_INIT_FAULT=1: every communicator init fails with ncclSystemError.
 // Several ranks of a clique on one device are refused, as by NCCL, unless
 // NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL >= 2.30; this fake reports 2.30.0).
 #include <dlfcn.h>
@@ -545,6 +546,10 @@ ncclUniqueId new_id() {
 // One rank joins its clique (device < 0: the current context's). Under the lock.
 int init(void** out, int nranks, const ncclUniqueId& id, int rank, bool blocking, int device) {
   if (!out) return fail(nullptr, InvalidArgument, "fake NCCL: init with a null communicator pointer");
+  // FAKE_NCCL_INIT_FAULT=1: NCCL loads but no communicator initialises (a broken network or
+  // driver setup), which sends AUTO to peer copies.
+  if (const char* f = std::getenv("FAKE_NCCL_INIT_FAULT"); f && std::string(f) == "1")
+    return fail(nullptr, SystemError, "fake NCCL: injected init failure (FAKE_NCCL_INIT_FAULT=1)");
   auto it = cliques.find(std::string(id.internal, sizeof id.internal));
   if (it == cliques.end())
     return fail(nullptr, InvalidArgument, "fake NCCL: the unique id was not made by ncclGetUniqueId");

@@ -2,8 +2,8 @@
 //!
 //! cudarc's NCCL bindings look for `libnccl.so` and `libnccl.so.{13,12,..}`, but the pip wheel
 //! `nvidia-nccl-cu13` ships only `libnccl.so.2` — so dpsync loads the library itself
-//! (`DPSYNC_NCCL_LIBRARY`, else `libnccl.so.2`, else `libnccl.so`) and keeps only cudarc's struct
-//! layouts (`ncclUniqueId`, `ncclConfig_t`). Results and enums cross as plain integers, so a
+//! (`DPSYNC_NCCL_LIBRARY` alone when set, else `libnccl.so.2`, else `libnccl.so`) and keeps only
+//! cudarc's struct layouts (`ncclUniqueId`, `ncclConfig_t`). Results and enums cross as plain integers, so a
 //! code this build does not know can never become an invalid Rust enum.
 //!
 //! Communicators are non-blocking (so a stuck collective can be timed out and aborted), created
@@ -60,26 +60,30 @@ struct Api {
     get_last_error: unsafe extern "C" fn(Comm) -> *const c_char,
 }
 
-/// The library names tried, in order.
-fn candidates() -> Vec<String> {
-    let mut names = Vec::new();
-    if let Ok(path) = std::env::var("DPSYNC_NCCL_LIBRARY") {
-        if !path.trim().is_empty() {
-            names.push(path.trim().to_owned());
-        }
-    }
-    names.push("libnccl.so.2".to_owned());
-    names.push("libnccl.so".to_owned());
-    names
-}
-
+/// Loads the library `DPSYNC_NCCL_LIBRARY` names, alone (a user who names a library gets that
+/// one or an error saying why, not whichever NCCL the loader finds), else `libnccl.so.2`, else
+/// `libnccl.so`.
 fn load_api() -> Result<Api, String> {
-    let names = candidates();
-    let mut last = String::new();
-    for name in &names {
+    let named = std::env::var("DPSYNC_NCCL_LIBRARY")
+        .ok()
+        .map(|p| p.trim().to_owned())
+        .filter(|p| !p.is_empty());
+    if let Some(path) = named {
         // SAFETY: loading NCCL runs its initialisers, which only register with CUDA.
+        return match unsafe { Library::new(&path) } {
+            Ok(lib) => bind(lib, path),
+            Err(e) => Err(format!(
+                "DPSYNC_NCCL_LIBRARY={path} could not be loaded ({e}); unset it to use the \
+                 libnccl.so.2 on the loader path"
+            )),
+        };
+    }
+    let names = ["libnccl.so.2", "libnccl.so"];
+    let mut last = String::new();
+    for name in names {
+        // SAFETY: as above.
         match unsafe { Library::new(name) } {
-            Ok(lib) => return bind(lib, name.clone()),
+            Ok(lib) => return bind(lib, name.to_owned()),
             Err(e) => last = e.to_string(),
         }
     }
@@ -143,16 +147,17 @@ pub fn load() -> Result<String> {
     Ok(format!("{} (NCCL {major}.{minor}.{patch})", api.path))
 }
 
+/// NCCL's name for `code`, with `ncclGetLastError`'s message: the detail (which call, which
+/// system error). `comm` is null for calls that have none (init, group calls).
 fn text(api: &Api, code: u32, comm: Comm) -> String {
     // SAFETY: NCCL returns static or per-thread NUL-terminated strings.
     unsafe {
         let s = CStr::from_ptr((api.get_error_string)(code)).to_string_lossy();
-        let last = if comm.is_null() {
+        let last = (api.get_last_error)(comm);
+        let last = if last.is_null() {
             String::new()
         } else {
-            CStr::from_ptr((api.get_last_error)(comm))
-                .to_string_lossy()
-                .into_owned()
+            CStr::from_ptr(last).to_string_lossy().into_owned()
         };
         if last.is_empty() {
             format!("{s} (ncclResult {code})")
@@ -642,13 +647,6 @@ fn config() -> ncclConfig_t {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_library_path_variable_comes_first() {
-        // Only reads the variable; never loads anything.
-        let names = candidates();
-        assert!(names.ends_with(&["libnccl.so.2".to_owned(), "libnccl.so".to_owned()]));
-    }
 
     #[test]
     fn config_is_nccl_config_initializer_with_blocking_off() {
