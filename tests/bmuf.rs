@@ -428,7 +428,6 @@ fn bad_constants_are_invalid_arguments_naming_them_and_change_nothing() {
         (1.0, 1.5, "block_momentum"),
         (1.0, f64::NAN, "block_momentum"),
         (1.0, f64::INFINITY, "block_momentum"),
-        (1.0, f64::NEG_INFINITY, "block_momentum"),
     ];
     let before = m.snapshot();
     for (lr, mu, argument) in cases {
@@ -440,6 +439,15 @@ fn bad_constants_are_invalid_arguments_naming_them_and_change_nothing() {
             expect_err(m.ctx.bmuf_step(), INVALID_STATE, &["dpsync_bmuf_init"]);
         }
     }
+    // -inf is a negative momentum like any other (the contract's "< 0 selects the default").
+    check(
+        m.ctx.bmuf_init(1.0, f64::NEG_INFINITY, false),
+        "bmuf_init(1, -inf)",
+    );
+    assert_eq!(
+        m.ctx.describe_json()["bmuf"]["block_momentum"],
+        1.0 - 1.0 / 3.0
+    );
     // A failed init leaves a running filter as it was.
     check(m.ctx.bmuf_init(1.0, 0.5, true), "bmuf_init");
     let mut refs = m.references(0.5, 1.0, true);
@@ -567,4 +575,10 @@ fn params_registered_or_unregistered_after_init_stop_the_filter_until_init() {
     );
     let mut refs = m.references(0.25, 1.0, true);
     m.run_blocks(&mut refs, 2, &mut g, "after re-init");
+
+    // Every PARAM unregistered: the step has nothing to filter, and init has nothing to start.
+    check(m.ctx.unregister("w"), "unregister w");
+    check(m.ctx.unregister("b"), "unregister b");
+    expect_err(m.ctx.bmuf_step(), INVALID_STATE, &["was unregistered"]);
+    expect_err(m.ctx.bmuf_init(1.0, -1.0, false), INVALID_STATE, &["PARAM"]);
 }

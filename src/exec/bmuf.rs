@@ -42,8 +42,8 @@ pub struct BmufState {
 // ------------------------------------------------------------------ checks (run by Context)
 
 /// The filter constants for a world of `world_replicas` replicas: `block_momentum < 0` selects
-/// `1 - 1/N`; otherwise it must be in [0, 1). `block_lr` must be > 0. Non-finite values are
-/// refused (the C boundary refuses them first, with the same status).
+/// `1 - 1/N`; otherwise it must be in [0, 1) (NaN is refused). `block_lr` must be finite and
+/// > 0 (the C boundary refuses a non-finite one first, with the same status).
 pub fn filter(
     block_lr: f64,
     block_momentum: f64,
@@ -56,7 +56,9 @@ pub fn filter(
         )));
     }
     let default = 1.0 - 1.0 / world_replicas as f64;
-    let block_momentum = if block_momentum.is_finite() && block_momentum < 0.0 {
+    // The contract's "block_momentum < 0 selects the default" holds for -inf too; NaN is
+    // neither negative nor in range.
+    let block_momentum = if block_momentum < 0.0 {
         default
     } else if (0.0..1.0).contains(&block_momentum) {
         block_momentum

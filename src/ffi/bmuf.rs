@@ -1,14 +1,14 @@
-//! Blockwise model-update filtering over the PARAM tensors. The boundary only refuses
-//! non-finite numbers; the ranges and the default momentum are the context's.
+//! Blockwise model-update filtering over the PARAM tensors. The boundary only refuses a
+//! non-finite block_lr; the ranges and the default momentum are the context's.
 
 use super::boundary::{dpsync_context, try_finite, with_context};
 use super::status::dpsync_status;
 
 /// Starts blockwise model-update filtering (BMUF; Chen & Huo, ICASSP 2016) over all PARAM
 /// tensors, or restarts it (e.g. at the end of a warm-up phase).
-/// block_momentum < 0 selects the default 1 - 1/N (N = replicas in the world); otherwise
-/// 0 <= block_momentum < 1. block_lr > 0, usually 1. Other values, NaN and infinities are
-/// INVALID_ARGUMENT. No PARAM registered is INVALID_STATE; an integer PARAM is INVALID_ARGUMENT.
+/// block_momentum < 0 (-INFINITY included) selects the default 1 - 1/N (N = replicas in the
+/// world); otherwise 0 <= block_momentum < 1. block_lr > 0 and finite, usually 1. Other values
+/// and NaN are INVALID_ARGUMENT. No PARAM registered is INVALID_STATE; an integer PARAM is INVALID_ARGUMENT.
 /// Broadcasts PARAMs from replica 0, takes them as the global model W and zeroes the block
 /// momentum D (state kept on every replica: f32 for f32/f16/bf16 params, f64 for f64).
 /// The PARAM tensors must then stay as they are: registering or unregistering one makes the
@@ -23,7 +23,6 @@ pub unsafe extern "C" fn dpsync_bmuf_init(
 ) -> dpsync_status {
     with_context(context, |ctx| {
         let block_lr = try_finite(block_lr, "block_lr")?;
-        let block_momentum = try_finite(block_momentum, "block_momentum")?;
         ctx.bmuf_init(block_lr, block_momentum, nesterov)
     })
 }
