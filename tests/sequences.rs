@@ -1518,7 +1518,7 @@ impl Sim {
         let params = self.selected(PARAM);
         let mut errs = Vec::new();
         let lr_ok = lr.is_finite() && lr > 0.0;
-        let mu_ok = mu.is_finite() && mu < 1.0; // negative: the default 1 - 1/N
+        let mu_ok = mu < 1.0; // negative, -inf too: the default 1 - 1/N; NaN fails
         if !lr_ok || !mu_ok {
             errs.push(INVALID_ARGUMENT);
         }
