@@ -374,7 +374,14 @@ fn sum_bandwidth(gpu: &Arc<CudaContext>, quick: bool) {
         t[1].gpu_text(),
         gbps(copy_ms)
     );
-    bandwidth_target("PEER_COPY sum kernel", 0.8, copy_ms, sum_ms);
+    // On one GPU this is the local walk that sums replicas sharing a GPU (and packs fusion
+    // buffers); the cross-GPU `add` kernel reads a peer's memory and needs two GPUs.
+    bandwidth_target(
+        "PEER_COPY sum kernel (one GPU: the local sum of two replicas)",
+        0.8,
+        copy_ms,
+        sum_ms,
+    );
 }
 
 /// The fused BMUF update (bmuf_step on one replica: the averaging is a no-op there) against a
