@@ -181,7 +181,9 @@ enum dpsync_status dpsync_bmuf_step(struct dpsync_context *context);
  * registered first, and gather the sparse gradients set for this step (see
  * dpsync_sparse_set / dpsync_sparse_get). Every replica ends with identical bytes. Everything
  * is checked first (dense registrations, every sparse slice set on every replica, sparse index
- * ranges): a failed call changes no tensor, dense or sparse, and consumes no slice. Buckets
+ * ranges): a failed call changes no tensor, dense or sparse, and consumes no slice. (On CUDA
+ * replicas the index ranges are checked by a kernel in stream order: the call returns OK and
+ * the next dpsync_synchronize reports an index out of range as INCONSISTENT.) Buckets
  * already reduced this step by dpsync_grad_ready are not reduced again (under AVG they are
  * divided); the step then ends.
  */
@@ -263,7 +265,8 @@ enum dpsync_status dpsync_set_stream(struct dpsync_context *context,
                                      void *cuda_stream);
 
 /**
- * Block the host until every collective issued so far has completed; reports deferred errors.
+ * Block the host until every collective issued so far has completed; reports deferred errors
+ * (a device or NCCL failure, a timeout, a sparse index out of range found on the device).
  * Host collectives are complete when they return.
  */
 enum dpsync_status dpsync_synchronize(struct dpsync_context *context);

@@ -283,6 +283,52 @@ fn indices_out_of_range_are_reported_by_synchronize() {
         INCONSISTENT,
         &["'any'", "replica 1", "row 1", &needle],
     );
+    // Several bad steps before a synchronize: the first is reported, the others counted.
+    for _ in 0..3 {
+        for r in 0..2 {
+            let st = ctx.sparse_set_raw("emb", r, good.ptr() as _, values.ptr() as _, 3);
+            check(st, "sparse_set");
+            let idx = if r == 0 { &good } else { &negative };
+            check(
+                ctx.sparse_set_raw("any", r, idx.ptr() as _, values.ptr() as _, 3),
+                "set",
+            );
+        }
+        check(ctx.allreduce_grads(SUM), "allreduce_grads");
+    }
+    expect_err(
+        synchronize(&ctx),
+        INCONSISTENT,
+        &["'any'", &needle, "(and 2 more out-of-range checks)"],
+    );
+    check(synchronize(&ctx), "reported once");
+}
+
+/// i32 indices go through the device check too (its own kernel instantiation).
+#[test]
+fn i32_indices_out_of_range_are_reported_by_synchronize() {
+    let Some(gpu) = Place::gpu("i32_indices_out_of_range") else {
+        return;
+    };
+    let Some(ctx) = cuda_context("i32 out of range", &[0, 0], |o| {
+        o.set_sparse_coalesce(true);
+    }) else {
+        return;
+    };
+    ctx.reg_sparse_all("emb", 2, F32, I32, 100);
+    let good = gpu.mem(&encode_indices(DType::I32, &[5, 99, 0]));
+    let bad = gpu.mem(&encode_indices(DType::I32, &[5, 0, -7]));
+    let values = gpu.mem(&Buf::random(DType::F32, 6, 2).bytes());
+    for (r, idx) in [(0, &bad), (1, &good)] {
+        let st = ctx.sparse_set_raw("emb", r, idx.ptr() as _, values.ptr() as _, 3);
+        check(st, "sparse_set");
+    }
+    check(ctx.allreduce_grads(SUM), "allreduce_grads");
+    expect_err(
+        synchronize(&ctx),
+        INCONSISTENT,
+        &["'emb'", "replica 0", "row 2", "index -7", "[0, 100)"],
+    );
 }
 
 #[test]

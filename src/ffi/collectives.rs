@@ -29,7 +29,9 @@ fn role_mask(roles: u32) -> Result<RoleMask> {
 /// registered first, and gather the sparse gradients set for this step (see
 /// dpsync_sparse_set / dpsync_sparse_get). Every replica ends with identical bytes. Everything
 /// is checked first (dense registrations, every sparse slice set on every replica, sparse index
-/// ranges): a failed call changes no tensor, dense or sparse, and consumes no slice. Buckets
+/// ranges): a failed call changes no tensor, dense or sparse, and consumes no slice. (On CUDA
+/// replicas the index ranges are checked by a kernel in stream order: the call returns OK and
+/// the next dpsync_synchronize reports an index out of range as INCONSISTENT.) Buckets
 /// already reduced this step by dpsync_grad_ready are not reduced again (under AVG they are
 /// divided); the step then ends.
 #[no_mangle]

@@ -78,7 +78,8 @@ pub unsafe extern "C" fn dpsync_set_stream(
     with_context(context, |ctx| ctx.set_stream(replica, cuda_stream as usize))
 }
 
-/// Block the host until every collective issued so far has completed; reports deferred errors.
+/// Block the host until every collective issued so far has completed; reports deferred errors
+/// (a device or NCCL failure, a timeout, a sparse index out of range found on the device).
 /// Host collectives are complete when they return.
 #[no_mangle]
 pub unsafe extern "C" fn dpsync_synchronize(context: *mut dpsync_context) -> dpsync_status {

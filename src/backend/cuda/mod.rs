@@ -229,8 +229,10 @@ struct State {
     issuing: Leftovers,
     /// Index-check buffers for reuse.
     check_slots: Vec<CheckSlot>,
-    /// Indices found out of range by completed device checks, reported by `synchronize`.
-    index_errors: Vec<Error>,
+    /// The first index found out of range by a completed device check, and how many more checks
+    /// failed after it (a caller that never synchronizes must not grow this), reported by
+    /// `synchronize`.
+    index_error: Option<(Error, usize)>,
     /// Set by a timeout or a device fault: every later collective is refused.
     failed: Option<Error>,
     /// Memory of completed collectives for reuse.
@@ -631,7 +633,11 @@ impl CudaBackend {
             state.spare.push(done);
             for check in leftovers.checks {
                 let (slot, error) = check.finish();
-                state.index_errors.extend(error);
+                match (&mut state.index_error, error) {
+                    (Some((_, more)), Some(_)) => *more += 1,
+                    (first @ None, Some(e)) => *first = Some((e, 0)),
+                    (_, None) => {}
+                }
                 state.check_slots.push(slot);
             }
             state.spares.put(leftovers.keep);
@@ -1299,11 +1305,9 @@ impl Backend for CudaBackend {
         drop(retired);
         drop(retired_host);
         let mut state = self.state.lock();
-        let mut errors = std::mem::take(&mut state.index_errors).into_iter();
-        match errors.next() {
+        match state.index_error.take() {
             None => Ok(()),
-            Some(mut first) => {
-                let more = errors.len();
+            Some((mut first, more)) => {
                 if more > 0 {
                     first.message += &format!(" (and {more} more out-of-range checks)");
                 }
