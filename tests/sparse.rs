@@ -762,12 +762,14 @@ fn replicas_that_disagree_fail_the_step_naming_gradient_and_replica() {
             }),
         ),
     ] {
-        let mut fx = Fx::new(false);
-        register(&fx.ctx);
-        fx.set_all();
-        fx.fails_then_recovers(INCONSISTENT, &needles, |fx| {
-            check(fx.ctx.unregister("late"), "unregister");
-        });
+        for coalesce in [false, true] {
+            let mut fx = Fx::new(coalesce);
+            register(&fx.ctx);
+            fx.set_all();
+            fx.fails_then_recovers(INCONSISTENT, &needles, |fx| {
+                check(fx.ctx.unregister("late"), "unregister");
+            });
+        }
     }
 }
 
