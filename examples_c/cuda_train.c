@@ -1,10 +1,12 @@
 /*
  * cuda_train — data-parallel linear regression on CUDA replicas with the caller's streams.
  *
- * Each replica (default: 4 replicas sharing GPU 0) computes its shard's gradient on the host,
- * uploads it into its device gradient buffers on its own stream, and dpsync averages the
- * gradients in stream order; the download is queued on the same stream right after the
- * allreduce, with no dpsync_synchronize in between: the events dpsync records make the copy
+ * Each replica (default: 4 replicas sharing GPU 0) starts from its own random weights in device
+ * memory (PARAMs); dpsync_broadcast gives every replica replica 0's. Each step a replica computes
+ * its shard's gradient on the host, uploads it into its device gradient buffers (weights and
+ * bias: two GRAD tensors fused into one bucket) on its own stream, and dpsync averages the
+ * gradients in stream order; the downloads are queued on the same stream right after the
+ * collective, with no dpsync_synchronize in between: the events dpsync records make the copies
  * wait. The run is repeated on host replicas and the weights must agree.
  *
  * The CUDA driver is opened with dlopen, so this example builds on machines without CUDA; it
@@ -80,20 +82,40 @@ static double train(const int32_t *gpus, int replicas, int steps, uint32_t trans
 
   static float weights[MAX_REPLICAS][DIM + BIAS];
   static float grads[MAX_REPLICAS][DIM + BIAS];
-  CUdeviceptr dgrad[MAX_REPLICAS] = {0};
+  CUdeviceptr dgrad[MAX_REPLICAS] = {0}, dweights[MAX_REPLICAS] = {0};
   CUstream streams[MAX_REPLICAS] = {0};
   for (int r = 0; r < replicas; ++r) {
-    memset(weights[r], 0, sizeof weights[r]);
+    /* Every replica starts elsewhere; the broadcast below must give all of them replica 0's. */
+    for (int j = 0; j < DIM + BIAS; ++j) weights[r][j] = 0.1f * sample(7u + (uint32_t)r, (uint32_t)j);
+    void *w = weights[r], *gw = grads[r], *gb = grads[r] + DIM;
     if (gpus) {
       use_gpu(gpus[r]);
       CU(cu.mem_alloc(&dgrad[r], sizeof grads[r]));
+      CU(cu.mem_alloc(&dweights[r], sizeof weights[r]));
       CU(cu.stream_create(&streams[r], 1 /* non-blocking */));
+      CU(cu.htod_async(dweights[r], weights[r], sizeof weights[r], streams[r]));
       DP(dpsync_set_stream(ctx, (size_t)r, streams[r]));
-      DP(dpsync_register(ctx, "w_grad", DPSYNC_ROLE_GRAD, (size_t)r, (void *)(uintptr_t)dgrad[r],
-                         DIM + BIAS, DPSYNC_DTYPE_F32));
-    } else {
-      DP(dpsync_register(ctx, "w_grad", DPSYNC_ROLE_GRAD, (size_t)r, grads[r], DIM + BIAS,
-                         DPSYNC_DTYPE_F32));
+      w = (void *)(uintptr_t)dweights[r];
+      gw = (void *)(uintptr_t)dgrad[r];
+      gb = (void *)(uintptr_t)(dgrad[r] + DIM * sizeof(float));
+    }
+    DP(dpsync_register(ctx, "weights", DPSYNC_ROLE_PARAM, (size_t)r, w, DIM + BIAS,
+                       DPSYNC_DTYPE_F32));
+    DP(dpsync_register(ctx, "w_grad", DPSYNC_ROLE_GRAD, (size_t)r, gw, DIM, DPSYNC_DTYPE_F32));
+    DP(dpsync_register(ctx, "b_grad", DPSYNC_ROLE_GRAD, (size_t)r, gb, BIAS, DPSYNC_DTYPE_F32));
+  }
+  DP(dpsync_broadcast(ctx, DPSYNC_ROLE_PARAM, 0));
+  /* The model then trains on the host copy (the gradients are made there); the device copy of
+     the weights is what a framework's optimizer would update in place. */
+  for (int r = 0; gpus && r < replicas; ++r) {
+    /* In stream order after the broadcast (the upload above came before it). */
+    CU(cu.dtoh_async(weights[r], dweights[r], sizeof weights[r], streams[r]));
+    CU(cu.stream_sync(streams[r]));
+  }
+  for (int r = 1; r < replicas; ++r) {
+    if (memcmp(weights[r], weights[0], sizeof weights[0]) != 0) {
+      fprintf(stderr, "after the broadcast, replica %d's weights differ from replica 0's\n", r);
+      exit(1);
     }
   }
   double loss = 0;
@@ -124,6 +146,7 @@ static double train(const int32_t *gpus, int replicas, int steps, uint32_t trans
   DP(dpsync_context_destroy(ctx));
   for (int r = 0; gpus && r < replicas; ++r) {
     CU(cu.mem_free(dgrad[r]));
+    CU(cu.mem_free(dweights[r]));
     CU(cu.stream_destroy(streams[r]));
   }
   return loss;
