@@ -92,16 +92,26 @@ fn allreduce_case<T: Elem>(ordinals: &[i32], transport: u32, n: usize) -> bool {
     true
 }
 
-/// [`allreduce_case`] for every dtype; false when the transport is missing here.
+/// [`allreduce_case`] for every dtype, `n` elements each; false when the transport is missing
+/// here.
 fn allreduce_every_dtype(ordinals: &[i32], transport: u32, n: usize) -> bool {
-    if !allreduce_case::<f32>(ordinals, transport, n) {
+    allreduce_every_dtype_sized(ordinals, transport, |_| n)
+}
+
+/// [`allreduce_case`] for every dtype, `n_of(element size)` elements each.
+fn allreduce_every_dtype_sized(
+    ordinals: &[i32],
+    transport: u32,
+    n_of: impl Fn(usize) -> usize,
+) -> bool {
+    if !allreduce_case::<f32>(ordinals, transport, n_of(4)) {
         return false;
     }
-    allreduce_case::<f64>(ordinals, transport, n);
-    allreduce_case::<H16>(ordinals, transport, n);
-    allreduce_case::<B16>(ordinals, transport, n);
-    allreduce_case::<i32>(ordinals, transport, n);
-    allreduce_case::<i64>(ordinals, transport, n)
+    allreduce_case::<f64>(ordinals, transport, n_of(8));
+    allreduce_case::<H16>(ordinals, transport, n_of(2));
+    allreduce_case::<B16>(ordinals, transport, n_of(2));
+    allreduce_case::<i32>(ordinals, transport, n_of(4));
+    allreduce_case::<i64>(ordinals, transport, n_of(8))
 }
 
 #[test]
@@ -116,13 +126,25 @@ fn allreduce_every_dtype_size_and_transport_on_shared_gpus() {
             }
         }
     }
-    // 64 MiB per replica (minutes on the fake driver's CPU threads: real GPUs only).
+    // 4 MiB + 1 element and 64 MiB per replica, every dtype (minutes on the fake driver's CPU
+    // threads: real GPUs only).
     if std::env::var("DPSYNC_FAKE_CUDA").as_deref() == Ok("1") {
         skip(format_args!(
-            "allreduce of 64 MiB: skipped on the fake CUDA driver (minutes of emulation)"
+            "allreduce of 4 and 64 MiB: skipped on the fake CUDA driver (minutes of emulation)"
         ));
-    } else {
-        allreduce_case::<f32>(&[0, 0], T_AUTO, 16 << 20);
+        return;
+    }
+    for transport in [T_NCCL, T_PEER_COPY] {
+        for ordinals in [&[0][..], &[0, 0], &[0, 0, 0, 0]] {
+            let ok = allreduce_every_dtype_sized(ordinals, transport, |size| (4 << 20) / size + 1)
+                && allreduce_every_dtype_sized(ordinals, transport, |size| (64 << 20) / size);
+            if !ok {
+                skip(format_args!(
+                    "allreduce of 4 and 64 MiB over transport {transport}: skipped: not available here"
+                ));
+                break;
+            }
+        }
     }
 }
 
