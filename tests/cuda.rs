@@ -215,20 +215,28 @@ fn fused_gradients_broadcast_and_average_on(ordinals: &[i32], transport: u32) {
         json["buckets"].as_array().unwrap().len() >= 2,
         "fusion made buckets: {json}"
     );
+    let (reps, root) = (ordinals.len(), ordinals.len() - 1);
     check(ctx.allreduce_grads(AVG), "allreduce_grads");
-    check(ctx.broadcast(PARAM, 2), "broadcast from replica 2");
+    check(
+        ctx.broadcast(PARAM, root),
+        "broadcast from the last replica",
+    );
     check(synchronize(&ctx), "synchronize");
     for (t, r, d, stream) in &grads {
         let got = stream.clone_dtoh(d).unwrap();
         for (i, g) in got.iter().enumerate() {
-            let want = (0..3).map(|q| value(q, i + t) as f32).sum::<f32>() / 3.0;
+            let want = (0..reps).map(|q| value(q, i + t) as f32).sum::<f32>() / reps as f32;
             assert_eq!(*g, want, "grad g{t} replica {r} element {i}");
         }
     }
     for (_, r, d, stream) in &params {
         let got = stream.clone_dtoh(d).unwrap();
         for (i, p) in got.iter().enumerate() {
-            assert_eq!(*p, (200 + i) as f32, "param on replica {r} element {i}");
+            assert_eq!(
+                *p,
+                (root * 100 + i) as f32,
+                "param on replica {r} element {i}"
+            );
         }
     }
     check(ctx.average(PARAM), "average");
@@ -989,9 +997,12 @@ fn two_nccl_ranks_on_one_gpu_when_enabled() {
         .filter(|s| s["op"] == "nccl_allreduce")
         .count();
     assert_eq!(ranks, 2, "one NCCL rank per replica: {plan}");
-    // Its contexts get the same two-rank plan (the variable is read per options).
-    assert!(allreduce_case::<f32>(&[0, 0], T_NCCL, 1 << 20));
-    assert!(allreduce_case::<B16>(&[0, 0], T_NCCL, 12345));
+    // Its contexts get the same two-rank plan (the variable is read per options): every dtype,
+    // fused gradients, broadcast and average over real NCCL calls on one GPU.
+    for n in [1usize, 12_345, 1 << 20] {
+        assert!(allreduce_every_dtype(&[0, 0], T_NCCL, n));
+    }
+    fused_gradients_broadcast_and_average_on(&[0, 0], T_NCCL);
 }
 
 /// Tensors of the overlap runs: name, dtype, elements (several buckets at 64-byte fusion).
