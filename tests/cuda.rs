@@ -798,9 +798,6 @@ fn describe_of_a_live_context_matches_the_dry_run() {
     }
 }
 
-/// Several GPUs: the live context detects the peer matrix (under scripts/fake-cuda.sh, the one
-/// FAKE_CUDA_PEER describes, so the other multi-GPU tests really ran on that pattern) and
-/// executes the plan a dry run gives for that matrix.
 /// A device out of peer connections (CUDA_ERROR_TOO_MANY_PEERS when enabling one more) is not
 /// a failure: those pairs count as without access and use staged copies. The fake driver's
 /// FAKE_CUDA_PEER_LIMIT provokes it (scripts/fake-cuda.sh); elsewhere this prints that it was
@@ -843,6 +840,9 @@ fn a_peer_limit_falls_back_to_staged_copies() {
     assert!(allreduce_every_dtype(&ordinals, T_PEER_COPY, 1000));
 }
 
+/// Several GPUs: the live context detects the peer matrix (under scripts/fake-cuda.sh, the one
+/// FAKE_CUDA_PEER describes, so the other multi-GPU tests really ran on that pattern) and
+/// executes the plan a dry run gives for that matrix. With an override, it shows the override and, beside it, what it detected.
 #[test]
 fn describe_across_gpus_shows_the_detected_peer_matrix_and_its_plan() {
     if Place::gpus("describe_across_gpus", 4).is_none() {
@@ -907,6 +907,27 @@ fn describe_across_gpus_shows_the_detected_peer_matrix_and_its_plan() {
         o.set_peer_access(&matrix, n);
         let dry = o.plan_json();
         assert_eq!(live["steps"], dry["steps"], "live {live}\ndry {dry}");
+        assert!(live["peer_access_detected"].is_null(), "{live}");
+        // An override (no access between different GPUs, always allowed) replaces the matrix;
+        // the detected one is still shown.
+        let only_own: Vec<u8> = (0..n * n)
+            .map(|k| u8::from(ordinals[k / n] == ordinals[k % n]))
+            .collect();
+        let Some(restricted) = cuda_context("describe override", ordinals, |o| {
+            o.set_transport(T_PEER_COPY);
+            o.set_peer_access(&only_own, n);
+        }) else {
+            return;
+        };
+        let json = restricted.describe_json();
+        assert_eq!(json["peer_access_source"], "override", "{json}");
+        assert_eq!(json["peer_access_detected"], live["peer_access"], "{json}");
+        for step in json["steps"].as_array().expect("steps") {
+            let (src, dst) = (step["src"].as_u64().unwrap(), step["dst"].as_u64().unwrap());
+            if ordinals[src as usize] != ordinals[dst as usize] {
+                assert_eq!(step["via"], "staged", "no access, staged copies: {json}");
+            }
+        }
     }
 }
 

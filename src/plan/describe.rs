@@ -45,7 +45,7 @@ pub fn describe(
         })
         .collect();
     let problems: Vec<&str> = snapshot.problems().map(|e| e.message.as_str()).collect();
-    json!({
+    let mut out = json!({
         "version": env!("CARGO_PKG_VERSION"),
         "rank": topology.rank,
         "world_size": topology.world_size,
@@ -60,5 +60,10 @@ pub fn describe(
         "buckets": buckets,
         "steps": steps,
         "problems": problems,
-    })
+    });
+    if let Some(detected) = &topology.peer_detected {
+        let rows: Vec<Vec<u8>> = detected.chunks(n.max(1)).map(<[u8]>::to_vec).collect();
+        out["peer_access_detected"] = json!(rows);
+    }
+    out
 }

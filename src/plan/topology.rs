@@ -53,6 +53,9 @@ pub struct Topology {
     /// Row-major n x n, n = replicas; `peer[i * n + j] == 1`: replica i's device reads j's memory.
     pub peer: Vec<u8>,
     pub peer_source: PeerSource,
+    /// A live context's detected matrix when an override replaced it (`None` otherwise: then
+    /// `peer` is the detected one, or there was nothing to detect).
+    pub peer_detected: Option<Vec<u8>>,
     pub transport: TransportChoice,
     pub transport_reason: String,
     /// This process's rank and the number of processes (always 0 and 1 until multi-process).
@@ -71,6 +74,9 @@ impl Topology {
         let devices = options.replicas.clone();
         let n = devices.len();
         let cuda = options.has_cuda_replicas();
+        let peer_detected = detected
+            .clone()
+            .filter(|_| options.peer_access.is_some() && cuda);
         let (mut peer, peer_source) = match (&options.peer_access, detected, cuda) {
             (Some(m), _, _) => (m.clone(), PeerSource::Override),
             (None, _, false) => (vec![1; n * n], PeerSource::Host),
@@ -112,6 +118,7 @@ impl Topology {
             devices,
             peer,
             peer_source,
+            peer_detected,
             transport,
             transport_reason,
             rank: 0,
