@@ -277,6 +277,22 @@ pub trait Backend: Send {
         ))
     }
 
+    /// [`Backend::coalesce_into`] for several slices, each `(replica, slice)`, with `alloc(replica,
+    /// bytes)` for the results: a backend may work on them at once (the host sorts on several
+    /// threads). The results are in the order of `slices`.
+    ///
+    /// # Safety
+    /// As for [`Backend::coalesce`], for every slice.
+    unsafe fn coalesce_many(
+        &self,
+        slices: &[(usize, SliceRef<'_>)],
+        alloc: &mut dyn FnMut(usize, usize) -> Result<Allocation>,
+    ) -> Result<Vec<Coalesced>> {
+        (slices.iter())
+            .map(|(r, s)| self.coalesce_into(*r, s, &mut |bytes| alloc(*r, bytes)))
+            .collect()
+    }
+
     /// `x := x / divisor` for `count` elements of `dtype` at `ptr` on `replica` (f16/bf16
     /// computed in f32 and rounded once, integers truncated toward zero): sparse gradients, and
     /// dense buckets summed early by `dpsync_grad_ready`, under DPSYNC_REDUCE_AVG.

@@ -352,25 +352,29 @@ impl Executor {
         let first = members[0];
         let index_dtype = first.spec.index_dtype;
         let replicas = first.slices.len();
-        // Each replica's slice coalesced where it lives (None: no rows).
-        let mut local: Vec<Option<Coalesced>> = Vec::with_capacity(replicas);
-        for (r, slice) in first.slices.iter().enumerate() {
-            if slice.rows == 0 {
-                local.push(None);
-                continue;
-            }
-            let values = values_refs(members, members.iter().map(|m| m.slices[r].values));
-            let slice = SliceRef {
-                index_dtype,
-                indices: slice.indices,
-                rows: slice.rows,
-                values: &values,
-            };
-            let coalesced = self
-                .backend
-                .coalesce_into(r, &slice, &mut |bytes| self.alloc_output(r, bytes))?;
-            local.push(Some(coalesced));
-        }
+        // Each replica's slice coalesced where it lives (None: no rows), all in one call.
+        let values: Vec<Vec<ValuesRef>> = (0..replicas)
+            .map(|r| values_refs(members, members.iter().map(|m| m.slices[r].values)))
+            .collect();
+        let slices: Vec<(usize, SliceRef)> = (first.slices.iter().enumerate())
+            .filter(|(_, slice)| slice.rows > 0)
+            .map(|(r, slice)| {
+                let slice = SliceRef {
+                    index_dtype,
+                    indices: slice.indices,
+                    rows: slice.rows,
+                    values: &values[r],
+                };
+                (r, slice)
+            })
+            .collect();
+        let coalesced =
+            (self.backend).coalesce_many(&slices, &mut |r, bytes| self.alloc_output(r, bytes))?;
+        debug_assert_eq!(coalesced.len(), slices.len(), "one result per slice");
+        let mut coalesced = coalesced.into_iter();
+        let mut local: Vec<Option<Coalesced>> = (first.slices.iter())
+            .map(|slice| (slice.rows > 0).then(|| coalesced.next()).flatten())
+            .collect();
         let sent: Vec<usize> = local
             .iter()
             .map(|c| c.as_ref().map_or(0, |c| c.rows))

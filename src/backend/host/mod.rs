@@ -233,11 +233,20 @@ impl Backend for HostBackend {
 
     unsafe fn coalesce_into(
         &self,
-        _replica: usize,
+        replica: usize,
         slice: &SliceRef<'_>,
         alloc: &mut dyn FnMut(usize) -> Result<Allocation>,
     ) -> Result<Coalesced> {
-        sparse::coalesce(alloc, slice)
+        let mut one = sparse::coalesce_many(1, &[(replica, *slice)], &mut |_, b| alloc(b))?;
+        Ok(one.remove(0))
+    }
+
+    unsafe fn coalesce_many(
+        &self,
+        slices: &[(usize, SliceRef<'_>)],
+        alloc: &mut dyn FnMut(usize, usize) -> Result<Allocation>,
+    ) -> Result<Vec<Coalesced>> {
+        sparse::coalesce_many(self.max_threads, slices, alloc)
     }
 
     unsafe fn divide(
