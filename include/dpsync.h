@@ -54,11 +54,13 @@ typedef enum dpsync_status {
    */
   DPSYNC_STATUS_UNAVAILABLE = 6,
   /**
-   * A CUDA / NCCL / MPI call failed; the message carries that library's text.
+   * A CUDA / NCCL / MPI call failed; the message carries that library's text. On CUDA
+   * replicas the context then refuses further collectives (destroy it).
    */
   DPSYNC_STATUS_BACKEND_ERROR = 7,
   /**
-   * A collective did not complete within the configured timeout.
+   * A collective did not complete within the configured timeout; on CUDA replicas the
+   * context then refuses further collectives (destroy it).
    */
   DPSYNC_STATUS_TIMEOUT = 8,
   /**

@@ -71,7 +71,7 @@ for streams in synchronous asynchronous; do
   done
   step "the caller's current context and set_stream's special handles on two fake GPUs, $streams streams"
   FAKE_CUDA_DEVICES=2 cargo test --release --test cuda "$@" -- --test-threads=1 \
-    the_callers_current_context set_stream_takes
+    the_callers_current_context set_stream_takes a_device_fault
   step "a peer limit (FAKE_CUDA_PEER_LIMIT=1) across four fake GPUs, $streams streams"
   FAKE_CUDA_DEVICES=4 FAKE_CUDA_PEER_LIMIT=1 \
     cargo test --release --test cuda "$@" -- --test-threads=1 a_peer_limit

@@ -438,6 +438,63 @@ fn a_stuck_collective_times_out_and_poisons_only_its_context() {
     check(synchronize(&other), "synchronize on a fresh context");
 }
 
+/// A device fault (on a GPU: a kernel's illegal address, after which every call on that context
+/// fails) is reported as BACKEND_ERROR naming the driver's error; the context then refuses
+/// collectives with INVALID_STATE, and destroying it neither hangs nor aborts the process. The
+/// fake driver's `fake_cuda_fault` provokes it; on a real driver this prints that it was skipped.
+#[test]
+fn a_device_fault_fails_the_context_and_destroy_still_returns() {
+    device_fault_on(&[0, 0]);
+    // Across two GPUs (AUTO: NCCL communicators, aborted by the failure), where there are two.
+    if device_count() >= 2 {
+        device_fault_on(&[0, 1]);
+    }
+}
+
+fn device_fault_on(ordinals: &[i32]) {
+    let test = "a_device_fault_fails_the_context";
+    let Some(ctx) = cuda_context(test, ordinals, |o| o.set_timeout_ms(2000)) else {
+        return;
+    };
+    // SAFETY: the fake's `void fake_cuda_fault(int)`.
+    let Some(fault) = (unsafe { fake_driver_fn::<extern "C" fn(i32)>(test, "fake_cuda_fault") })
+    else {
+        return;
+    };
+    let n = 4096;
+    let bufs: Vec<_> = (ordinals.iter().enumerate())
+        .map(|(r, &ordinal)| {
+            let stream = default_stream(ordinal);
+            let d = stream.clone_htod(&vec![1.0f32; n]).unwrap();
+            register_device(&ctx, "g", GRAD, r, dptr(&stream, &d), n, F32);
+            stream.synchronize().unwrap();
+            d
+        })
+        .collect();
+    check(ctx.allreduce_grads(SUM), "allreduce_grads before the fault");
+    check(synchronize(&ctx), "synchronize before the fault");
+    fault(700); // CUDA_ERROR_ILLEGAL_ADDRESS
+                // The fault shows in the next call that issues or waits, whichever comes first.
+    let st = match ctx.allreduce_grads(SUM) {
+        OK => synchronize(&ctx),
+        st => st,
+    };
+    let msg = last_error();
+    let later = [ctx.allreduce_grads(SUM), synchronize(&ctx)];
+    let later_msg = last_error();
+    // Destroyed while the device still fails every call, as a faulted GPU context does.
+    drop(ctx);
+    fault(0);
+    drop(bufs);
+    assert_eq!(st, dpsync_status::DPSYNC_STATUS_BACKEND_ERROR, "{msg}");
+    assert!(msg.contains("CUDA_ERROR_ILLEGAL_ADDRESS"), "{msg}");
+    assert_eq!(later, [INVALID_STATE; 2], "{later_msg}");
+    assert!(later_msg.contains("destroy"), "{later_msg}");
+    // The process goes on: a new context works.
+    let again = cuda_context(test, ordinals, |_| {}).expect("a fresh context after the fault");
+    check(synchronize(&again), "synchronize on a fresh context");
+}
+
 /// Host tensors on CUDA replicas wait on the host for the callers' streams; a stream that does
 /// not get there in time fails the context like any collective that timed out (its queued
 /// waits may never end), and the host tensors stay as they were.

@@ -131,6 +131,14 @@ pub trait Backend: Send {
         Ok(())
     }
 
+    /// A collective opened by [`Backend::begin`] failed with `err`. A stream-ordered backend may
+    /// have queued part of it (events recorded, waits queued, an NCCL group half launched), so
+    /// on a device or transport failure it records the failure and refuses every later
+    /// collective, as after a timeout. Returns the error to report.
+    fn collective_failed(&self, err: Error) -> Error {
+        err
+    }
+
     /// True when the size of a bucket buys nothing here — no fusion buffer, every replica
     /// reduced in place (CUDA replicas all on one GPU) — so the executor passes all consecutive
     /// buckets of one dtype as one: one kernel launch instead of one per bucket.

@@ -139,15 +139,16 @@ impl Executor {
         if self.host.is_none() || self.in_bracket.load(Ordering::Relaxed) {
             return work();
         }
-        self.backend.begin()?;
+        let failed = |e| self.backend.collective_failed(e);
+        self.backend.begin().map_err(failed)?;
         self.in_bracket.store(true, Ordering::Relaxed);
         let result = {
             let _open = Open(&self.in_bracket);
             work()
         };
         let closed = self.backend.end(join);
-        let value = result?;
-        closed?;
+        let value = result.map_err(failed)?;
+        closed.map_err(failed)?;
         Ok(value)
     }
 

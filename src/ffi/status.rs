@@ -25,9 +25,11 @@ pub enum dpsync_status {
     DPSYNC_STATUS_INVALID_STATE = 5,
     /// CUDA driver, NCCL or MPI not present at run time or not built in.
     DPSYNC_STATUS_UNAVAILABLE = 6,
-    /// A CUDA / NCCL / MPI call failed; the message carries that library's text.
+    /// A CUDA / NCCL / MPI call failed; the message carries that library's text. On CUDA
+    /// replicas the context then refuses further collectives (destroy it).
     DPSYNC_STATUS_BACKEND_ERROR = 7,
-    /// A collective did not complete within the configured timeout.
+    /// A collective did not complete within the configured timeout; on CUDA replicas the
+    /// context then refuses further collectives (destroy it).
     DPSYNC_STATUS_TIMEOUT = 8,
     /// Internal defect caught at the boundary; the context refuses further work.
     DPSYNC_STATUS_PANIC = 9,

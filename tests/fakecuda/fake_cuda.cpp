@@ -39,6 +39,10 @@
 // pointers a kernel reads out of a table in memory (the emulator dereferences whatever it is
 // given).
 //
+// fake_cuda_fault(code), called by a test, makes every later call that touches the device
+// (launches, copies, events, waits, synchronisation, allocation) return `code`, as a device
+// fault does on a GPU; fake_cuda_fault(0) clears it.
+//
 // FAKE_CUDA_NOEXEC=1 skips the work itself (kernels, copies, memsets), so that a benchmark on
 // the fake measures dpsync's own host-side cost of issuing work; FAKE_CUDA_STATS=1 prints, at
 // exit, how many driver calls of each kind were made (benches/cuda_allreduce.rs --issue).
@@ -89,8 +93,13 @@ typedef FakeFunction* CUfunction;
 
 enum : int {
   OK = 0, INVALID_VALUE = 1, INVALID_DEVICE = 101, INVALID_CONTEXT = 201, PEER_UNSUPPORTED = 217,
-  INVALID_HANDLE = 400, NOT_FOUND = 500, NOT_READY = 600, PEER_ALREADY = 704, TOO_MANY_PEERS = 711
+  INVALID_HANDLE = 400, NOT_FOUND = 500, NOT_READY = 600, ILLEGAL_ADDRESS = 700, PEER_ALREADY = 704,
+  TOO_MANY_PEERS = 711
 };
+// A sticky device fault, set by a test through fake_cuda_fault (a kernel that faulted on a GPU
+// leaves its context unusable: every later call that touches the device returns that error).
+std::atomic<int> sticky_fault{0};
+
 
 namespace {
 int device_count() {
@@ -292,6 +301,7 @@ int device_of_memory(const void* p) {
 // A copy on `stream` (see the top for the pageable-memory rules); synchronous without
 // FAKE_CUDA_ASYNC.
 CUresult copy_bytes(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream stream) {
+  if (int e = sticky_fault.load()) return e;
   counts.copies++;
   if (noexec) return OK;
   if (!async_mode) {
@@ -315,6 +325,7 @@ CUresult copy_bytes(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream stream) {
 
 // The synchronous cuMemcpy* calls: on the legacy stream, returning when done.
 CUresult copy_now(CUdeviceptr d, CUdeviceptr s, size_t n) {
+  if (int e = sticky_fault.load()) return e;
   CUresult rc = copy_bytes(d, s, n, nullptr);
   if (async_mode) {
     Queue* q = queue_of(nullptr);
@@ -397,6 +408,7 @@ CUresult cuDevicePrimaryCtxRelease_v2(CUdevice) { return OK; }
 CUresult cuCtxGetCurrent(CUcontext* c) { *c = current; return OK; }
 CUresult cuCtxSetCurrent(CUcontext c) { current = c; return OK; }
 CUresult cuCtxSynchronize() {
+  if (int e = sticky_fault.load()) return e;
   if (!current) return misuse(INVALID_CONTEXT, "cuCtxSynchronize", "no current context");
   counts.syncs++;
   if (async_mode) drain(current->device);
@@ -446,6 +458,7 @@ CUresult cuStreamDestroy_v2(CUstream s) {
   return OK;
 }
 CUresult cuStreamSynchronize(CUstream s) {
+  if (int e = sticky_fault.load()) return e;
   counts.syncs++;
   if (async_mode) {
     Queue* q = queue_of(s);
@@ -456,6 +469,7 @@ CUresult cuStreamSynchronize(CUstream s) {
 // Waits per waiting stream, for tests of which streams are made to wait.
 std::map<uintptr_t, long> waits_by_stream;
 CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned) {
+  if (int e = sticky_fault.load()) return e;
   // An event of another device is fine (the programming guide); a default stream needs a context.
   if (!context_of(s)) return misuse(INVALID_CONTEXT, "cuStreamWaitEvent", "a default stream with no current context");
   counts.waits++;
@@ -486,6 +500,7 @@ CUresult cuEventCreate(CUevent* e, unsigned) {
 }
 CUresult cuEventDestroy_v2(CUevent e) { delete e; return OK; }
 CUresult cuEventRecord(CUevent e, CUstream s) {
+  if (int e = sticky_fault.load()) return e;
   CUcontext on = context_of(s);
   if (!on) return misuse(INVALID_CONTEXT, "cuEventRecord", "a default stream with no current context");
   if (on != e->ctx)
@@ -502,10 +517,12 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
 }
 bool complete(CUevent e) { return !e->queue || e->queue->reached(e->seq); }
 CUresult cuEventQuery(CUevent e) {
+  if (int e = sticky_fault.load()) return e;
   counts.queries++;
   return complete(e) ? OK : NOT_READY;
 }
 CUresult cuEventSynchronize(CUevent e) {
+  if (int e = sticky_fault.load()) return e;
   counts.syncs++;
   if (e->queue) e->queue->wait(e->seq);
   return OK;
@@ -520,11 +537,13 @@ CUresult cuEventElapsedTime(float* ms, CUevent a, CUevent b) {
 CUresult cuEventElapsedTime_v2(float* ms, CUevent a, CUevent b) { return cuEventElapsedTime(ms, a, b); }
 
 CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
+  if (int e = sticky_fault.load()) return e;
   counts.allocs++;
   return remember((void**)p, n, true);
 }
 // cuMemFree waits for the device's work (the driver's implicit synchronisation), no other's.
 CUresult cuMemFree_v2(CUdeviceptr p) {
+  if (int e = sticky_fault.load()) return e;
   counts.frees++;
   if (async_mode) drain(std::max(device_of_memory((void*)p), 0));
   return forget((void*)p);
@@ -535,6 +554,7 @@ CUresult cuMemFreeHost(void* p) {
   return forget(p);
 }
 CUresult memset_on(CUdeviceptr p, unsigned char v, size_t n, CUstream s) {
+  if (int e = sticky_fault.load()) return e;
   counts.memsets++;
   if (noexec) return OK;
   if (async_mode) submit(queue_of(s), [p, v, n] { std::memset((void*)p, v, n); });
@@ -585,6 +605,7 @@ CUresult cuGetErrorName(CUresult e, const char** s) {
     case INVALID_HANDLE: *s = "CUDA_ERROR_INVALID_HANDLE"; break;
     case NOT_FOUND: *s = "CUDA_ERROR_NOT_FOUND"; break;
     case NOT_READY: *s = "CUDA_ERROR_NOT_READY"; break;
+    case ILLEGAL_ADDRESS: *s = "CUDA_ERROR_ILLEGAL_ADDRESS"; break;
     case PEER_ALREADY: *s = "CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED"; break;
     case TOO_MANY_PEERS: *s = "CUDA_ERROR_TOO_MANY_PEERS"; break;
     default: *s = "CUDA_ERROR_(fake driver)";
@@ -600,6 +621,7 @@ CUresult cuGetErrorString(CUresult e, const char** s) {
 const void* dpsync_emu_find(const char* name);
 void dpsync_emu_launch(const void* kernel, unsigned grid, unsigned block, void** params);
 CUresult cuModuleLoadData(CUmodule* m, const void*) {
+  if (int e = sticky_fault.load()) return e;
   if (!current) return misuse(INVALID_CONTEXT, "cuModuleLoadData", "no current context");
   *m = new FakeModule{current, {}};
   return OK;
@@ -641,6 +663,7 @@ static CUresult check_reach(CUfunction f, void** params) {
 }
 CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned, unsigned, unsigned bx, unsigned,
                         unsigned, unsigned, CUstream s, void** params, void**) {
+  if (int e = sticky_fault.load()) return e;
   if (!current) return misuse(INVALID_CONTEXT, "cuLaunchKernel", "no current context");
   if (f->ctx != current)
     return misuse(INVALID_HANDLE, "cuLaunchKernel", "the function's module was loaded on another device");
@@ -665,6 +688,8 @@ int fake_cuda_device_of(const void* p, size_t bytes) {
 }
 // For tests: device allocations so far (cuMemAlloc), to assert that steady-state steps make none.
 long fake_cuda_allocations() { return counts.allocs.load(); }
+// For tests: from now on every call that touches the device returns `code` (0 clears it).
+void fake_cuda_fault(int code) { sticky_fault.store(code); }
 // For tests: how often `s` was made to wait on an event (cuStreamWaitEvent).
 long fake_cuda_waits_on(void* s) {
   std::lock_guard<std::mutex> g(lock);

@@ -651,7 +651,8 @@ impl CudaBackend {
         if let Some(comms) = self.comms.lock().take() {
             comms.abort();
         }
-        state.failed = Some(err.clone());
+        // The first failure is the one to report to every later call.
+        state.failed.get_or_insert_with(|| err.clone());
         err
     }
 
@@ -1101,6 +1102,13 @@ impl Backend for CudaBackend {
             }
             Ok(())
         })
+    }
+
+    fn collective_failed(&self, err: Error) -> Error {
+        match err.kind {
+            ErrorKind::Backend | ErrorKind::Timeout => self.nccl_failed(err),
+            _ => err,
+        }
     }
 
     fn end(&self, join: bool) -> Result<()> {
