@@ -54,8 +54,9 @@ typedef enum dpsync_status {
    */
   DPSYNC_STATUS_UNAVAILABLE = 6,
   /**
-   * A CUDA / NCCL / MPI call failed; the message carries that library's text. On CUDA
-   * replicas the context then refuses further collectives (destroy it).
+   * A CUDA / NCCL / MPI call failed; the message carries that library's text. When a
+   * collective or dpsync_synchronize on CUDA replicas fails so (other than by running out of
+   * memory), the context then refuses further collectives (destroy it).
    */
   DPSYNC_STATUS_BACKEND_ERROR = 7,
   /**

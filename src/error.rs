@@ -48,6 +48,14 @@ impl Error {
     pub(crate) fn inconsistent(message: impl Into<String>) -> Error {
         Error::new(ErrorKind::Inconsistent, message)
     }
+
+    /// A BACKEND_ERROR that only says memory ran out (the device's, or the host's for library
+    /// memory): the device itself is fine, so a context need not be given up for it.
+    pub(crate) fn is_out_of_memory(&self) -> bool {
+        self.kind == ErrorKind::Backend
+            && (self.message.contains("CUDA_ERROR_OUT_OF_MEMORY")
+                || self.message.starts_with("out of host memory"))
+    }
 }
 
 impl fmt::Display for Error {
@@ -59,3 +67,24 @@ impl fmt::Display for Error {
 impl std::error::Error for Error {}
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn out_of_memory_is_told_apart_from_other_backend_errors() {
+        let oom = |m: &str| Error::new(ErrorKind::Backend, m).is_out_of_memory();
+        assert!(oom(
+            "cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY: out of memory"
+        ));
+        assert!(oom(
+            "out of host memory: could not allocate 8 bytes of library memory"
+        ));
+        assert!(!oom(
+            "cuEventRecord failed: CUDA_ERROR_ILLEGAL_ADDRESS: an illegal address"
+        ));
+        let timeout = Error::new(ErrorKind::Timeout, "CUDA_ERROR_OUT_OF_MEMORY");
+        assert!(!timeout.is_out_of_memory(), "only BACKEND_ERRORs");
+    }
+}

@@ -1,6 +1,7 @@
 //! Just enough of NCCL, loaded by hand, for the benchmark's baseline: the reduction a framework
 //! would write without dpsync (one `ncclAllReduce` per tensor inside a group). The library is
-//! found as dpsync finds it: `DPSYNC_NCCL_LIBRARY`, then `libnccl.so.2`, then `libnccl.so`.
+//! found as dpsync finds it: `DPSYNC_NCCL_LIBRARY` alone when set, else `libnccl.so.2`, then
+//! `libnccl.so`.
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 
@@ -36,11 +37,12 @@ pub struct Comms {
 }
 
 fn open() -> Result<libloading::Library, String> {
-    // An empty path would make dlopen return the program itself.
-    let mut names: Vec<String> = (std::env::var("DPSYNC_NCCL_LIBRARY").into_iter())
-        .filter(|p| !p.trim().is_empty())
-        .collect();
-    names.extend(["libnccl.so.2".to_owned(), "libnccl.so".to_owned()]);
+    // As dpsync: the named library alone when DPSYNC_NCCL_LIBRARY is set (an empty path would
+    // make dlopen return the program itself), else the sonames.
+    let names: Vec<String> = match std::env::var("DPSYNC_NCCL_LIBRARY") {
+        Ok(p) if !p.trim().is_empty() => vec![p.trim().to_owned()],
+        _ => vec!["libnccl.so.2".to_owned(), "libnccl.so".to_owned()],
+    };
     for name in &names {
         // SAFETY: loading NCCL runs only its initialisers.
         if let Ok(lib) = unsafe { libloading::Library::new(name) } {

@@ -146,9 +146,10 @@ impl Executor {
             let _open = Open(&self.in_bracket);
             work()
         };
-        let closed = self.backend.end(join);
+        // Mapped whatever `work` gave: a failed `end` alone may leave the callers unjoined.
+        let closed = self.backend.end(join).map_err(failed);
         let value = result.map_err(failed)?;
-        closed.map_err(failed)?;
+        closed?;
         Ok(value)
     }
 

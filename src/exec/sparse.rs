@@ -19,7 +19,7 @@ use super::Executor;
 use crate::backend::{
     size_class, Allocation, Coalesced, IndexCheck, SliceRef, Transfer, ValuesRef,
 };
-use crate::error::Result;
+use crate::error::{Error, ErrorKind, Result};
 use crate::plan::sparse::{world_offsets, IndexGroup};
 use crate::registry::sparse::SparseInput;
 use crate::types::ReduceOp;
@@ -370,7 +370,17 @@ impl Executor {
             .collect();
         let coalesced =
             (self.backend).coalesce_many(&slices, &mut |r, bytes| self.alloc_output(r, bytes))?;
-        debug_assert_eq!(coalesced.len(), slices.len(), "one result per slice");
+        if coalesced.len() != slices.len() {
+            return Err(Error::new(
+                ErrorKind::Backend,
+                format!(
+                    "internal: {} backend coalesced {} of {} slices",
+                    self.backend.name(),
+                    coalesced.len(),
+                    slices.len()
+                ),
+            ));
+        }
         let mut coalesced = coalesced.into_iter();
         let mut local: Vec<Option<Coalesced>> = (first.slices.iter())
             .map(|slice| (slice.rows > 0).then(|| coalesced.next()).flatten())

@@ -25,8 +25,9 @@ pub enum dpsync_status {
     DPSYNC_STATUS_INVALID_STATE = 5,
     /// CUDA driver, NCCL or MPI not present at run time or not built in.
     DPSYNC_STATUS_UNAVAILABLE = 6,
-    /// A CUDA / NCCL / MPI call failed; the message carries that library's text. On CUDA
-    /// replicas the context then refuses further collectives (destroy it).
+    /// A CUDA / NCCL / MPI call failed; the message carries that library's text. When a
+    /// collective or dpsync_synchronize on CUDA replicas fails so (other than by running out of
+    /// memory), the context then refuses further collectives (destroy it).
     DPSYNC_STATUS_BACKEND_ERROR = 7,
     /// A collective did not complete within the configured timeout; on CUDA replicas the
     /// context then refuses further collectives (destroy it).

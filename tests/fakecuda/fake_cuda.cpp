@@ -301,7 +301,7 @@ int device_of_memory(const void* p) {
 // A copy on `stream` (see the top for the pageable-memory rules); synchronous without
 // FAKE_CUDA_ASYNC.
 CUresult copy_bytes(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream stream) {
-  if (int e = sticky_fault.load()) return e;
+  if (int fault = sticky_fault.load()) return fault;
   counts.copies++;
   if (noexec) return OK;
   if (!async_mode) {
@@ -325,7 +325,7 @@ CUresult copy_bytes(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream stream) {
 
 // The synchronous cuMemcpy* calls: on the legacy stream, returning when done.
 CUresult copy_now(CUdeviceptr d, CUdeviceptr s, size_t n) {
-  if (int e = sticky_fault.load()) return e;
+  if (int fault = sticky_fault.load()) return fault;
   CUresult rc = copy_bytes(d, s, n, nullptr);
   if (async_mode) {
     Queue* q = queue_of(nullptr);
@@ -408,7 +408,7 @@ CUresult cuDevicePrimaryCtxRelease_v2(CUdevice) { return OK; }
 CUresult cuCtxGetCurrent(CUcontext* c) { *c = current; return OK; }
 CUresult cuCtxSetCurrent(CUcontext c) { current = c; return OK; }
 CUresult cuCtxSynchronize() {
-  if (int e = sticky_fault.load()) return e;
+  if (int fault = sticky_fault.load()) return fault;
   if (!current) return misuse(INVALID_CONTEXT, "cuCtxSynchronize", "no current context");
   counts.syncs++;
   if (async_mode) drain(current->device);
@@ -458,7 +458,7 @@ CUresult cuStreamDestroy_v2(CUstream s) {
   return OK;
 }
 CUresult cuStreamSynchronize(CUstream s) {
-  if (int e = sticky_fault.load()) return e;
+  if (int fault = sticky_fault.load()) return fault;
   counts.syncs++;
   if (async_mode) {
     Queue* q = queue_of(s);
@@ -469,7 +469,7 @@ CUresult cuStreamSynchronize(CUstream s) {
 // Waits per waiting stream, for tests of which streams are made to wait.
 std::map<uintptr_t, long> waits_by_stream;
 CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned) {
-  if (int e = sticky_fault.load()) return e;
+  if (int fault = sticky_fault.load()) return fault;
   // An event of another device is fine (the programming guide); a default stream needs a context.
   if (!context_of(s)) return misuse(INVALID_CONTEXT, "cuStreamWaitEvent", "a default stream with no current context");
   counts.waits++;
@@ -500,7 +500,7 @@ CUresult cuEventCreate(CUevent* e, unsigned) {
 }
 CUresult cuEventDestroy_v2(CUevent e) { delete e; return OK; }
 CUresult cuEventRecord(CUevent e, CUstream s) {
-  if (int e = sticky_fault.load()) return e;
+  if (int fault = sticky_fault.load()) return fault;
   CUcontext on = context_of(s);
   if (!on) return misuse(INVALID_CONTEXT, "cuEventRecord", "a default stream with no current context");
   if (on != e->ctx)
@@ -517,12 +517,12 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
 }
 bool complete(CUevent e) { return !e->queue || e->queue->reached(e->seq); }
 CUresult cuEventQuery(CUevent e) {
-  if (int e = sticky_fault.load()) return e;
+  if (int fault = sticky_fault.load()) return fault;
   counts.queries++;
   return complete(e) ? OK : NOT_READY;
 }
 CUresult cuEventSynchronize(CUevent e) {
-  if (int e = sticky_fault.load()) return e;
+  if (int fault = sticky_fault.load()) return fault;
   counts.syncs++;
   if (e->queue) e->queue->wait(e->seq);
   return OK;
@@ -537,13 +537,13 @@ CUresult cuEventElapsedTime(float* ms, CUevent a, CUevent b) {
 CUresult cuEventElapsedTime_v2(float* ms, CUevent a, CUevent b) { return cuEventElapsedTime(ms, a, b); }
 
 CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
-  if (int e = sticky_fault.load()) return e;
+  if (int fault = sticky_fault.load()) return fault;
   counts.allocs++;
   return remember((void**)p, n, true);
 }
 // cuMemFree waits for the device's work (the driver's implicit synchronisation), no other's.
 CUresult cuMemFree_v2(CUdeviceptr p) {
-  if (int e = sticky_fault.load()) return e;
+  if (int fault = sticky_fault.load()) return fault;
   counts.frees++;
   if (async_mode) drain(std::max(device_of_memory((void*)p), 0));
   return forget((void*)p);
@@ -554,7 +554,7 @@ CUresult cuMemFreeHost(void* p) {
   return forget(p);
 }
 CUresult memset_on(CUdeviceptr p, unsigned char v, size_t n, CUstream s) {
-  if (int e = sticky_fault.load()) return e;
+  if (int fault = sticky_fault.load()) return fault;
   counts.memsets++;
   if (noexec) return OK;
   if (async_mode) submit(queue_of(s), [p, v, n] { std::memset((void*)p, v, n); });
@@ -621,7 +621,7 @@ CUresult cuGetErrorString(CUresult e, const char** s) {
 const void* dpsync_emu_find(const char* name);
 void dpsync_emu_launch(const void* kernel, unsigned grid, unsigned block, void** params);
 CUresult cuModuleLoadData(CUmodule* m, const void*) {
-  if (int e = sticky_fault.load()) return e;
+  if (int fault = sticky_fault.load()) return fault;
   if (!current) return misuse(INVALID_CONTEXT, "cuModuleLoadData", "no current context");
   *m = new FakeModule{current, {}};
   return OK;
@@ -663,7 +663,7 @@ static CUresult check_reach(CUfunction f, void** params) {
 }
 CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned, unsigned, unsigned bx, unsigned,
                         unsigned, unsigned, CUstream s, void** params, void**) {
-  if (int e = sticky_fault.load()) return e;
+  if (int fault = sticky_fault.load()) return fault;
   if (!current) return misuse(INVALID_CONTEXT, "cuLaunchKernel", "no current context");
   if (f->ctx != current)
     return misuse(INVALID_HANDLE, "cuLaunchKernel", "the function's module was loaded on another device");

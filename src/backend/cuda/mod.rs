@@ -499,6 +499,7 @@ impl CudaBackend {
             let _bound = group.ctx.bind()?;
             group.progress.record(group.stream.0)?;
             self.poll(
+                deadline(Instant::now(), self.timeout),
                 || group.progress.query(),
                 |ms| {
                     format!(
@@ -512,10 +513,15 @@ impl CudaBackend {
         })
     }
 
-    /// Polls `done` until it holds, within the timeout, watching NCCL's asynchronous errors
-    /// meanwhile; `late(timeout_ms)` words the TIMEOUT.
-    fn poll(&self, done: impl Fn() -> Result<bool>, late: impl Fn(u128) -> String) -> Result<()> {
-        let limit = deadline(Instant::now(), self.timeout);
+    /// Polls `done` until it holds or `limit` passes (the timeout, counted from when the wait
+    /// began), watching NCCL's asynchronous errors meanwhile; `late(timeout_ms)` words the
+    /// TIMEOUT.
+    fn poll(
+        &self,
+        limit: Option<Instant>,
+        done: impl Fn() -> Result<bool>,
+        late: impl Fn(u128) -> String,
+    ) -> Result<()> {
         let mut spins = 0u32;
         while !done()? {
             if let Some(comms) = self.comms.lock().as_ref() {
@@ -534,10 +540,7 @@ impl CudaBackend {
     /// never finish, so the context fails (communicators aborted, further collectives refused)
     /// like a collective that timed out.
     fn failing(&self, wait: impl FnOnce() -> Result<()>) -> Result<()> {
-        wait().map_err(|e| match e.kind {
-            ErrorKind::Timeout | ErrorKind::Backend => self.nccl_failed(e),
-            _ => e,
-        })
+        wait().map_err(|e| self.collective_failed(e))
     }
 
     fn sync_group(&self, group: &Group) -> Result<()> {
@@ -1086,9 +1089,12 @@ impl Backend for CudaBackend {
             // Re-recording the start events is fine: the waits `begin` queued captured the
             // earlier record.
             self.mark_callers()?;
+            // One deadline for all the callers: the timeout bounds the whole wait.
+            let limit = deadline(Instant::now(), self.timeout);
             for &i in &self.callers {
                 let start = &self.replicas[i].start;
                 self.poll(
+                    limit,
                     || start.query(),
                     |ms| {
                         format!(
@@ -1106,6 +1112,9 @@ impl Backend for CudaBackend {
 
     fn collective_failed(&self, err: Error) -> Error {
         match err.kind {
+            // Running out of memory leaves the device and the communicators sound: the work
+            // queued before it completes, and a later call may fit.
+            ErrorKind::Backend if err.is_out_of_memory() => err,
             ErrorKind::Backend | ErrorKind::Timeout => self.nccl_failed(err),
             _ => err,
         }

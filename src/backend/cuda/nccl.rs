@@ -162,7 +162,7 @@ fn text(api: &Api, code: u32, comm: Comm) -> String {
         if last.is_empty() {
             format!("{s} (ncclResult {code})")
         } else {
-            format!("{s} (ncclResult {code}): {last}")
+            format!("{s} (ncclResult {code}); NCCL's last message: {last}")
         }
     }
 }
