@@ -405,32 +405,22 @@ fn host_tensors_on_cuda_replicas_wait_for_the_callers_streams() {
 
 #[test]
 fn a_stuck_collective_times_out_and_poisons_only_its_context() {
-    if needs_async_streams("a_stuck_collective_times_out") {
-        return;
-    }
-    let Some(ctx) = cuda_context("timeout", &[0, 0], |o| {
-        o.set_timeout_ms(50);
-    }) else {
+    let Some(stuck) = StuckCaller::new("a_stuck_collective_times_out", |o| o.set_timeout_ms(50))
+    else {
         return;
     };
-    let gpu = gpu();
-    let k = spin_kernels(&gpu);
-    let caller = gpu.new_stream().unwrap();
+    let (ctx, caller) = (&stuck.ctx, &stuck.caller);
     let n = 1024;
     let g0 = caller.alloc_zeros::<f32>(n).unwrap();
     let g1 = caller.alloc_zeros::<f32>(n).unwrap();
     caller.synchronize().unwrap();
-    register_device(&ctx, "g", GRAD, 0, dptr(&caller, &g0), n, F32);
-    register_device(&ctx, "g", GRAD, 1, dptr(&caller, &g1), n, F32);
-    set_stream(&ctx, 0, &caller);
-    set_stream(&ctx, 1, &caller);
-    let mut b = caller.launch_builder(&k.fill);
-    let (nn, vv, cc) = (n as u64, 1.0f32, 2_000_000_000i64); // ~1 s
-    b.arg(&g0).arg(&nn).arg(&vv).arg(&cc);
-    // SAFETY: arguments match the kernel.
-    unsafe { b.launch(LaunchConfig::for_num_elems(n as u32)) }.unwrap();
+    register_device(ctx, "g", GRAD, 0, dptr(caller, &g0), n, F32);
+    register_device(ctx, "g", GRAD, 1, dptr(caller, &g1), n, F32);
+    set_stream(ctx, 0, caller);
+    set_stream(ctx, 1, caller);
+    stuck.spin_a_second_then_fill(&g0, 1.0);
     check(ctx.allreduce_grads(SUM), "allreduce_grads (queued)");
-    expect_err(synchronize(&ctx), TIMEOUT, &["timeout"]);
+    expect_err(synchronize(ctx), TIMEOUT, &["timeout"]);
     expect_err(ctx.allreduce_grads(SUM), INVALID_STATE, &["destroy"]);
     caller.synchronize().unwrap();
     // Another context is unaffected.
@@ -510,30 +500,21 @@ fn device_fault_on(ordinals: &[i32]) -> bool {
 /// waits may never end), and the host tensors stay as they were.
 #[test]
 fn a_stuck_caller_stream_times_out_the_host_tensors_wait_and_fails_the_context() {
-    if needs_async_streams("a_stuck_caller_stream_times_out") {
-        return;
-    }
-    let Some(ctx) = cuda_context("host_wait_timeout", &[0, 0], |o| {
+    let Some(stuck) = StuckCaller::new("a_stuck_caller_stream_times_out", |o| {
         o.set_timeout_ms(50);
     }) else {
         return;
     };
-    let gpu = gpu();
-    let k = spin_kernels(&gpu);
-    let caller = gpu.new_stream().unwrap();
+    let (ctx, caller) = (&stuck.ctx, &stuck.caller);
     let n = 256;
     let scratch = caller.alloc_zeros::<f32>(n).unwrap();
     caller.synchronize().unwrap();
     let mut host = [vec![1.0f32; n], vec![2.0f32; n]];
     for (r, h) in host.iter_mut().enumerate() {
         ctx.reg("cpu_grad", GRAD, r, h, F32);
-        set_stream(&ctx, r, &caller);
+        set_stream(ctx, r, caller);
     }
-    let mut b = caller.launch_builder(&k.fill);
-    let (nn, vv, cc) = (n as u64, 1.0f32, 2_000_000_000i64); // ~1 s
-    b.arg(&scratch).arg(&nn).arg(&vv).arg(&cc);
-    // SAFETY: arguments match the kernel.
-    unsafe { b.launch(LaunchConfig::for_num_elems(n as u32)) }.unwrap();
+    stuck.spin_a_second_then_fill(&scratch, 1.0);
     expect_err(
         ctx.allreduce_grads(SUM),
         TIMEOUT,
@@ -545,7 +526,7 @@ fn a_stuck_caller_stream_times_out_the_host_tensors_wait_and_fails_the_context()
     );
     expect_err(ctx.allreduce_grads(SUM), INVALID_STATE, &["destroy"]);
     caller.synchronize().unwrap();
-    drop(ctx);
+    drop(stuck);
 }
 
 /// The segment-table cache (one device table per tensor layout, 4096 at most per GPU) is

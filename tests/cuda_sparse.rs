@@ -267,24 +267,8 @@ fn indices_out_of_range_are_reported_by_synchronize() {
     // A bound of SIZE_MAX ("only check >= 0") still refuses a negative index.
     ctx.reg_sparse_all("any", 2, F32, I64, usize::MAX);
     let negative = gpu.mem(&encode_indices(DType::I64, &[7, i64::MIN, 1]));
-    for r in 0..2 {
-        let st = ctx.sparse_set_raw("emb", r, good.ptr() as _, values.ptr() as _, 3);
-        check(st, "sparse_set");
-        let idx = if r == 0 { &good } else { &negative };
-        check(
-            ctx.sparse_set_raw("any", r, idx.ptr() as _, values.ptr() as _, 3),
-            "set",
-        );
-    }
-    check(ctx.allreduce_grads(SUM), "allreduce_grads");
-    let needle = format!("index {}", i64::MIN);
-    expect_err(
-        synchronize(&ctx),
-        INCONSISTENT,
-        &["'any'", "replica 1", "row 1", &needle],
-    );
-    // Several bad steps before a synchronize: the first is reported, the others counted.
-    for _ in 0..3 {
+    // A step whose "any" slice holds i64::MIN on replica 1.
+    let bad_step = || {
         for r in 0..2 {
             let st = ctx.sparse_set_raw("emb", r, good.ptr() as _, values.ptr() as _, 3);
             check(st, "sparse_set");
@@ -295,6 +279,17 @@ fn indices_out_of_range_are_reported_by_synchronize() {
             );
         }
         check(ctx.allreduce_grads(SUM), "allreduce_grads");
+    };
+    bad_step();
+    let needle = format!("index {}", i64::MIN);
+    expect_err(
+        synchronize(&ctx),
+        INCONSISTENT,
+        &["'any'", "replica 1", "row 1", &needle],
+    );
+    // Several bad steps before a synchronize: the first is reported, the others counted.
+    for _ in 0..3 {
+        bad_step();
     }
     expect_err(
         synchronize(&ctx),
@@ -343,7 +338,8 @@ fn host_memory_slices_on_a_cuda_replica_are_refused() {
     expect_err(st, INVALID_ARGUMENT, &["'emb'", "indices", "host memory"]);
 }
 
-/// The fake driver's count of device allocations so far; `None` on a real driver.
+/// The fake driver's count of device allocations made by this thread so far (dpsync allocates
+/// on the calling thread; other tests may run beside this one); `None` on a real driver.
 fn fake_allocations(test: &str) -> Option<i64> {
     // SAFETY: the fake's `long fake_cuda_allocations(void)`.
     let f = unsafe { fake_driver_fn::<extern "C" fn() -> i64>(test, "fake_cuda_allocations") };
@@ -524,21 +520,15 @@ fn gathers_across_gpus_are_ordered_by_each_replicas_stream() {
 /// streams (a GPU, or the fake driver's FAKE_CUDA_ASYNC=1).
 #[test]
 fn the_coalescing_wait_for_the_indices_times_out() {
-    use common::gpu::{dptr, gpu, needs_async_streams, set_stream, spin_kernels};
-    use cudarc::driver::{LaunchConfig, PushKernelArg};
+    use common::gpu::{dptr, set_stream, StuckCaller};
     let test = "the_coalescing_wait_for_the_indices_times_out";
-    if needs_async_streams(test) {
-        return;
-    }
-    let Some(ctx) = cuda_context(test, &[0, 0], |o| {
+    let Some(stuck) = StuckCaller::new(test, |o| {
         o.set_sparse_coalesce(true);
         o.set_timeout_ms(50);
     }) else {
         return;
     };
-    let gpu = gpu();
-    let k = spin_kernels(&gpu);
-    let caller = gpu.new_stream().unwrap();
+    let (ctx, caller) = (&stuck.ctx, &stuck.caller);
     let (rows, row_len) = (8usize, 2usize);
     let indices = caller.alloc_zeros::<i32>(rows).unwrap();
     let values = caller.alloc_zeros::<f32>(rows * row_len).unwrap();
@@ -546,18 +536,14 @@ fn the_coalescing_wait_for_the_indices_times_out() {
     caller.synchronize().unwrap();
     ctx.reg_sparse_all("emb", row_len, F32, I32, 0);
     for r in 0..2 {
-        set_stream(&ctx, r, &caller);
-        let (i, v) = (dptr(&caller, &indices), dptr(&caller, &values));
+        set_stream(ctx, r, caller);
+        let (i, v) = (dptr(caller, &indices), dptr(caller, &values));
         check(
             ctx.sparse_set_raw("emb", r, i as *const c_void, v as *const c_void, rows),
             "sparse_set",
         );
     }
-    let mut b = caller.launch_builder(&k.fill);
-    let (n, value, cycles) = (1024u64, 1.0f32, 2_000_000_000i64); // ~1 s
-    b.arg(&spun).arg(&n).arg(&value).arg(&cycles);
-    // SAFETY: arguments match the kernel.
-    unsafe { b.launch(LaunchConfig::for_num_elems(1024)) }.unwrap();
+    stuck.spin_a_second_then_fill(&spun, 1.0);
     let started = std::time::Instant::now();
     expect_err(ctx.allreduce_grads(SUM), TIMEOUT, &["timeout"]);
     let waited = started.elapsed();

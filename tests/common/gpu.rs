@@ -41,6 +41,41 @@ pub struct Spin {
     pub copy: cudarc::driver::CudaFunction,
 }
 
+/// A context on [0, 0] whose replicas both use one caller stream, with the test kernels to
+/// keep that stream busy: the timeout tests' setup.
+pub struct StuckCaller {
+    pub ctx: Context,
+    pub caller: Arc<CudaStream>,
+    spin: Spin,
+}
+
+impl StuckCaller {
+    /// `None`, having said why, without asynchronous streams (the synchronous fake cannot keep a
+    /// stream busy) or without a GPU. The caller stream is not yet given to dpsync.
+    pub fn new(test: &str, configure: impl Fn(&super::Options)) -> Option<StuckCaller> {
+        if needs_async_streams(test) {
+            return None;
+        }
+        let ctx = super::cuda_context(test, &[0, 0], configure)?;
+        let gpu = gpu();
+        let spin = spin_kernels(&gpu);
+        let caller = gpu.new_stream().unwrap();
+        Some(StuckCaller { ctx, caller, spin })
+    }
+
+    /// Queues on the caller stream a kernel that spins about a second, then fills `buf` with
+    /// `value`.
+    pub fn spin_a_second_then_fill(&self, buf: &CudaSlice<f32>, value: f32) {
+        use cudarc::driver::{LaunchConfig, PushKernelArg};
+        let n = buf.len();
+        let mut b = self.caller.launch_builder(&self.spin.fill);
+        let (nn, cycles) = (n as u64, 2_000_000_000i64);
+        b.arg(buf).arg(&nn).arg(&value).arg(&cycles);
+        // SAFETY: arguments match the kernel.
+        unsafe { b.launch(LaunchConfig::for_num_elems(n as u32)) }.unwrap();
+    }
+}
+
 pub fn spin_kernels(ctx: &Arc<CudaContext>) -> Spin {
     let ptx = cudarc::nvrtc::compile_ptx(SPIN).expect("NVRTC compiles the test kernels");
     let module = ctx.load_module(ptx).expect("load test kernels");

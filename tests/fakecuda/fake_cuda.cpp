@@ -536,9 +536,12 @@ CUresult cuEventElapsedTime(float* ms, CUevent a, CUevent b) {
 }
 CUresult cuEventElapsedTime_v2(float* ms, CUevent a, CUevent b) { return cuEventElapsedTime(ms, a, b); }
 
+// Allocations made by this thread, for tests (other tests may run on other threads).
+thread_local long thread_allocs = 0;
 CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
   if (int fault = sticky_fault.load()) return fault;
   counts.allocs++;
+  thread_allocs++;
   return remember((void**)p, n, true);
 }
 // cuMemFree waits for the device's work (the driver's implicit synchronisation), no other's.
@@ -686,8 +689,9 @@ int fake_cuda_device_of(const void* p, size_t bytes) {
   if (!a || !a->device_memory || bytes > a->bytes || (uintptr_t)p - base > a->bytes - bytes) return -1;
   return a->device;
 }
-// For tests: device allocations so far (cuMemAlloc), to assert that steady-state steps make none.
-long fake_cuda_allocations() { return counts.allocs.load(); }
+// For tests: device allocations (cuMemAlloc) made by the calling thread so far, to assert that
+// steady-state steps make none while other tests run on other threads.
+long fake_cuda_allocations() { return thread_allocs; }
 // For tests: from now on every call that touches the device returns `code` (0 clears it).
 void fake_cuda_fault(int code) { sticky_fault.store(code); }
 // For tests: how often `s` was made to wait on an event (cuStreamWaitEvent).
