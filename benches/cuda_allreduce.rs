@@ -31,7 +31,7 @@ use dpsync::*;
 
 #[path = "common/mod.rs"]
 mod common;
-use common::{check, filled, raw_nccl, Ctx, F32, GRAD, PARAM};
+use common::{check, filled, median, raw_nccl, Ctx, F32, GRAD, PARAM};
 
 const AVG: u32 = dpsync_reduce_op::DPSYNC_REDUCE_AVG as u32;
 /// One GPU: the reduction is the local walk whatever the transport; PEER_COPY loads no NCCL.
@@ -117,14 +117,9 @@ fn sorted(v: &[f64]) -> Vec<f64> {
     v
 }
 
-fn median(v: &[f64]) -> f64 {
-    let s = sorted(v);
-    s[s.len() / 2]
-}
-
 impl Timing {
     fn gpu(&self) -> f64 {
-        median(&self.gpu_ms)
+        median(self.gpu_ms.clone())
     }
 
     /// "median ms (min–max)".
@@ -134,7 +129,7 @@ impl Timing {
     }
 
     fn host_median(&self) -> f64 {
-        median(&self.host_us)
+        median(self.host_us.clone())
     }
 
     fn host_p90(&self) -> f64 {

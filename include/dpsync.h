@@ -156,7 +156,8 @@ extern "C" {
  * tensors, or restarts it (e.g. at the end of a warm-up phase).
  * block_momentum < 0 (-INFINITY included) selects the default 1 - 1/N (N = replicas in the
  * world); otherwise 0 <= block_momentum < 1. block_lr > 0 and finite, usually 1. Other values
- * and NaN are INVALID_ARGUMENT. No PARAM registered is INVALID_STATE; an integer PARAM is INVALID_ARGUMENT.
+ * and NaN are INVALID_ARGUMENT. No PARAM registered is INVALID_STATE; an integer PARAM is
+ * INVALID_ARGUMENT.
  * Broadcasts PARAMs from replica 0, takes them as the global model W and zeroes the block
  * momentum D (state kept on every replica: f32 for f32/f16/bf16 params, f64 for f64).
  * The PARAM tensors must then stay as they are: registering or unregistering one makes the

@@ -113,8 +113,9 @@ impl Drop for Ctx {
     }
 }
 
-pub fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
+/// The middle value (the upper one of an even count).
+pub fn median<T: PartialOrd + Copy>(mut v: Vec<T>) -> T {
+    v.sort_by(|a, b| a.partial_cmp(b).expect("no NaN among timings"));
     v[v.len() / 2]
 }
 

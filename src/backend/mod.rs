@@ -117,7 +117,9 @@ pub trait Backend: Send {
     /// Blocks the host until the work already queued on the callers' streams has completed.
     /// Host memory on a device replica (a CPU op's output, or the target of a device-to-host
     /// copy on the caller's stream) is reduced by host threads, which no event can order, so
-    /// the executor calls this before touching it. A no-op where there are no such streams.
+    /// the executor calls this before touching it, inside the collective's bracket (so its
+    /// TIMEOUT goes through [`Backend::collective_failed`]). A no-op where there are no such
+    /// streams.
     fn wait_for_callers(&self) -> Result<()> {
         Ok(())
     }

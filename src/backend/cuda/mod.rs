@@ -491,26 +491,23 @@ impl CudaBackend {
     }
 
     /// Blocks the host until `group`'s stream has run everything queued on it so far, polling
-    /// as `reap` does: within the timeout, watching NCCL's asynchronous errors. A timeout or an
-    /// error fails the context (communicators aborted), as in `reap`; `cuStreamSynchronize`
-    /// would wait forever behind a stuck NCCL kernel.
+    /// as `reap` does: within the timeout, watching NCCL's asynchronous errors
+    /// (`cuStreamSynchronize` would wait forever behind a stuck NCCL kernel). Called inside a
+    /// collective, so a timeout or an error fails the context through `collective_failed`.
     fn wait_group(&self, group: &Group) -> Result<()> {
-        self.failing(|| {
-            let _bound = group.ctx.bind()?;
-            group.progress.record(group.stream.0)?;
-            self.poll(
-                deadline(Instant::now(), self.timeout),
-                || group.progress.query(),
-                |ms| {
-                    format!(
-                        "cuda:{}: the work queued before this collective did not finish within \
-                         the {ms} ms timeout; the context refuses further collectives (destroy \
-                         it)",
-                        group.ctx.ordinal
-                    )
-                },
-            )
-        })
+        let _bound = group.ctx.bind()?;
+        group.progress.record(group.stream.0)?;
+        self.poll(
+            deadline(Instant::now(), self.timeout),
+            || group.progress.query(),
+            |ms| {
+                format!(
+                    "cuda:{}: the work queued before this collective did not finish within the \
+                     {ms} ms timeout; the context refuses further collectives (destroy it)",
+                    group.ctx.ordinal
+                )
+            },
+        )
     }
 
     /// Polls `done` until it holds or `limit` passes (the timeout, counted from when the wait
@@ -534,13 +531,6 @@ impl CudaBackend {
             back_off(&mut spins);
         }
         Ok(())
-    }
-
-    /// Runs a host wait on queued work: if it times out or the device fails, the work may
-    /// never finish, so the context fails (communicators aborted, further collectives refused)
-    /// like a collective that timed out.
-    fn failing(&self, wait: impl FnOnce() -> Result<()>) -> Result<()> {
-        wait().map_err(|e| self.collective_failed(e))
     }
 
     fn sync_group(&self, group: &Group) -> Result<()> {
@@ -1085,29 +1075,26 @@ impl Backend for CudaBackend {
     }
 
     fn wait_for_callers(&self) -> Result<()> {
-        self.failing(|| {
-            // Re-recording the start events is fine: the waits `begin` queued captured the
-            // earlier record.
-            self.mark_callers()?;
-            // One deadline for all the callers: the timeout bounds the whole wait.
-            let limit = deadline(Instant::now(), self.timeout);
-            for &i in &self.callers {
-                let start = &self.replicas[i].start;
-                self.poll(
-                    limit,
-                    || start.query(),
-                    |ms| {
-                        format!(
-                            "host memory on CUDA replicas waits for the work already queued on \
-                             the callers' streams, and replica {i}'s stream did not finish it \
-                             within the {ms} ms timeout; the context refuses further \
-                             collectives (destroy it)"
-                        )
-                    },
-                )?;
-            }
-            Ok(())
-        })
+        // Re-recording the start events is fine: the waits `begin` queued captured the earlier
+        // record.
+        self.mark_callers()?;
+        // One deadline for all the callers: the timeout bounds the whole wait.
+        let limit = deadline(Instant::now(), self.timeout);
+        for &i in &self.callers {
+            let start = &self.replicas[i].start;
+            self.poll(
+                limit,
+                || start.query(),
+                |ms| {
+                    format!(
+                        "host memory on CUDA replicas waits for the work already queued on the \
+                         callers' streams, and replica {i}'s stream did not finish it within the \
+                         {ms} ms timeout; the context refuses further collectives (destroy it)"
+                    )
+                },
+            )?;
+        }
+        Ok(())
     }
 
     fn collective_failed(&self, err: Error) -> Error {
@@ -1314,15 +1301,18 @@ impl Backend for CudaBackend {
     /// out of range.
     fn synchronize(&self) -> Result<()> {
         self.observe(true)?;
-        let mut state = self.state.lock();
-        // The host waits here anyway: free what retired (cuMemFree waits for the device).
-        let retired = std::mem::take(&mut state.spares.retired);
-        let retired_host = std::mem::take(&mut state.spares.retired_host);
-        drop(state);
+        let (retired, retired_host, index_error) = {
+            let mut state = self.state.lock();
+            let spares = &mut state.spares;
+            let retired = std::mem::take(&mut spares.retired);
+            let retired_host = std::mem::take(&mut spares.retired_host);
+            (retired, retired_host, state.index_error.take())
+        };
+        // The host waits here anyway: free what retired (cuMemFree waits for the device), not
+        // under the state lock.
         drop(retired);
         drop(retired_host);
-        let mut state = self.state.lock();
-        match state.index_error.take() {
+        match index_error {
             None => Ok(()),
             Some((mut first, more)) => {
                 if more > 0 {

@@ -3,8 +3,8 @@
 //! cudarc's NCCL bindings look for `libnccl.so` and `libnccl.so.{13,12,..}`, but the pip wheel
 //! `nvidia-nccl-cu13` ships only `libnccl.so.2` — so dpsync loads the library itself
 //! (`DPSYNC_NCCL_LIBRARY` alone when set, else `libnccl.so.2`, else `libnccl.so`) and keeps only
-//! cudarc's struct layouts (`ncclUniqueId`, `ncclConfig_t`). Results and enums cross as plain integers, so a
-//! code this build does not know can never become an invalid Rust enum.
+//! cudarc's struct layouts (`ncclUniqueId`, `ncclConfig_t`). Results and enums cross as plain
+//! integers, so a code this build does not know can never become an invalid Rust enum.
 //!
 //! Communicators are non-blocking (so a stuck collective can be timed out and aborted), created
 //! lazily and cached process-wide by the exact device set; contexts over the same devices share
@@ -344,57 +344,53 @@ impl CommSet {
         Ok(aborted)
     }
 
+    /// Rank `rank`'s asynchronous state: `SUCCESS` or `IN_PROGRESS`; an error state, or a
+    /// failure of the query itself, is a BACKEND_ERROR naming the rank and its device.
+    fn rank_state(&self, api: &Api, rank: usize) -> Result<u32> {
+        let comm = self.comms[rank];
+        let failed = |what: &str, code: u32| {
+            Error::new(
+                ErrorKind::Backend,
+                format!(
+                    "{what}NCCL rank {rank} (cuda:{}): {}",
+                    self.ordinals[rank],
+                    text(api, code, comm)
+                ),
+            )
+        };
+        if comm.is_null() {
+            return Err(Error::new(
+                ErrorKind::Backend,
+                format!("NCCL rank {rank} has no communicator"),
+            ));
+        }
+        let mut state = SUCCESS;
+        // SAFETY: a live communicator (the callers hold the set live, or own it alone).
+        let asked = unsafe { (api.comm_get_async_error)(comm, &mut state) };
+        match (asked, state) {
+            (SUCCESS, SUCCESS | IN_PROGRESS) => Ok(state),
+            (SUCCESS, code) => Err(failed("", code)),
+            (code, _) => Err(failed("ncclCommGetAsyncError failed for ", code)),
+        }
+    }
+
     /// Polls every communicator until its queued operation left the in-progress state. The
     /// caller holds [`CommSet::live`]'s guard, or is the set's only owner.
     fn poll_ready(&self, deadline: Option<Instant>) -> Result<()> {
         let api = api()?;
-        for (rank, &comm) in self.comms.iter().enumerate() {
-            if comm.is_null() {
-                return Err(Error::new(
-                    ErrorKind::Backend,
-                    format!("NCCL rank {rank} has no communicator"),
-                ));
-            }
+        for rank in 0..self.comms.len() {
             let mut spins = 0u32;
-            loop {
-                let mut state = SUCCESS;
-                // SAFETY: a live communicator.
-                let asked = unsafe { (api.comm_get_async_error)(comm, &mut state) };
-                if asked != SUCCESS {
+            while self.rank_state(api, rank)? == IN_PROGRESS {
+                if deadline.is_some_and(|d| Instant::now() >= d) {
                     return Err(Error::new(
-                        ErrorKind::Backend,
+                        ErrorKind::Timeout,
                         format!(
-                            "ncclCommGetAsyncError (rank {rank}, cuda:{}): {}",
-                            self.ordinals[rank],
-                            text(api, asked, comm)
+                            "NCCL rank {rank} (cuda:{}) did not get ready in time",
+                            self.ordinals[rank]
                         ),
                     ));
                 }
-                match state {
-                    SUCCESS => break,
-                    IN_PROGRESS => {
-                        if deadline.is_some_and(|d| Instant::now() >= d) {
-                            return Err(Error::new(
-                                ErrorKind::Timeout,
-                                format!(
-                                    "NCCL rank {rank} (cuda:{}) did not get ready in time",
-                                    self.ordinals[rank]
-                                ),
-                            ));
-                        }
-                        back_off(&mut spins);
-                    }
-                    code => {
-                        return Err(Error::new(
-                            ErrorKind::Backend,
-                            format!(
-                                "NCCL rank {rank} (cuda:{}): {}",
-                                self.ordinals[rank],
-                                text(api, code, comm)
-                            ),
-                        ))
-                    }
-                }
+                back_off(&mut spins);
             }
         }
         Ok(())
@@ -404,16 +400,8 @@ impl CommSet {
     pub fn async_error(&self) -> Result<()> {
         let api = api()?;
         let _live = self.live()?;
-        for (rank, &comm) in self.comms.iter().enumerate() {
-            let mut state = SUCCESS;
-            // SAFETY: a live communicator.
-            unsafe { (api.comm_get_async_error)(comm, &mut state) };
-            if state != SUCCESS && state != IN_PROGRESS {
-                return Err(Error::new(
-                    ErrorKind::Backend,
-                    format!("NCCL rank {rank}: {}", text(api, state, comm)),
-                ));
-            }
+        for rank in 0..self.comms.len() {
+            self.rank_state(api, rank)?;
         }
         Ok(())
     }

@@ -129,9 +129,11 @@ pub(super) unsafe fn coalesce_many(
             values,
         });
     }
-    let jobs: Vec<_> = (slices.iter().zip(&orders).zip(&out))
-        .map(|(((_, slice), order), c)| (slice, order, c.values.iter().map(Allocation::ptr)))
-        .map(|(slice, order, ptrs)| (slice, order, ptrs.collect::<Vec<usize>>()))
+    // Each job writes only its own slice's new outputs (pointers: an Allocation stays here).
+    let jobs: Vec<(&SliceRef, _, Vec<usize>)> = (slices.iter().zip(&orders).zip(&out))
+        .map(|(((_, slice), order), c)| {
+            (slice, order, c.values.iter().map(Allocation::ptr).collect())
+        })
         .collect();
     in_parallel(
         threads,
