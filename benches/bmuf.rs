@@ -4,7 +4,7 @@
 //!
 //! 1. The update alone — what `dpsync_bmuf_step` does after the averaging collective — on the
 //!    ResNet-50 parameter set (25.6 M f32) on 4 replicas: the host backend's `bmuf_update`
-//!    primitive over the buckets the library makes, against one memcpy of the bytes the update
+//!    primitive over the buckets the library makes (through `dpsync::bench`, the benches' door), against one memcpy of the bytes the update
 //!    touches (params, W and D of every replica: 12 bytes per element per replica).
 //! 2. The whole `dpsync_bmuf_step` through the C ABI against `dpsync_average(PARAM)`, the
 //!    averaging collective it starts with.
@@ -12,10 +12,7 @@
 use std::ffi::c_void;
 use std::hint::black_box;
 
-use dpsync::backend::host::HostBackend;
-use dpsync::backend::{bmuf_state_dtype, Allocation, Backend, BmufFilter, BmufSpan};
-use dpsync::plan::plan_buckets;
-use dpsync::types::{DType, Memory};
+use dpsync::bench::HostBmufUpdate;
 use dpsync::*;
 
 #[path = "common/mod.rs"]
@@ -40,59 +37,13 @@ fn update_vs_memcpy(params: &[(String, usize)], reps: usize, threads: Option<usi
         Some(n) => std::env::set_var("DPSYNC_HOST_THREADS", n.to_string()),
         None => std::env::remove_var("DPSYNC_HOST_THREADS"),
     }
-    let backend = HostBackend::new();
-    std::env::remove_var("DPSYNC_HOST_THREADS");
     let mut replicas: Vec<Vec<Vec<f32>>> =
         (0..REPLICAS).map(|r| replica_params(params, r)).collect();
-    // The buckets dpsync_bmuf_init makes (PARAMs in registration order, 25 MiB, per dtype).
-    let buckets = plan_buckets(
-        params
-            .iter()
-            .enumerate()
-            .map(|(i, (_, n))| (i, DType::F32, Memory::Host, *n)),
-        FUSION_BYTES,
-    );
-    let state_size = bmuf_state_dtype(DType::F32).unwrap().size();
-    let mut state: Vec<Vec<(Allocation, Allocation)>> = Vec::new();
-    let mut spans: Vec<Vec<Vec<BmufSpan>>> = Vec::new();
-    for bucket in &buckets {
-        let bytes = bucket.elements * state_size;
-        let per_replica: Vec<(Allocation, Allocation)> = (0..REPLICAS)
-            .map(|r| {
-                (
-                    backend.alloc(r, bytes).unwrap(),
-                    backend.alloc(r, bytes).unwrap(),
-                )
-            })
-            .collect();
-        let bucket_spans = (0..REPLICAS)
-            .map(|r| {
-                let mut offset = 0;
-                bucket
-                    .tensors
-                    .iter()
-                    .map(|&t| {
-                        let (w, d) = &per_replica[r];
-                        let span = BmufSpan {
-                            params: replicas[r][t].as_mut_ptr() as usize,
-                            w: w.ptr() + offset * state_size,
-                            d: d.ptr() + offset * state_size,
-                            count: params[t].1,
-                        };
-                        offset += params[t].1;
-                        span
-                    })
-                    .collect()
-            })
-            .collect();
-        state.push(per_replica);
-        spans.push(bucket_spans);
-    }
-    for (b, bucket) in buckets.iter().enumerate() {
-        for (r, s) in spans[b].iter().enumerate() {
-            unsafe { backend.bmuf_load(r, bucket.dtype, s).unwrap() };
-        }
-    }
+    // The buckets dpsync_bmuf_init makes (PARAMs in registration order, 25 MiB, per dtype),
+    // their state loaded from these params.
+    // SAFETY: `replicas` outlives `update` and is not resized.
+    let update = unsafe { HostBmufUpdate::new(&mut replicas, FUSION_BYTES) };
+    std::env::remove_var("DPSYNC_HOST_THREADS");
     // Local training moved the params: D becomes non-zero (and decays by mu each rep, far from
     // subnormal over the few reps run here).
     for rep in replicas.iter_mut() {
@@ -100,24 +51,14 @@ fn update_vs_memcpy(params: &[(String, usize)], reps: usize, threads: Option<usi
             t.iter_mut().for_each(|x| *x += 0.01);
         }
     }
-    let filter = BmufFilter {
-        block_lr: 1.0,
-        block_momentum: 0.75,
-        nesterov: true,
-    };
+    let state_size = HostBmufUpdate::state_size();
     let elements: usize = params.iter().map(|(_, n)| n).sum();
     let touched = elements * REPLICAS * (4 + 2 * state_size);
     let src = vec![1u8; touched];
     let mut dst = vec![0u8; touched];
     let (t_update, t_copy) = side_by_side(
         reps,
-        || {
-            for (b, bucket) in buckets.iter().enumerate() {
-                for (r, s) in spans[b].iter().enumerate() {
-                    unsafe { backend.bmuf_update(r, bucket.dtype, s, &filter).unwrap() };
-                }
-            }
-        },
+        || update.update(1.0, 0.75, true),
         || {
             dst.copy_from_slice(black_box(&src));
             black_box(&dst);
@@ -130,12 +71,11 @@ fn update_vs_memcpy(params: &[(String, usize)], reps: usize, threads: Option<usi
          {:.2} ms | memcpy of the {mib:.0} MiB it touches: {:.2} ms | ratio {:.2} (target <= 1.5)",
         params.len(),
         elements as f64 / 1e6,
-        buckets.len(),
+        update.buckets(),
         ms(t_update),
         ms(t_copy),
         t_update.as_secs_f64() / t_copy.as_secs_f64()
     );
-    drop(state);
 }
 
 /// Part 2: the whole step through the C ABI vs the averaging collective alone.

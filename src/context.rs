@@ -7,8 +7,7 @@ mod sparse;
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use crate::backend::cuda::CudaBackend;
-use crate::backend::Backend;
+use crate::backend;
 use crate::error::{Error, ErrorKind, Result};
 use crate::exec::bmuf::{self, BmufState};
 use crate::exec::{Executor, SparseOutputs};
@@ -37,7 +36,7 @@ pub struct Context {
 
 /// The description of the options' topology with no tensors and no device: a dry run.
 pub fn plan_describe(options: &Options) -> Result<String> {
-    let topology = Topology::from_options(options, None)?;
+    let topology = Topology::from_options(options)?;
     let snapshot = Registry::new(topology.replicas()).snapshot();
     let plan = Plan::new(&topology, &snapshot, options.fusion_bytes);
     let mut json = plan::describe(&topology, &plan, &snapshot, options.fusion_bytes);
@@ -52,24 +51,15 @@ pub fn plan_describe(options: &Options) -> Result<String> {
 impl Context {
     pub fn new(options: &Options) -> Result<Context> {
         options.validate()?;
-        let (topology, device) = if options.has_cuda_replicas() {
-            let opened = CudaBackend::open(options)?;
-            let mut topology = Topology::from_options(options, Some(opened.peer))?;
-            topology.transport = opened.transport;
-            topology.transport_reason = opened.reason;
-            let backend: Box<dyn Backend> = Box::new(opened.backend);
-            (topology, Some(backend))
-        } else {
-            (Topology::from_options(options, None)?, None)
-        };
+        let backend::Opened { topology, backend } = backend::open(options)?;
         Ok(Context {
             options: options.clone(),
             registry: Registry::new(topology.replicas()),
             sparse: SparseRegistry::new(topology.replicas()),
             sparse_out: SparseOutputs::default(),
+            executor: Executor::new(backend, &topology),
             topology,
             prepared: None,
-            executor: Executor::new(device),
             bmuf: None,
             overlap: overlap::Overlap::default(),
         })
@@ -199,7 +189,7 @@ impl Context {
             // SAFETY: registered memory stays valid while registered (the C contract).
             let dense = unsafe {
                 (self.executor)
-                    .allreduce_buckets(&buckets, &tensors, op, self.divisor(), &plan)
+                    .allreduce_buckets(&buckets, &tensors, op, self.divisor())
                     .and_then(|()| self.executor.divide(&summed, self.divisor()))
             };
             if let Err(e) = dense {
@@ -224,17 +214,11 @@ impl Context {
                 ),
             ));
         }
-        let (snapshot, plan) = self.prepare();
+        let (snapshot, _) = self.prepare();
         let tensor = snapshot.lookup(name)?;
         // SAFETY: as in allreduce_grads.
         unsafe {
-            self.executor.allreduce(
-                &[tensor],
-                op,
-                self.divisor(),
-                &plan,
-                self.options.fusion_bytes,
-            )
+            (self.executor).allreduce(&[tensor], op, self.divisor(), self.options.fusion_bytes)
         }
     }
 
@@ -250,7 +234,7 @@ impl Context {
     }
 
     pub fn average(&mut self, roles: RoleMask) -> Result<()> {
-        let (snapshot, plan) = self.prepare();
+        let (snapshot, _) = self.prepare();
         let tensors = snapshot.select(roles)?;
         // SAFETY: as in allreduce_grads.
         unsafe {
@@ -258,7 +242,6 @@ impl Context {
                 &tensors,
                 ReduceOp::Avg,
                 self.divisor(),
-                &plan,
                 self.options.fusion_bytes,
             )
         }
@@ -289,11 +272,11 @@ impl Context {
     }
 
     pub fn bmuf_step(&mut self) -> Result<()> {
-        let (snapshot, plan) = self.prepare();
+        let (snapshot, _) = self.prepare();
         let divisor = self.divisor();
         let state = self.bmuf.as_mut().ok_or_else(bmuf::not_started)?;
         state.check_params(&snapshot)?;
         // SAFETY: as in allreduce_grads; check_params vouches for the state's pointers.
-        unsafe { self.executor.bmuf_step(state, divisor, &plan) }
+        unsafe { self.executor.bmuf_step(state, divisor) }
     }
 }

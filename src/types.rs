@@ -38,6 +38,7 @@ impl DType {
     }
 
     /// Floating-point (f32, f64, f16, bf16), as opposed to the integer types.
+    #[cfg(test)]
     pub fn is_float(self) -> bool {
         !matches!(self, DType::I32 | DType::I64)
     }

@@ -1,17 +1,20 @@
 //! Backends: the primitives one kind of memory offers. They trust their input (the registry and
 //! the plan validated it) and return only errors a caller cannot foresee: a missing runtime, a
-//! failing device call, a timeout. Algorithms over them live in [`crate::exec`].
+//! failing device call, a timeout. Algorithms over them live in [`crate::exec`]: a backend
+//! offers buffers, copies, sum and scale kernels, a grouped transfer and stream events
+//! ([`Backend`], and where they apply [`Streams`], [`Links`] and [`Collective`]).
 
 mod bmuf;
-pub mod cuda;
-pub mod host;
-pub mod sparse;
+mod cuda;
+pub(crate) mod host;
+mod sparse;
 
 pub use bmuf::{bmuf_state_dtype, BmufFilter, BmufSpan};
 
-use crate::error::{Error, ErrorKind, Result};
-use crate::plan::Step;
-use crate::types::{DType, Memory, ReduceOp};
+use crate::error::{Error, Result};
+use crate::options::Options;
+use crate::plan::Topology;
+use crate::types::{DType, Memory};
 
 pub use sparse::{
     coalescing_order, narrow_indices, widen_indices, Coalesced, IndexCheck, SliceRef, ValuesRef,
@@ -44,17 +47,6 @@ impl BucketView<'_> {
     pub fn elements(&self) -> usize {
         self.segments.iter().map(|s| s.count).sum()
     }
-}
-
-/// One copy of a [`Backend::transfer`] batch: `bytes` from `src` on replica `src_replica` to
-/// `dst` on replica `dst_replica`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Transfer {
-    pub src_replica: usize,
-    pub src: usize,
-    pub dst_replica: usize,
-    pub dst: usize,
-    pub bytes: usize,
 }
 
 /// Memory the library owns on one replica (host memory for host replicas, device memory for
@@ -93,85 +85,79 @@ impl std::fmt::Debug for Allocation {
     }
 }
 
-pub trait Backend: Send {
+/// Which buffer of a group [`Links::buffer`] returns: the fusion buffer a bucket is packed
+/// into, or the staging buffer a peer's fusion buffer is copied into before it is summed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Slot {
+    Fusion,
+    Staging,
+}
+
+/// Which replicas of a group [`Links::pack`] reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Members {
+    /// Every member, summed in group order.
+    All,
+    /// One replica of the group, copied (the root of a broadcast).
+    One(usize),
+}
+
+/// A kernel's view of one bucket over some replicas of one group ([`Links::layout`]), made
+/// before any transfer so that nothing between a transfer and the unpacks may allocate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Layout {
+    /// The segment table in device memory.
+    pub(crate) table: u64,
+    /// How many replicas it lists per segment.
+    pub(crate) replicas: usize,
+}
+
+/// One move of a [`Collective::send_recv`] group: `bytes` at `src` on group `src_group` to `dst`
+/// on group `dst_group`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Move {
+    pub src_group: usize,
+    pub src: u64,
+    pub dst_group: usize,
+    pub dst: u64,
+    pub bytes: usize,
+}
+
+/// The primitives of one kind of memory. The replicas are split into groups (the plan's
+/// level 1, [`crate::plan::Levels`]: replicas sharing a device, or all host replicas); group
+/// `g` is the plan's group `g`, as both come from one topology ([`open`]).
+pub(crate) trait Backend: Send {
     fn name(&self) -> &'static str;
 
-    /// Which memory `ptr` (registered on `replica`) is in. The host backend has only host memory.
-    fn memory_of(&self, _replica: usize, _ptr: usize) -> Result<Memory> {
-        Ok(Memory::Host)
-    }
+    /// What `dpsync_describe` shows of this backend under "backend".
+    fn describe(&self) -> serde_json::Value;
 
-    /// The caller's stream (a `CUstream`, 0 = legacy default stream) for `replica`.
-    fn set_stream(&mut self, replica: usize, _stream: usize) -> Result<()> {
-        Err(Error::invalid(format!(
-            "replica {replica} is a host replica: streams belong to CUDA replicas"
-        )))
-    }
-
-    /// Opens a collective: the work issued until [`Backend::end`] runs after the work already
-    /// queued on the callers' streams (stream-ordered backends record and wait on events here).
-    fn begin(&self) -> Result<()> {
-        Ok(())
-    }
-
-    /// Blocks the host until the work already queued on the callers' streams has completed.
-    /// Host memory on a device replica (a CPU op's output, or the target of a device-to-host
-    /// copy on the caller's stream) is reduced by host threads, which no event can order, so
-    /// the executor calls this before touching it, inside the collective's bracket (so its
-    /// TIMEOUT goes through [`Backend::collective_failed`]). A no-op where there are no such
-    /// streams.
-    fn wait_for_callers(&self) -> Result<()> {
-        Ok(())
-    }
-
-    /// Closes a collective: work queued on the callers' streams afterwards waits for it when
-    /// `join` is true. With `join` false the callers go on unhindered (a bucket reduced early by
-    /// `dpsync_grad_ready` while backward continues); a later joined collective makes them wait,
-    /// as its work follows this one on the backend's own streams.
-    fn end(&self, join: bool) -> Result<()> {
-        let _ = join;
-        Ok(())
-    }
-
-    /// A collective opened by [`Backend::begin`] failed with `err`. A stream-ordered backend may
-    /// have queued part of it (events recorded, waits queued, an NCCL group half launched), so
-    /// on a device or transport failure it records the failure and refuses every later
-    /// collective, as after a timeout. Returns the error to report.
-    fn collective_failed(&self, err: Error) -> Error {
-        err
-    }
-
-    /// True when the size of a bucket buys nothing here — no fusion buffer, every replica
-    /// reduced in place (CUDA replicas all on one GPU) — so the executor passes all consecutive
-    /// buckets of one dtype as one: one kernel launch instead of one per bucket.
-    fn in_place(&self) -> bool {
-        false
-    }
-
-    /// Reduces every segment across replicas in place by the plan's `steps`; with
-    /// `ReduceOp::Avg` the sum is divided by `divisor` (replicas in the world).
+    /// Level 1 in place: every member of `group` (in `members`' order, the summation order)
+    /// ends with the sum over the members of each segment, divided by `avg` when given.
     ///
     /// # Safety
-    /// Every pointer is valid for `count` elements of `dtype`, and one segment's replicas do not
-    /// overlap.
-    unsafe fn allreduce(
+    /// Every pointer of the group's members is valid for `count` elements of `dtype`, and one
+    /// segment's replicas do not overlap.
+    unsafe fn reduce(
         &self,
+        group: usize,
+        members: &[usize],
         bucket: &BucketView<'_>,
-        op: ReduceOp,
-        divisor: usize,
-        steps: &[Step],
+        avg: Option<usize>,
     ) -> Result<()>;
 
-    /// Copies every segment from replica `root` to the others.
+    /// Level 1 in place: every member of `group` gets replica `root`'s segments (`root` is a
+    /// member).
     ///
     /// # Safety
-    /// As for [`Backend::allreduce`].
-    unsafe fn broadcast(&self, bucket: &BucketView<'_>, root: usize) -> Result<()>;
+    /// As for [`Backend::reduce`].
+    unsafe fn spread(&self, group: usize, bucket: &BucketView<'_>, root: usize) -> Result<()>;
 
     /// `bytes` zero-filled bytes of library-owned memory on `replica`.
     fn alloc(&self, replica: usize, bytes: usize) -> Result<Allocation>;
 
-    /// Copies `bytes` from `src` on replica `src_replica` to `dst` on replica `dst_replica`.
+    /// Copies `bytes` from `src` on replica `src_replica` to `dst` on replica `dst_replica`, after
+    /// the work already issued that writes the source.
     ///
     /// # Safety
     /// Both ranges are valid on their replicas and do not overlap.
@@ -184,15 +170,20 @@ pub trait Backend: Send {
         bytes: usize,
     ) -> Result<()>;
 
-    /// Runs a batch of copies (skipping empty ones) that are independent: no transfer reads
-    /// memory another one writes. A backend with a collective transport may move the batch in
-    /// one go (NCCL sends and receives in one group) instead of copy by copy.
+    /// `x := x / divisor` for `count` elements of `dtype` at `ptr` on `replica` (f16/bf16
+    /// computed in f32 and rounded once, integers truncated toward zero): sparse gradients, and
+    /// dense buckets summed early by `dpsync_grad_ready`, under DPSYNC_REDUCE_AVG.
     ///
     /// # Safety
-    /// As for [`Backend::copy`], for every transfer.
-    unsafe fn transfer(&self, batch: &[Transfer]) -> Result<()> {
-        copy_each(self, batch)
-    }
+    /// `ptr` is valid for `count` aligned elements of `dtype` on `replica`.
+    unsafe fn divide(
+        &self,
+        replica: usize,
+        dtype: DType,
+        ptr: usize,
+        count: usize,
+        divisor: usize,
+    ) -> Result<()>;
 
     /// BMUF: loads the filter state of one bucket on `replica`. For every span and element i:
     /// `w[i] = params[i]` widened exactly to [`bmuf_state_dtype`]`(dtype)`, and `d[i] = 0`.
@@ -200,10 +191,7 @@ pub trait Backend: Send {
     ///
     /// # Safety
     /// Every span is valid on `replica` as [`BmufSpan`] describes; spans do not overlap.
-    unsafe fn bmuf_load(&self, replica: usize, dtype: DType, spans: &[BmufSpan]) -> Result<()> {
-        let _ = (replica, dtype, spans);
-        Err(bmuf_unavailable(self.name()))
-    }
+    unsafe fn bmuf_load(&self, replica: usize, dtype: DType, spans: &[BmufSpan]) -> Result<()>;
 
     /// BMUF: one filter step over one bucket on `replica`, after the averaging collective has
     /// left the mean over all replicas, `A`, in `params`. Per element, in the state type `S`
@@ -231,10 +219,7 @@ pub trait Backend: Send {
         dtype: DType,
         spans: &[BmufSpan],
         filter: &BmufFilter,
-    ) -> Result<()> {
-        let _ = (replica, dtype, spans, filter);
-        Err(bmuf_unavailable(self.name()))
-    }
+    ) -> Result<()>;
 
     /// Sparse gradients: checks that every index of `check` is in `[0, bound)`; reads only.
     /// A host backend answers now, with [`IndexCheck::error`] for the first index out of range.
@@ -243,114 +228,186 @@ pub trait Backend: Send {
     ///
     /// # Safety
     /// `check.indices` is valid for `rows` aligned elements of its dtype on its replica.
-    unsafe fn check_indices(&self, check: &IndexCheck<'_>) -> Result<()> {
-        let _ = check;
-        Err(Error::new(
-            ErrorKind::Unavailable,
-            format!(
-                "sparse index range checks are not implemented on the {} backend yet",
-                self.name()
-            ),
-        ))
-    }
+    unsafe fn check_indices(&self, check: &IndexCheck<'_>) -> Result<()>;
 
-    /// Sparse gradients: coalesces `slice` on `replica` into new allocations on that replica:
-    /// its indices sorted ascending without duplicates, and for each values array the rows of
-    /// equal indices summed in input order (f16/bf16 accumulated in f32, every output element
-    /// rounded once). Deterministic: the same input gives the same bytes on any replica. The
-    /// result's row count depends on the data (a device backend has to read it back).
+    /// Sparse gradients: coalesces each `(replica, slice)` into new memory of that replica from
+    /// `alloc(replica, bytes)` (of at least the size asked; its contents need not be zero: every
+    /// byte of the result is written): its indices sorted ascending without duplicates, and for
+    /// each values array the rows of equal indices summed in input order (f16/bf16 accumulated in
+    /// f32, every output element rounded once). Deterministic: the same input gives the same
+    /// bytes on any replica. A result's row count depends on the data (a device backend has to
+    /// read it back). The results are in the order of `slices`; a backend may work on them at
+    /// once (the host sorts on several threads).
     ///
     /// # Safety
-    /// The slice's pointers are valid on `replica` for `rows` aligned indices and rows.
-    unsafe fn coalesce(&self, replica: usize, slice: &SliceRef<'_>) -> Result<Coalesced> {
-        self.coalesce_into(replica, slice, &mut |bytes| self.alloc(replica, bytes))
-    }
-
-    /// [`Backend::coalesce`], with the result's memory from `alloc` (memory of `replica`, of at
-    /// least the size asked; its contents need not be zero: every byte of the result is written).
-    ///
-    /// # Safety
-    /// As for [`Backend::coalesce`].
-    unsafe fn coalesce_into(
-        &self,
-        replica: usize,
-        slice: &SliceRef<'_>,
-        alloc: &mut dyn FnMut(usize) -> Result<Allocation>,
-    ) -> Result<Coalesced> {
-        let _ = (replica, slice, alloc);
-        Err(Error::new(
-            ErrorKind::Unavailable,
-            format!(
-                "sparse coalescing is not implemented on the {} backend yet",
-                self.name()
-            ),
-        ))
-    }
-
-    /// [`Backend::coalesce_into`] for several slices, each `(replica, slice)`, with `alloc(replica,
-    /// bytes)` for the results: a backend may work on them at once (the host sorts on several
-    /// threads). The results are in the order of `slices`.
-    ///
-    /// # Safety
-    /// As for [`Backend::coalesce`], for every slice.
-    unsafe fn coalesce_many(
+    /// Every slice's pointers are valid on its replica for `rows` aligned indices and rows.
+    unsafe fn coalesce(
         &self,
         slices: &[(usize, SliceRef<'_>)],
         alloc: &mut dyn FnMut(usize, usize) -> Result<Allocation>,
-    ) -> Result<Vec<Coalesced>> {
-        (slices.iter())
-            .map(|(r, s)| self.coalesce_into(*r, s, &mut |bytes| alloc(*r, bytes)))
-            .collect()
-    }
-
-    /// `x := x / divisor` for `count` elements of `dtype` at `ptr` on `replica` (f16/bf16
-    /// computed in f32 and rounded once, integers truncated toward zero): sparse gradients, and
-    /// dense buckets summed early by `dpsync_grad_ready`, under DPSYNC_REDUCE_AVG.
-    ///
-    /// # Safety
-    /// `ptr` is valid for `count` aligned elements of `dtype` on `replica`.
-    unsafe fn divide(
-        &self,
-        replica: usize,
-        dtype: DType,
-        ptr: usize,
-        count: usize,
-        divisor: usize,
-    ) -> Result<()> {
-        let _ = (replica, dtype, ptr, count, divisor);
-        Err(Error::new(
-            ErrorKind::Unavailable,
-            format!(
-                "sparse averaging is not implemented on the {} backend yet",
-                self.name()
-            ),
-        ))
-    }
+    ) -> Result<Vec<Coalesced>>;
 
     /// Waits for every operation issued so far.
     fn synchronize(&self) -> Result<()>;
 
-    /// What `dpsync_describe` shows of this backend under "backend".
-    fn describe(&self) -> serde_json::Value;
+    /// The stream hooks of a backend whose work is queued on device streams; `None` where work
+    /// is done when a call returns (the host).
+    fn streams(&self) -> Option<&dyn Streams>;
+
+    /// [`Backend::streams`], to change a replica's stream.
+    fn streams_mut(&mut self) -> Option<&mut dyn Streams>;
+
+    /// The level-2 primitives of a backend whose groups are separate devices; `None` where every
+    /// replica is in one group's memory (the host).
+    fn links(&self) -> Option<&dyn Links>;
 }
 
-/// [`Backend::transfer`] as one [`Backend::copy`] per non-empty transfer.
-///
-/// # Safety
-/// As for [`Backend::transfer`].
-unsafe fn copy_each<B: Backend + ?Sized>(backend: &B, batch: &[Transfer]) -> Result<()> {
-    for t in batch.iter().filter(|t| t.bytes > 0) {
-        backend.copy(t.src_replica, t.src, t.dst_replica, t.dst, t.bytes)?;
+/// The stream protocol of a device backend: the executor brackets every collective with
+/// [`Streams::begin`] and [`Streams::end`], so that its work runs after what the callers queued
+/// before it and what they queue afterwards runs after it.
+pub(crate) trait Streams {
+    /// Which memory `ptr` (registered on `replica`) is in.
+    fn memory_of(&self, replica: usize, ptr: usize) -> Result<Memory>;
+
+    /// The caller's stream (a `CUstream`, 0 = legacy default stream) for `replica`.
+    fn set_stream(&mut self, replica: usize, stream: usize) -> Result<()>;
+
+    /// Opens a collective: the work issued until [`Streams::end`] runs after the work already
+    /// queued on the callers' streams.
+    fn begin(&self) -> Result<()>;
+
+    /// Blocks the host until the work already queued on the callers' streams has completed.
+    /// Host memory on a device replica (a CPU op's output, or the target of a device-to-host
+    /// copy on the caller's stream) is reduced by host threads, which no event can order, so
+    /// the executor calls this before touching it, inside the collective's bracket (so its
+    /// TIMEOUT goes through [`Streams::collective_failed`]).
+    fn wait_for_callers(&self) -> Result<()>;
+
+    /// Closes a collective: work queued on the callers' streams afterwards waits for it when
+    /// `join` is true. With `join` false the callers go on unhindered (a bucket reduced early by
+    /// `dpsync_grad_ready` while backward continues); a later joined collective makes them wait,
+    /// as its work follows this one on the backend's own streams.
+    fn end(&self, join: bool) -> Result<()>;
+
+    /// A collective opened by [`Streams::begin`] failed with `err`. Part of it may be queued
+    /// (events recorded, waits queued, an NCCL group half launched), so on a device or transport
+    /// failure the backend records the failure and refuses every later collective, as after a
+    /// timeout. Returns the error to report.
+    fn collective_failed(&self, err: Error) -> Error;
+}
+
+/// Level 2: moving and combining buffers between the groups of a backend whose groups are
+/// separate devices. Work on one group is queued in order on that group's stream; work that
+/// reads another group's memory is ordered after it by [`Links::order`].
+pub(crate) trait Links {
+    /// The group's fusion or staging buffer, at least `bytes` long, reused by every collective
+    /// (contents undefined).
+    fn buffer(&self, group: usize, slot: Slot, bytes: usize) -> Result<u64>;
+
+    /// The kernels' view of `bucket` over `members` of `group` (made once per layout, then
+    /// cached).
+    fn layout(&self, group: usize, bucket: &BucketView<'_>, members: Members) -> Result<Layout>;
+
+    /// Level 1 up: `buffer := Σ members` (or the one member's copy), segment after segment.
+    ///
+    /// # Safety
+    /// `buffer` holds the bucket; `layout` was made for it with the same `members`.
+    unsafe fn pack(
+        &self,
+        group: usize,
+        bucket: &BucketView<'_>,
+        layout: Layout,
+        buffer: u64,
+    ) -> Result<()>;
+
+    /// Level 1 down: every member of `group` gets `buffer` (divided by `avg` when given).
+    ///
+    /// # Safety
+    /// As for [`Links::pack`], with a layout of every member.
+    unsafe fn unpack(
+        &self,
+        group: usize,
+        bucket: &BucketView<'_>,
+        layout: Layout,
+        buffer: u64,
+        avg: Option<usize>,
+    ) -> Result<()>;
+
+    /// `dst := dst + src` for `count` elements of `dtype`, on `group`'s device; `src` is
+    /// `group`'s memory or memory of a group it has peer access to.
+    ///
+    /// # Safety
+    /// Both ranges hold `count` elements.
+    unsafe fn add(
+        &self,
+        group: usize,
+        dtype: DType,
+        dst: u64,
+        src: u64,
+        count: usize,
+    ) -> Result<()>;
+
+    /// Copies `bytes` from `src` on `src_group` to `dst` on `dst_group`, queued on `dst_group`'s
+    /// stream (staged by the driver where the pair has no peer access). Not ordered by itself:
+    /// [`Links::order`] first.
+    ///
+    /// # Safety
+    /// Both ranges hold `bytes`.
+    unsafe fn copy_between(
+        &self,
+        src_group: usize,
+        src: u64,
+        dst_group: usize,
+        dst: u64,
+        bytes: usize,
+    ) -> Result<()>;
+
+    /// Makes `to`'s stream wait for the work queued so far on `from`'s.
+    fn order(&self, from: usize, to: usize) -> Result<()>;
+
+    /// The grouped collective transport (NCCL), when the backend has one.
+    fn collective(&self) -> Option<&dyn Collective>;
+}
+
+/// One grouped call over every group at once (NCCL: a rank per group, launched in one group).
+/// A failure may leave part of it queued: the backend fails the context before returning it.
+pub(crate) trait Collective {
+    /// `buffers[g] := Σ buffers` for `count` elements of `dtype`, on every group.
+    fn allreduce(&self, dtype: DType, count: usize, buffers: &[u64]) -> Result<()>;
+
+    /// `buffers[g] := buffers[root]` for `count` elements of `dtype`.
+    fn broadcast(&self, dtype: DType, count: usize, root: usize, buffers: &[u64]) -> Result<()>;
+
+    /// Every move as a send and a receive, all in one group.
+    fn send_recv(&self, moves: &[Move]) -> Result<()>;
+}
+
+/// What [`open`] found: the topology (built once, with what the devices told) and the backend
+/// of the replicas' memory.
+pub(crate) struct Opened {
+    pub topology: Topology,
+    pub backend: Box<dyn Backend>,
+}
+
+/// Opens the backend of `options`' replicas: the host's, or CUDA's with the peer access and the
+/// transport its devices allow. The one place the topology is built for a live context.
+pub(crate) fn open(options: &Options) -> Result<Opened> {
+    let mut topology = Topology::from_options(options)?;
+    if !options.has_cuda_replicas() {
+        return Ok(Opened {
+            topology,
+            backend: Box::new(host::HostBackend::new()),
+        });
     }
-    Ok(())
-}
-
-/// What a backend without the BMUF primitives answers.
-fn bmuf_unavailable(backend: &str) -> Error {
-    Error::new(
-        ErrorKind::Unavailable,
-        format!("BMUF is not implemented on the {backend} backend yet"),
-    )
+    let groups = crate::plan::device_groups(&topology);
+    let opened = cuda::CudaBackend::open(options, &groups)?;
+    topology.detected(options, opened.peer);
+    topology.transport = opened.transport;
+    topology.transport_reason = opened.reason;
+    Ok(Opened {
+        topology,
+        backend: Box::new(opened.backend),
+    })
 }
 
 #[cfg(test)]

@@ -150,7 +150,7 @@ impl Context {
             // SAFETY: registered memory stays valid while registered (the C contract).
             unsafe {
                 self.executor
-                    .allreduce_early(&bucket, &tensors, op, self.divisor(), &plan)?
+                    .allreduce_early(&bucket, &tensors, op, self.divisor())?
             };
             self.overlap.reduced[b] = true;
         }

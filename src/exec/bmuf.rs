@@ -17,7 +17,7 @@ use serde_json::json;
 use super::{buckets_for, Executor};
 use crate::backend::{bmuf_state_dtype, Allocation, BmufFilter, BmufSpan};
 use crate::error::{Error, ErrorKind, Result};
-use crate::plan::{Bucket, Plan};
+use crate::plan::Bucket;
 use crate::registry::{Snapshot, TensorView};
 use crate::types::{ReduceOp, Role};
 
@@ -254,7 +254,7 @@ impl Executor {
     /// # Safety
     /// As for [`Executor::bmuf_init`]; `bmuf` matches the registry
     /// ([`BmufState::check_params`]).
-    pub unsafe fn bmuf_step(&self, bmuf: &BmufState, divisor: usize, plan: &Plan) -> Result<()> {
+    pub unsafe fn bmuf_step(&self, bmuf: &BmufState, divisor: usize) -> Result<()> {
         let tensors: Vec<&TensorView> = bmuf.params.iter().collect();
         // One collective: on CUDA each bucket's update kernels follow its averaging in stream
         // order, and the callers' streams wait for the last of them.
@@ -265,7 +265,6 @@ impl Executor {
                     &tensors,
                     ReduceOp::Avg,
                     divisor,
-                    plan,
                 )?;
                 let backend = self.backend_to_touch(bucket.memory)?;
                 for r in 0..bmuf.replicas() {
@@ -280,75 +279,6 @@ impl Executor {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::host::HostBackend;
-    use crate::backend::{Backend, BucketView};
-    use crate::plan::Step;
-
-    /// A backend with every primitive but the BMUF ones (their trait defaults), as a new GPU
-    /// backend starts out.
-    struct NoBmuf(HostBackend);
-
-    impl Backend for NoBmuf {
-        fn name(&self) -> &'static str {
-            "test"
-        }
-        unsafe fn allreduce(
-            &self,
-            bucket: &BucketView<'_>,
-            op: ReduceOp,
-            divisor: usize,
-            steps: &[Step],
-        ) -> Result<()> {
-            self.0.allreduce(bucket, op, divisor, steps)
-        }
-        unsafe fn broadcast(&self, bucket: &BucketView<'_>, root: usize) -> Result<()> {
-            self.0.broadcast(bucket, root)
-        }
-        fn alloc(&self, replica: usize, bytes: usize) -> Result<Allocation> {
-            self.0.alloc(replica, bytes)
-        }
-        unsafe fn copy(&self, a: usize, src: usize, b: usize, dst: usize, n: usize) -> Result<()> {
-            self.0.copy(a, src, b, dst, n)
-        }
-        fn synchronize(&self) -> Result<()> {
-            Ok(())
-        }
-        fn describe(&self) -> serde_json::Value {
-            json!({"name": "test"})
-        }
-    }
-
-    #[test]
-    fn a_backend_without_the_primitives_is_unavailable_before_any_byte_changes() {
-        let executor = Executor::new(Some(Box::new(NoBmuf(HostBackend::new()))));
-        let mut replicas = [vec![1.0f32; 8], vec![2.0f32; 8]];
-        let view = TensorView {
-            name: "w".into(),
-            role: Role::Param,
-            dtype: crate::types::DType::F32,
-            count: 8,
-            // "Device" memory of the test backend (host memory would go to the host backend).
-            memory: crate::types::Memory::Device,
-            ptrs: replicas
-                .iter_mut()
-                .map(|r| r.as_mut_ptr() as usize)
-                .collect(),
-        };
-        let f = filter(1.0, -1.0, false, 2).unwrap();
-        let err = unsafe { executor.bmuf_init(f, &[&view], 0, 1 << 20) }
-            .err()
-            .unwrap();
-        assert_eq!(err.kind, ErrorKind::Unavailable);
-        assert_eq!(
-            err.message,
-            "BMUF is not implemented on the test backend yet"
-        );
-        assert_eq!(
-            replicas,
-            [vec![1.0f32; 8], vec![2.0f32; 8]],
-            "nothing broadcast"
-        );
-    }
 
     #[test]
     fn negative_momentum_selects_one_minus_one_over_n() {

@@ -1,31 +1,39 @@
-//! Algorithms, written once over the [`Backend`] primitives: dense allreduce by buckets,
-//! broadcast, average; BMUF in [`bmuf`]. Inputs are validated before they get here (registry and plan); the
-//! executor only turns plan data into backend calls.
+//! Algorithms, written once over the [`Backend`] primitives: dense allreduce and broadcast by
+//! buckets over the plan's [`Levels`] (in [`dense`]), average, the sparse gather (in
+//! [`sparse`], moving bytes by [`transfer`]) and BMUF (in [`bmuf`]). Inputs are validated
+//! before they get here (registry and plan); the executor only turns plan data into backend
+//! calls.
 //!
-//! A context has one backend for its replicas' memory (host threads, or CUDA) and, on CUDA
-//! replicas, a host backend for tensors that live in host memory (CPU ops in a GPU model).
+//! A context has one backend for its replicas' memory (host threads, or CUDA) and, where that
+//! backend is stream-ordered ([`Backend::streams`]), a host backend for tensors that live in
+//! host memory (CPU ops in a GPU model).
 
 pub mod bmuf;
+mod dense;
 mod sparse;
+mod transfer;
 
-pub use sparse::{GradientStats, SparseOutputs, SparseStats};
+pub use sparse::{SparseOutputs, SparseStats};
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use parking_lot::Mutex;
 
 use crate::backend::host::HostBackend;
-use crate::backend::{Allocation, Backend, BucketView, Segment};
-use crate::error::Result;
-use crate::plan::{plan_buckets, Bucket, Plan};
+use crate::backend::{Allocation, Backend, BucketView, Segment, Streams};
+use crate::error::{Error, Result};
+use crate::plan::{plan_buckets, Bucket, Levels, Topology};
 use crate::registry::TensorView;
 use crate::types::{Memory, ReduceOp};
 
 pub struct Executor {
     /// The backend of the replicas' own memory.
     backend: Box<dyn Backend>,
-    /// Host-memory tensors on device replicas; `None` when `backend` is already the host's.
-    host: Option<HostBackend>,
+    /// Its levels (from the context's topology, as the backend's groups are).
+    levels: Levels,
+    /// Host-memory tensors on stream-ordered replicas, with their levels (one group); `None`
+    /// when `backend` is already the host's.
+    host: Option<(HostBackend, Levels)>,
     /// A `begin`/`end` bracket is open: work inside it needs no bracket of its own.
     in_bracket: AtomicBool,
     /// Sparse outputs no longer valid, kept for the next gather to write into (by replica).
@@ -64,8 +72,9 @@ fn buckets_for(tensors: &[&TensorView], fusion_bytes: usize) -> Vec<Bucket> {
     plan_buckets(items, fusion_bytes)
 }
 
-/// `buckets` with every run of consecutive device buckets of one dtype joined into one
-/// ([`Backend::in_place`]); host buckets as they are.
+/// `buckets` with every run of consecutive device buckets of one dtype joined into one (device
+/// memory reduced in place: a bucket's size buys nothing there, one launch does it all); host
+/// buckets as they are.
 fn merge_device_buckets(buckets: &[Bucket]) -> Vec<Bucket> {
     let mut out: Vec<Bucket> = Vec::with_capacity(buckets.len());
     for b in buckets {
@@ -84,15 +93,23 @@ fn merge_device_buckets(buckets: &[Bucket]) -> Vec<Bucket> {
     out
 }
 
+/// The backend of one kind of memory and its levels.
+#[derive(Clone, Copy)]
+struct Site<'a> {
+    backend: &'a dyn Backend,
+    levels: &'a Levels,
+}
+
 impl Executor {
-    /// `device` is the backend of CUDA replicas; `None` for host replicas.
-    pub fn new(device: Option<Box<dyn Backend>>) -> Executor {
-        let (backend, host) = match device {
-            Some(backend) => (backend, Some(HostBackend::new())),
-            None => (Box::new(HostBackend::new()) as Box<dyn Backend>, None),
-        };
+    /// `backend` and `topology` as [`crate::backend::open`] gave them.
+    pub(crate) fn new(backend: Box<dyn Backend>, topology: &Topology) -> Executor {
+        let host = backend.streams().is_some().then(|| {
+            let host = HostBackend::new();
+            (host, Levels::new(&topology.for_host_memory()))
+        });
         Executor {
             backend,
+            levels: Levels::new(topology),
             host,
             in_bracket: AtomicBool::new(false),
             spare_outputs: Mutex::new(Vec::new()),
@@ -101,84 +118,115 @@ impl Executor {
 
     pub fn describe_backend(&self) -> serde_json::Value {
         let mut json = self.backend.describe();
-        if let Some(host) = &self.host {
+        if let Some((host, _)) = &self.host {
             json["host_memory"] = host.describe();
         }
         json
     }
 
+    /// The stream hooks, on a stream-ordered backend.
+    fn streams(&self) -> Option<&dyn Streams> {
+        self.backend.streams()
+    }
+
     pub fn memory_of(&self, replica: usize, ptr: usize) -> Result<Memory> {
-        self.backend.memory_of(replica, ptr)
+        self.streams()
+            .map_or(Ok(Memory::Host), |s| s.memory_of(replica, ptr))
     }
 
     pub fn set_stream(&mut self, replica: usize, stream: usize) -> Result<()> {
-        self.backend.set_stream(replica, stream)
+        match self.backend.streams_mut() {
+            Some(streams) => streams.set_stream(replica, stream),
+            None => Err(Error::invalid(format!(
+                "replica {replica} is a host replica: streams belong to CUDA replicas"
+            ))),
+        }
     }
 
     /// Runs `work` between the backend's `begin` and `end` when it touches device memory, so
     /// that it is ordered with the callers' streams; host work needs no bracket, and neither
     /// does work inside an open one ([`Executor::bracket`]).
     fn collective(&self, buckets: &[Bucket], work: impl FnOnce() -> Result<()>) -> Result<()> {
-        let device = self.host.is_some() && buckets.iter().any(|b| b.memory == Memory::Device);
-        if !device {
+        if !buckets.iter().any(|b| b.memory == Memory::Device) {
             return work();
         }
         self.bracket(work)
     }
 
-    /// Runs `work` as one collective of a device context: the backend's `begin` before it,
-    /// `end` after it (even after a failure: the callers' streams must not wait forever). The
-    /// collectives `work` issues join this bracket. Host contexts run `work` as it is.
+    /// Runs `work` as one collective of a stream-ordered backend: its `begin` before it, `end`
+    /// after it (even after a failure: the callers' streams must not wait forever). The
+    /// collectives `work` issues join this bracket. Elsewhere `work` runs as it is.
     pub fn bracket<T>(&self, work: impl FnOnce() -> Result<T>) -> Result<T> {
         self.bracket_joined(true, work)
     }
 
     /// [`Executor::bracket`]; with `join` false the callers' streams do not wait for `work`
-    /// ([`Backend::end`]).
+    /// ([`Streams::end`]).
     fn bracket_joined<T>(&self, join: bool, work: impl FnOnce() -> Result<T>) -> Result<T> {
-        if self.host.is_none() || self.in_bracket.load(Ordering::Relaxed) {
+        let Some(streams) = self.streams() else {
+            return work();
+        };
+        if self.in_bracket.load(Ordering::Relaxed) {
             return work();
         }
-        let failed = |e| self.backend.collective_failed(e);
-        self.backend.begin().map_err(failed)?;
+        let failed = |e| streams.collective_failed(e);
+        streams.begin().map_err(failed)?;
         self.in_bracket.store(true, Ordering::Relaxed);
         let result = {
             let _open = Open(&self.in_bracket);
             work()
         };
         // Mapped whatever `work` gave: a failed `end` alone may leave the callers unjoined.
-        let closed = self.backend.end(join).map_err(failed);
+        let closed = streams.end(join).map_err(failed);
         let value = result.map_err(failed)?;
         closed?;
         Ok(value)
     }
 
-    /// The backend for memory of `memory`'s kind.
-    fn backend_for(&self, memory: Memory) -> &dyn Backend {
+    /// The backend and levels of memory of `memory`'s kind.
+    fn site(&self, memory: Memory) -> Site<'_> {
         match (memory, &self.host) {
-            (Memory::Host, Some(host)) => host,
-            _ => self.backend.as_ref(),
+            (Memory::Host, Some((host, levels))) => Site {
+                backend: host,
+                levels,
+            },
+            _ => Site {
+                backend: self.backend.as_ref(),
+                levels: &self.levels,
+            },
         }
     }
 
+    /// The backend for memory of `memory`'s kind.
+    fn backend_for(&self, memory: Memory) -> &dyn Backend {
+        self.site(memory).backend
+    }
+
     /// Whether touching memory of `memory`'s kind makes the host wait for the callers' streams
-    /// (host tensors on device replicas: [`Executor::backend_to_touch`]).
+    /// (host tensors on device replicas: [`Executor::site_to_touch`]).
     pub fn touching_waits(&self, memory: Memory) -> bool {
         memory == Memory::Host && self.host.is_some()
     }
 
-    /// The backend to read or write memory of `memory`'s kind now. Host memory on device
-    /// replicas is touched by the host at once, so the host first waits for the work the
-    /// callers queued before this call (it may be what writes that memory): the collective
-    /// then starts after it, as the stream contract promises.
-    fn backend_to_touch(&self, memory: Memory) -> Result<&dyn Backend> {
+    /// The site to read or write memory of `memory`'s kind now. Host memory on device replicas
+    /// is touched by the host at once, so the host first waits for the work the callers queued
+    /// before this call (it may be what writes that memory): the collective then starts after
+    /// it, as the stream contract promises.
+    fn site_to_touch(&self, memory: Memory) -> Result<Site<'_>> {
         if self.touching_waits(memory) {
-            self.backend.wait_for_callers()?;
+            if let Some(streams) = self.streams() {
+                streams.wait_for_callers()?;
+            }
         }
-        Ok(self.backend_for(memory))
+        Ok(self.site(memory))
     }
 
-    /// Reduces `buckets` (indices into `tensors`) in order, by the plan's programs.
+    /// [`Executor::site_to_touch`]'s backend.
+    fn backend_to_touch(&self, memory: Memory) -> Result<&dyn Backend> {
+        Ok(self.site_to_touch(memory)?.backend)
+    }
+
+    /// Reduces `buckets` (indices into `tensors`) in order, level by level.
     ///
     /// # Safety
     /// Every registered pointer is valid (the C contract makes that the caller's duty).
@@ -188,27 +236,19 @@ impl Executor {
         tensors: &[&TensorView],
         op: ReduceOp,
         divisor: usize,
-        plan: &Plan,
     ) -> Result<()> {
         let merged;
-        let buckets = if self.backend.in_place() {
+        let buckets = if self.levels.in_place() {
             merged = merge_device_buckets(buckets);
             &merged
         } else {
             buckets
         };
+        let avg = (op == ReduceOp::Avg && divisor > 1).then_some(divisor);
         self.collective(buckets, || {
             for bucket in buckets {
-                let steps = match (bucket.memory, &self.host) {
-                    (Memory::Host, Some(_)) => &plan.host_allreduce,
-                    _ => &plan.allreduce,
-                };
-                self.backend_to_touch(bucket.memory)?.allreduce(
-                    &view(bucket, tensors),
-                    op,
-                    divisor,
-                    steps,
-                )?;
+                let site = self.site_to_touch(bucket.memory)?;
+                dense::allreduce(site, &view(bucket, tensors), avg)?;
             }
             Ok(())
         })
@@ -226,11 +266,10 @@ impl Executor {
         tensors: &[&TensorView],
         op: ReduceOp,
         divisor: usize,
-        plan: &Plan,
     ) -> Result<()> {
         let bucket = std::slice::from_ref(bucket);
         self.bracket_joined(false, || {
-            self.allreduce_buckets(bucket, tensors, op, divisor, plan)
+            self.allreduce_buckets(bucket, tensors, op, divisor)
         })
     }
 
@@ -243,11 +282,10 @@ impl Executor {
         tensors: &[&TensorView],
         op: ReduceOp,
         divisor: usize,
-        plan: &Plan,
         fusion_bytes: usize,
     ) -> Result<()> {
         let buckets = buckets_for(tensors, fusion_bytes);
-        self.allreduce_buckets(&buckets, tensors, op, divisor, plan)
+        self.allreduce_buckets(&buckets, tensors, op, divisor)
     }
 
     /// `x := x / divisor` for every replica's copy of `tensors` (gradients summed earlier,
@@ -281,8 +319,8 @@ impl Executor {
         let buckets = buckets_for(tensors, fusion_bytes);
         self.collective(&buckets, || {
             for bucket in &buckets {
-                self.backend_to_touch(bucket.memory)?
-                    .broadcast(&view(bucket, tensors), root)?;
+                let site = self.site_to_touch(bucket.memory)?;
+                dense::broadcast(site, &view(bucket, tensors), root)?;
             }
             Ok(())
         })

@@ -1,7 +1,7 @@
 //! The sparse gather, written once over [`Backend`](crate::backend::Backend) primitives (`alloc`,
-//! `transfer`, and for coalescing, range checks and AVG the sparse primitives), so a device
-//! backend runs the same algorithm. Each phase's moves go to the backend as one transfer batch
-//! (the CUDA backend over NCCL makes it one group of sends and receives).
+//! `copy`, and for coalescing, range checks and AVG the sparse primitives), so a device backend
+//! runs the same algorithm. Each phase's moves are one transfer batch ([`transfer`]: over NCCL,
+//! one group of sends and receives).
 //!
 //! - Plain: every replica's rows are copied, in world order, into a new allocation on every
 //!   replica; slices sharing an index buffer (plan's [`IndexGroup`]) gather their indices once.
@@ -15,10 +15,9 @@
 
 use std::collections::HashMap;
 
+use super::transfer::{transfer, Transfer};
 use super::Executor;
-use crate::backend::{
-    size_class, Allocation, Coalesced, IndexCheck, SliceRef, Transfer, ValuesRef,
-};
+use crate::backend::{size_class, Allocation, Coalesced, IndexCheck, SliceRef, ValuesRef};
 use crate::error::{Error, ErrorKind, Result};
 use crate::plan::sparse::{world_offsets, IndexGroup};
 use crate::registry::sparse::SparseInput;
@@ -137,6 +136,14 @@ fn values_refs(members: &[&SparseInput], ptrs: impl Iterator<Item = usize>) -> V
         .collect()
 }
 
+/// A backend's coalescing returned fewer results than slices (a defect, reported, not unwound).
+fn short_result(backend: &str, got: usize, want: usize) -> Error {
+    Error::new(
+        ErrorKind::Backend,
+        format!("internal: {backend} backend coalesced {got} of {want} slices"),
+    )
+}
+
 impl Executor {
     /// Takes back the outputs of a step that are no longer valid (replaced by a newer step, or
     /// never installed because the step failed) for the next gather to write into: outputs are
@@ -176,11 +183,10 @@ impl Executor {
         }
     }
 
-    /// Runs `batch` (one [`Backend::transfer`](crate::backend::Backend::transfer)) and counts
-    /// its bytes.
+    /// Runs `batch` ([`transfer`]) and counts its bytes.
     unsafe fn transfer_counted(&self, moved: &mut usize, batch: &[Transfer]) -> Result<()> {
         *moved += batch.iter().map(|t| t.bytes).sum::<usize>();
-        self.backend.transfer(batch)
+        transfer(self.backend.as_ref(), &self.levels, batch)
     }
 
     /// The validation that needs the replicas' memory: every index of a gradient registered
@@ -369,16 +375,12 @@ impl Executor {
             })
             .collect();
         let coalesced =
-            (self.backend).coalesce_many(&slices, &mut |r, bytes| self.alloc_output(r, bytes))?;
+            (self.backend).coalesce(&slices, &mut |r, bytes| self.alloc_output(r, bytes))?;
         if coalesced.len() != slices.len() {
-            return Err(Error::new(
-                ErrorKind::Backend,
-                format!(
-                    "internal: {} backend coalesced {} of {} slices",
-                    self.backend.name(),
-                    coalesced.len(),
-                    slices.len()
-                ),
+            return Err(short_result(
+                self.backend.name(),
+                coalesced.len(),
+                slices.len(),
             ));
         }
         let mut coalesced = coalesced.into_iter();
@@ -432,9 +434,12 @@ impl Executor {
                 rows: total,
                 values: &refs,
             };
-            let result = self
-                .backend
-                .coalesce_into(ROOT, &gathered, &mut |bytes| self.alloc_output(ROOT, bytes))?;
+            let result = (self.backend)
+                .coalesce(&[(ROOT, gathered)], &mut |r, bytes| {
+                    self.alloc_output(r, bytes)
+                })?
+                .pop()
+                .ok_or_else(|| short_result(self.backend.name(), 0, 1))?;
             scratch.push((ROOT, indices));
             scratch.extend(values.into_iter().map(|v| (ROOT, v)));
             Some(result)

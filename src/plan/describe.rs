@@ -2,7 +2,7 @@
 
 use serde_json::{json, Value};
 
-use super::{Plan, Topology};
+use super::{Levels, Plan, Topology};
 use crate::registry::Snapshot;
 
 /// The JSON object; a live context adds what its backend reports under "backend".
@@ -59,6 +59,7 @@ pub fn describe(
         "tensors": snapshot.tensors.len(),
         "buckets": buckets,
         "steps": steps,
+        "levels": Levels::new(topology).describe(),
         "problems": problems,
     });
     if let Some(detected) = &topology.peer_detected {

@@ -5,14 +5,16 @@
 
 mod buckets;
 mod describe;
+mod levels;
 pub mod sparse;
 mod steps;
 mod topology;
 
 pub use buckets::{plan_buckets, Bucket};
 pub use describe::describe;
+pub use levels::{Across, Levels};
 pub use steps::{allreduce_steps, device_groups, Step, StepOp, Via};
-pub use topology::{PeerSource, Topology, TransportChoice};
+pub use topology::{Topology, TransportChoice};
 
 use crate::registry::Snapshot;
 use crate::types::Role;
@@ -27,8 +29,6 @@ pub struct Plan {
     /// The reduction program for one allreduce of device memory (same for every bucket and
     /// tensor); on host replicas, the host program.
     pub allreduce: Vec<Step>,
-    /// The program for host-memory tensors (on CUDA replicas too: CPU ops in a GPU model).
-    pub host_allreduce: Vec<Step>,
 }
 
 impl Plan {
@@ -44,7 +44,6 @@ impl Plan {
             generation: snapshot.generation,
             buckets: plan_buckets(grads, fusion_bytes),
             allreduce: allreduce_steps(topology),
-            host_allreduce: allreduce_steps(&topology.for_host_memory()),
         }
     }
 }

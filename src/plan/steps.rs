@@ -236,7 +236,7 @@ mod tests {
         if let Some(m) = peer {
             o.set_peer_access(m, ordinals.len()).unwrap();
         }
-        Topology::from_options(&o, None).unwrap()
+        Topology::from_options(&o).unwrap()
     }
 
     #[test]
@@ -246,7 +246,7 @@ mod tests {
             o.set_cuda_replicas(&[0, 0, 1]).unwrap();
             o.transport = transport;
             o.nccl_rank_per_replica = true;
-            let t = Topology::from_options(&o, None).unwrap();
+            let t = Topology::from_options(&o).unwrap();
             let steps = allreduce_steps(&t);
             let ranks: Vec<usize> = steps
                 .iter()
@@ -406,7 +406,7 @@ mod tests {
     fn host_program_sums_in_replica_order_then_copies() {
         let mut o = Options::default();
         o.set_host_replicas(3).unwrap();
-        let steps = allreduce_steps(&Topology::from_options(&o, None).unwrap());
+        let steps = allreduce_steps(&Topology::from_options(&o).unwrap());
         let ops: Vec<_> = steps.iter().map(|s| (s.op, s.src, s.dst)).collect();
         assert_eq!(
             ops,
@@ -420,6 +420,6 @@ mod tests {
         assert!(steps.iter().all(|s| s.via == Via::Host));
         simulate(&steps, 3);
         o.set_host_replicas(1).unwrap();
-        assert!(allreduce_steps(&Topology::from_options(&o, None).unwrap()).is_empty());
+        assert!(allreduce_steps(&Topology::from_options(&o).unwrap()).is_empty());
     }
 }

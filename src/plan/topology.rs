@@ -67,30 +67,19 @@ pub struct Topology {
 }
 
 impl Topology {
-    /// The topology the options describe. `detected` is a live context's peer matrix; `None` is
-    /// a dry run that touches no device.
-    pub fn from_options(options: &Options, detected: Option<Vec<u8>>) -> Result<Topology> {
+    /// The topology the options describe, before any device is asked: without an override,
+    /// no pair of distinct GPUs is assumed to have peer access (a live context then takes in
+    /// what the devices say, [`Topology::detected`]).
+    pub fn from_options(options: &Options) -> Result<Topology> {
         options.validate()?;
         let devices = options.replicas.clone();
         let n = devices.len();
         let cuda = options.has_cuda_replicas();
-        let peer_detected = detected
-            .clone()
-            .filter(|_| options.peer_access.is_some() && cuda);
-        let (mut peer, peer_source) = match (&options.peer_access, detected, cuda) {
-            (Some(m), _, _) => (m.clone(), PeerSource::Override),
-            (None, _, false) => (vec![1; n * n], PeerSource::Host),
-            (None, Some(m), true) => (m, PeerSource::Detected),
-            (None, None, true) => (vec![0; n * n], PeerSource::Assumed),
+        let (peer, peer_source) = match (&options.peer_access, cuda) {
+            (Some(m), _) => (m.clone(), PeerSource::Override),
+            (None, false) => (vec![1; n * n], PeerSource::Host),
+            (None, true) => (vec![0; n * n], PeerSource::Assumed),
         };
-        // A device always reads its own memory, whatever a matrix says.
-        for i in 0..n {
-            for j in 0..n {
-                if devices[i] == devices[j] {
-                    peer[i * n + j] = 1;
-                }
-            }
-        }
         let (transport, transport_reason) = match (options.transport, cuda) {
             (_, false) => (
                 TransportChoice::Host,
@@ -114,17 +103,44 @@ impl Topology {
         } else {
             transport_reason
         };
-        Ok(Topology {
+        let mut topology = Topology {
             devices,
             peer,
             peer_source,
-            peer_detected,
+            peer_detected: None,
             transport,
             transport_reason,
             rank: 0,
             world_size: 1,
             rank_per_replica,
-        })
+        };
+        topology.own_devices_readable();
+        Ok(topology)
+    }
+
+    /// Takes in a live context's `detected` peer matrix (replica by replica): it becomes the
+    /// matrix unless `options` override it, and is then shown beside the override.
+    pub fn detected(&mut self, options: &Options, detected: Vec<u8>) {
+        match options.peer_access {
+            Some(_) => self.peer_detected = Some(detected),
+            None => {
+                self.peer = detected;
+                self.peer_source = PeerSource::Detected;
+            }
+        }
+        self.own_devices_readable();
+    }
+
+    /// A device always reads its own memory, whatever a matrix says.
+    fn own_devices_readable(&mut self) {
+        let n = self.replicas();
+        for i in 0..n {
+            for j in 0..n {
+                if self.devices[i] == self.devices[j] {
+                    self.peer[i * n + j] = 1;
+                }
+            }
+        }
     }
 
     /// The same replicas seen as one address space: how host-memory tensors are reduced.
@@ -164,7 +180,7 @@ mod tests {
         let mut o = Options::default();
         o.set_cuda_replicas(&[0, 0, 1]).unwrap();
         o.set_peer_access(&[0; 9], 3).unwrap();
-        let t = Topology::from_options(&o, None).unwrap();
+        let t = Topology::from_options(&o).unwrap();
         assert_eq!(t.peer, vec![1, 1, 0, 1, 1, 0, 0, 0, 1]);
         assert_eq!(t.peer_source, PeerSource::Override);
         assert!(t.mutual_access(0, 1) && !t.mutual_access(1, 2));
@@ -175,7 +191,7 @@ mod tests {
     fn host_replicas_plan_the_host_transport() {
         let mut o = Options::default();
         o.set_host_replicas(4).unwrap();
-        let t = Topology::from_options(&o, None).unwrap();
+        let t = Topology::from_options(&o).unwrap();
         assert_eq!(t.transport, TransportChoice::Host);
         assert_eq!(t.peer, vec![1; 16]);
         assert_eq!(t.world_replicas(), 4);

@@ -4,7 +4,8 @@
 //! change between blocks, so it is uploaded once and found in the table cache afterwards.
 
 use super::kernels::Bmuf;
-use super::{table_of, CudaBackend};
+use super::memory::table_of;
+use super::CudaBackend;
 use crate::backend::{BmufFilter, BmufSpan};
 use crate::error::Result;
 use crate::types::DType;

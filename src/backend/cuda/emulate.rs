@@ -13,13 +13,13 @@ use std::sync::OnceLock;
 use half::{bf16, f16};
 
 use super::kernels::{Bmuf, Kernels, Launcher, Walk, ITEMS};
-use super::table_of;
+use super::memory::table_of;
 use crate::backend::host::HostBackend;
 use crate::backend::{
     coalescing_order, Backend, BmufFilter, BmufSpan, BucketView, Segment, SliceRef, ValuesRef,
 };
 use crate::options::Options;
-use crate::plan::{allreduce_steps, Topology};
+use crate::plan::{Levels, Topology};
 use crate::types::{DType, ReduceOp};
 
 /// The emulator library, built once per test process (`None`: no C++ compiler).
@@ -184,12 +184,13 @@ fn pointers(bufs: &mut [Vec<Vec<u64>>]) -> Vec<Vec<usize>> {
         .collect()
 }
 
-/// The host backend's allreduce of the same buffers (its own plan for host replicas).
+/// The host backend's allreduce of the same buffers (its own levels for host replicas).
 fn host_allreduce(dtype: DType, bufs: &mut [Vec<Vec<u64>>], op: ReduceOp) {
     let replicas = bufs.len();
     let mut o = Options::default();
     o.set_host_replicas(replicas).unwrap();
-    let steps = allreduce_steps(&Topology::from_options(&o, None).unwrap());
+    let levels = Levels::new(&Topology::from_options(&o).unwrap());
+    let avg = (op == ReduceOp::Avg && replicas > 1).then_some(replicas);
     let ptrs = pointers(bufs);
     let bucket = BucketView {
         dtype,
@@ -200,7 +201,7 @@ fn host_allreduce(dtype: DType, bufs: &mut [Vec<Vec<u64>>], op: ReduceOp) {
             .collect(),
     };
     // SAFETY: every pointer holds its segment's elements.
-    unsafe { HostBackend::new().allreduce(&bucket, op, replicas, &steps) }.unwrap();
+    unsafe { HostBackend::new().reduce(0, &levels.groups[0], &bucket, avg) }.unwrap();
 }
 
 /// A walk table over `bufs` (all replicas local), as CudaBackend::table builds it.
@@ -487,7 +488,7 @@ fn run_sums_and_divide_give_the_host_coalesced_bytes() {
         };
         let hb = HostBackend::new();
         // SAFETY: the slice's buffers hold `rows` indices and rows.
-        let host = unsafe { hb.coalesce(0, &slice) }.unwrap();
+        let host = unsafe { hb.coalesce_one(0, &slice) }.unwrap();
         assert_eq!(host.rows, unique.len());
         let bytes = unique.len() * row_len * dtype.size();
         let mut out = vec![0u64; bytes.div_ceil(8)];

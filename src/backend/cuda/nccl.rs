@@ -25,8 +25,9 @@ use cudarc::nccl::sys::{ncclConfig_t, ncclUniqueId};
 use libloading::Library;
 use parking_lot::Mutex;
 
-use super::back_off;
 use super::driver::{self, PrimaryContext};
+use super::queue::back_off;
+use crate::backend::Move;
 use crate::error::{Error, ErrorKind, Result};
 use crate::types::DType;
 
@@ -497,18 +498,15 @@ impl CommSet {
         })
     }
 
-    /// Point-to-point byte transfers in one group: for each `(from, src, to, dst, bytes)`, rank
-    /// `from` sends `bytes` at `src` (queued on its stream) and rank `to` receives them at `dst`
-    /// (on its stream). `from != to`. NCCL pairs the k-th send from a to b with the k-th
+    /// Point-to-point byte transfers in one group: for each move, rank `src_group` sends `bytes`
+    /// at `src` (queued on its stream) and rank `dst_group` receives them at `dst` (on its
+    /// stream); the two differ. NCCL pairs the k-th send from a to b with the k-th
     /// receive at b from a: both are queued in the order given.
-    pub fn send_recv(
-        &self,
-        moves: &[(usize, u64, usize, u64, usize)],
-        launch: &Launch<'_>,
-    ) -> Result<()> {
+    pub fn send_recv(&self, moves: &[Move], launch: &Launch<'_>) -> Result<()> {
         self.grouped("send/recv", launch, |api| {
             let mut queued = Ok(());
-            for &(from, src, to, dst, bytes) in moves {
+            for m in moves {
+                let (from, src, to, dst, bytes) = (m.src_group, m.src, m.dst_group, m.dst, m.bytes);
                 let (send_comm, recv_comm) = (self.comms[from], self.comms[to]);
                 let sent = launch.ctxs[from].bind().and_then(|_bound| {
                     // SAFETY: a live communicator; `src` holds `bytes` on rank `from`'s device.

@@ -143,7 +143,7 @@ impl CudaBackend {
                         if let Some((old, _)) = outgrown {
                             self.state.lock().spares.retired_host.push(old);
                         }
-                        let size = super::size_class(bytes, super::DEVICE_FLOOR);
+                        let size = crate::backend::size_class(bytes, super::memory::DEVICE_FLOOR);
                         (PinnedMemory::new(&group.ctx, size)?, size)
                     }
                 }

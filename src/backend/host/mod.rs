@@ -16,10 +16,10 @@ use std::sync::OnceLock;
 use half::{bf16, f16};
 
 use super::{
-    Allocation, Backend, BmufFilter, BmufSpan, BucketView, Coalesced, IndexCheck, Segment, SliceRef,
+    Allocation, Backend, BmufFilter, BmufSpan, BucketView, Coalesced, IndexCheck, Links, Segment,
+    SliceRef, Streams,
 };
 use crate::error::{Error, ErrorKind, Result};
-use crate::plan::{Step, StepOp, Via};
 use crate::types::{DType, ReduceOp};
 
 /// Below this many bytes touched, a call runs on the caller's thread: spawning costs ~10 µs.
@@ -89,27 +89,26 @@ impl HostBackend {
     }
 }
 
+#[cfg(test)]
+impl HostBackend {
+    /// [`Backend::coalesce`] of one slice, into fresh memory.
+    ///
+    /// # Safety
+    /// As for [`Backend::coalesce`].
+    pub(crate) unsafe fn coalesce_one(
+        &self,
+        replica: usize,
+        slice: &SliceRef<'_>,
+    ) -> Result<Coalesced> {
+        let mut one = self.coalesce(&[(replica, *slice)], &mut |r, bytes| self.alloc(r, bytes))?;
+        Ok(one.remove(0))
+    }
+}
+
 impl Default for HostBackend {
     fn default() -> Self {
         HostBackend::new()
     }
-}
-
-/// The order in which a flat host program sums replicas: its root, then each summed source.
-fn summation_order(steps: &[Step], replicas: usize) -> Vec<usize> {
-    let Some(root) = steps.first().map(|s| s.dst) else {
-        return (0..replicas).collect();
-    };
-    let mut order = vec![root];
-    for s in steps {
-        // The planner gives host replicas a flat sum onto one root; anything else is a plan bug.
-        assert!(s.via == Via::Host, "host backend got a {:?} step", s.via);
-        if s.op == StepOp::Sum {
-            assert_eq!(s.dst, root, "host programs sum onto one root");
-            order.push(s.src);
-        }
-    }
-    order
 }
 
 impl Backend for HostBackend {
@@ -117,26 +116,26 @@ impl Backend for HostBackend {
         "host"
     }
 
-    unsafe fn allreduce(
+    unsafe fn reduce(
         &self,
+        _group: usize,
+        members: &[usize],
         bucket: &BucketView<'_>,
-        op: ReduceOp,
-        divisor: usize,
-        steps: &[Step],
+        avg: Option<usize>,
     ) -> Result<()> {
         let Some(first) = bucket.segments.first() else {
             return Ok(());
         };
         let replicas = first.ptrs.len();
-        if replicas <= 1 && divisor <= 1 {
-            return Ok(());
-        }
-        let order = summation_order(steps, replicas);
+        let (op, divisor) = match avg {
+            Some(divisor) => (ReduceOp::Avg, divisor),
+            None => (ReduceOp::Sum, 1),
+        };
         let bytes_per_element = bucket.dtype.size() * replicas * 2;
         macro_rules! run {
             ($t:ty) => {
                 self.for_each_span(bucket, bytes_per_element, |seg, start, len| unsafe {
-                    kernels::reduce_span::<$t>(seg.ptrs, &order, start, len, op, divisor)
+                    kernels::reduce_span::<$t>(seg.ptrs, members, start, len, op, divisor)
                 })
             };
         }
@@ -151,7 +150,7 @@ impl Backend for HostBackend {
         Ok(())
     }
 
-    unsafe fn broadcast(&self, bucket: &BucketView<'_>, root: usize) -> Result<()> {
+    unsafe fn spread(&self, _group: usize, bucket: &BucketView<'_>, root: usize) -> Result<()> {
         let size = bucket.dtype.size();
         let Some(first) = bucket.segments.first() else {
             return Ok(());
@@ -231,17 +230,7 @@ impl Backend for HostBackend {
         }
     }
 
-    unsafe fn coalesce_into(
-        &self,
-        replica: usize,
-        slice: &SliceRef<'_>,
-        alloc: &mut dyn FnMut(usize) -> Result<Allocation>,
-    ) -> Result<Coalesced> {
-        let mut one = sparse::coalesce_many(1, &[(replica, *slice)], &mut |_, b| alloc(b))?;
-        Ok(one.remove(0))
-    }
-
-    unsafe fn coalesce_many(
+    unsafe fn coalesce(
         &self,
         slices: &[(usize, SliceRef<'_>)],
         alloc: &mut dyn FnMut(usize, usize) -> Result<Allocation>,
@@ -268,6 +257,18 @@ impl Backend for HostBackend {
 
     fn describe(&self) -> serde_json::Value {
         serde_json::json!({"name": self.name(), "threads": self.max_threads})
+    }
+
+    fn streams(&self) -> Option<&dyn Streams> {
+        None
+    }
+
+    fn streams_mut(&mut self) -> Option<&mut dyn Streams> {
+        None
+    }
+
+    fn links(&self) -> Option<&dyn Links> {
+        None
     }
 }
 

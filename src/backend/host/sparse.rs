@@ -243,7 +243,7 @@ mod tests {
             rows: indices.len(),
             values: &vref,
         };
-        let c = unsafe { b.coalesce(0, &slice) }.unwrap();
+        let c = unsafe { b.coalesce_one(0, &slice) }.unwrap();
         let idx = unsafe { std::slice::from_raw_parts(c.indices.ptr() as *const I, c.rows) };
         let val =
             unsafe { std::slice::from_raw_parts(c.values[0].ptr() as *const V, c.rows * row_len) };

@@ -1,0 +1,165 @@
+//! The dense collectives of one bucket, level by level ([`Levels`]): reduce each group up (level
+//! 1), combine the groups across the top (level 2), spread the result back down.
+//!
+//! - One group (host replicas, or every CUDA replica on one GPU): [`Backend::reduce`] /
+//!   [`Backend::spread`] in place.
+//! - Several groups (GPUs): each group's replicas packed into its fusion buffer
+//!   ([`Links::pack`]: the local sum, or the root's copy for a broadcast); the buffers combined
+//!   by one grouped collective (NCCL) or by the plan's steps (a peer read, or a staged copy,
+//!   then an add; result copies); each buffer unpacked into its group's replicas (with the AVG
+//!   division). Buffers and layouts are made first, so that nothing between the exchange and
+//!   the unpacks allocates.
+
+use super::Site;
+use crate::backend::{BucketView, Links, Members, Slot};
+use crate::error::Result;
+use crate::plan::{Across, Levels, Step, StepOp, Via};
+
+/// Every replica of `site` ends with the sum of `bucket` over all replicas (divided by `avg`).
+///
+/// # Safety
+/// Every pointer of the bucket is valid for its segment on its replica.
+pub(super) unsafe fn allreduce(
+    site: Site<'_>,
+    bucket: &BucketView<'_>,
+    avg: Option<usize>,
+) -> Result<()> {
+    let Site { backend, levels } = site;
+    let replicas: usize = levels.groups.iter().map(Vec::len).sum();
+    if bucket.elements() == 0 || (replicas <= 1 && avg.is_none()) {
+        return Ok(());
+    }
+    let links = match (&levels.across, backend.links()) {
+        (Across::Nothing, _) | (_, None) => {
+            for (g, members) in levels.groups.iter().enumerate() {
+                backend.reduce(g, members, bucket, avg)?;
+            }
+            return Ok(());
+        }
+        (_, Some(links)) => links,
+    };
+    let bytes = bucket.dtype.size() * bucket.elements();
+    let mut buffers = Vec::with_capacity(levels.groups.len());
+    let mut layouts = Vec::with_capacity(levels.groups.len());
+    for g in 0..levels.groups.len() {
+        let buffer = links.buffer(g, Slot::Fusion, bytes)?;
+        let layout = links.layout(g, bucket, Members::All)?;
+        links.pack(g, bucket, layout, buffer)?;
+        buffers.push(buffer);
+        layouts.push(layout);
+    }
+    combine(links, levels, bucket, &buffers)?;
+    for (g, (&layout, &buffer)) in layouts.iter().zip(&buffers).enumerate() {
+        links.unpack(g, bucket, layout, buffer, avg)?;
+    }
+    Ok(())
+}
+
+/// Level 2 of an allreduce: every group's buffer ends with the sum of all of them.
+fn combine(
+    links: &dyn Links,
+    levels: &Levels,
+    bucket: &BucketView<'_>,
+    buffers: &[u64],
+) -> Result<()> {
+    let (dtype, count) = (bucket.dtype, bucket.elements());
+    match &levels.across {
+        Across::Nothing => Ok(()),
+        Across::Collective => match links.collective() {
+            Some(c) => c.allreduce(dtype, count, buffers),
+            None => unreachable!("a collective level on a backend without one"),
+        },
+        Across::Steps(steps) => {
+            // SAFETY: every buffer holds the bucket.
+            unsafe { run_steps(links, &levels.group_of(), steps, bucket, buffers) }
+        }
+    }
+}
+
+/// The plan's cross-group sums and copies on the groups' fusion buffers.
+///
+/// # Safety
+/// Every buffer holds the bucket.
+unsafe fn run_steps(
+    links: &dyn Links,
+    group_of: &[usize],
+    steps: &[Step],
+    bucket: &BucketView<'_>,
+    buffers: &[u64],
+) -> Result<()> {
+    let (dtype, count) = (bucket.dtype, bucket.elements());
+    let bytes = dtype.size() * count;
+    // (source, reader) pairs: the source's buffer must not be rewritten (the next bucket's pack)
+    // before the reader's stream has read it.
+    let mut reads: Vec<(usize, usize)> = Vec::new();
+    for step in steps {
+        let (gs, gd) = (group_of[step.src], group_of[step.dst]);
+        links.order(gs, gd)?;
+        if !reads.contains(&(gs, gd)) {
+            reads.push((gs, gd));
+        }
+        match (step.op, step.via) {
+            (StepOp::Sum, Via::Peer) => links.add(gd, dtype, buffers[gd], buffers[gs], count)?,
+            (StepOp::Sum, _) => {
+                let staging = links.buffer(gd, Slot::Staging, bytes)?;
+                links.copy_between(gs, buffers[gs], gd, staging, bytes)?;
+                links.add(gd, dtype, buffers[gd], staging, count)?;
+            }
+            (StepOp::Copy, _) => links.copy_between(gs, buffers[gs], gd, buffers[gd], bytes)?,
+            (StepOp::NcclAllreduce, _) => unreachable!("NCCL steps only in collective levels"),
+        }
+    }
+    for (gs, gd) in reads {
+        links.order(gd, gs)?;
+    }
+    Ok(())
+}
+
+/// Every replica of `site` gets replica `root`'s bytes of `bucket`.
+///
+/// # Safety
+/// As for [`allreduce`].
+pub(super) unsafe fn broadcast(site: Site<'_>, bucket: &BucketView<'_>, root: usize) -> Result<()> {
+    let Site { backend, levels } = site;
+    let replicas: usize = levels.groups.iter().map(Vec::len).sum();
+    if bucket.elements() == 0 || replicas <= 1 {
+        return Ok(());
+    }
+    let group_of = levels.group_of();
+    let links = match backend.links() {
+        Some(links) if levels.groups.len() > 1 => links,
+        // One group: in place.
+        _ => return backend.spread(group_of[root], bucket, root),
+    };
+    let root_group = group_of[root];
+    let bytes = bucket.dtype.size() * bucket.elements();
+    // Buffers and layouts first, as for the allreduce.
+    let mut buffers = Vec::with_capacity(levels.groups.len());
+    let mut layouts = Vec::with_capacity(levels.groups.len());
+    for g in 0..levels.groups.len() {
+        buffers.push(links.buffer(g, Slot::Fusion, bytes)?);
+        layouts.push(links.layout(g, bucket, Members::All)?);
+    }
+    let root_layout = links.layout(root_group, bucket, Members::One(root))?;
+    links.pack(root_group, bucket, root_layout, buffers[root_group])?;
+    match (&levels.across, links.collective()) {
+        (Across::Collective, Some(c)) => {
+            c.broadcast(bucket.dtype, bucket.elements(), root_group, &buffers)?
+        }
+        _ => {
+            let others = || (0..buffers.len()).filter(|&g| g != root_group);
+            for g in others() {
+                links.order(root_group, g)?;
+                links.copy_between(root_group, buffers[root_group], g, buffers[g], bytes)?;
+            }
+            // The root's buffer must not be repacked before every copy has read it.
+            for g in others() {
+                links.order(g, root_group)?;
+            }
+        }
+    }
+    for (g, (&layout, &buffer)) in layouts.iter().zip(&buffers).enumerate() {
+        links.unpack(g, bucket, layout, buffer, None)?;
+    }
+    Ok(())
+}

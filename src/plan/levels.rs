@@ -1,0 +1,137 @@
+//! The levels of a dense collective: which replicas reduce together first, and how their
+//! results meet. The executor walks them (reduce up, exchange across the top, spread down);
+//! `describe` prints them, so what is printed is what runs.
+//!
+//! - Level 1, **replicas**: the replicas of one group (sharing a GPU, or all host replicas of
+//!   the process) are summed on that device: in place when the group is the whole collective,
+//!   else into the group's fusion buffer, with the result spread back into every member.
+//! - Level 2, **devices**: the groups' fusion buffers are combined by one grouped collective
+//!   (NCCL, one rank per group) or by the plan's sum and copy steps between group leaders.
+//!
+//! A world of processes adds a level above these; the lower ones stay as they are.
+
+use serde_json::{json, Value};
+
+use super::steps::{allreduce_steps, device_groups, Step, StepOp, Via};
+use super::topology::{Topology, TransportChoice};
+
+/// How the groups of one process combine their fusion buffers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Across {
+    /// One group: level 1 is the whole collective, reduced in place.
+    Nothing,
+    /// One grouped collective over every group's fusion buffer (NCCL, a rank per group).
+    Collective,
+    /// Sums and copies between the group leaders' fusion buffers, in this order (peer reads,
+    /// staged copies): the cross-device steps of the plan's program.
+    Steps(Vec<Step>),
+}
+
+/// The levels of one context's dense collectives over memory of one kind.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Levels {
+    /// Level 1: replicas by group, each in summation order (its first is the leader); groups
+    /// in order of their first replica. Group `g` is the backend's group `g`.
+    pub groups: Vec<Vec<usize>>,
+    /// Level 2.
+    pub across: Across,
+}
+
+impl Levels {
+    pub fn new(topology: &Topology) -> Levels {
+        let groups = device_groups(topology);
+        let program = allreduce_steps(topology);
+        let across = if program.iter().any(|s| s.op == StepOp::NcclAllreduce) {
+            Across::Collective
+        } else if groups.len() > 1 {
+            let group_of = group_of(&groups, topology.replicas());
+            Across::Steps(
+                (program.into_iter())
+                    .filter(|s| s.via != Via::Local && group_of[s.src] != group_of[s.dst])
+                    .collect(),
+            )
+        } else {
+            Across::Nothing
+        };
+        debug_assert!(
+            topology.transport != TransportChoice::Host || groups.len() <= 1,
+            "host memory is one group"
+        );
+        Levels { groups, across }
+    }
+
+    /// The group of every replica.
+    pub fn group_of(&self) -> Vec<usize> {
+        group_of(&self.groups, self.groups.iter().map(Vec::len).sum())
+    }
+
+    /// Whether level 1 is the whole collective (every bucket reduced in place).
+    pub fn in_place(&self) -> bool {
+        self.across == Across::Nothing
+    }
+
+    /// The levels as `dpsync_describe` shows them.
+    pub fn describe(&self) -> Value {
+        let across = match &self.across {
+            Across::Nothing => json!({"level": "devices", "via": "none"}),
+            Across::Collective => json!({"level": "devices", "via": "nccl"}),
+            Across::Steps(steps) => json!({"level": "devices", "via": "steps",
+                                           "steps": steps.len()}),
+        };
+        json!([{"level": "replicas", "groups": self.groups}, across])
+    }
+}
+
+fn group_of(groups: &[Vec<usize>], replicas: usize) -> Vec<usize> {
+    let mut of = vec![0; replicas];
+    for (g, members) in groups.iter().enumerate() {
+        members.iter().for_each(|&r| of[r] = g);
+    }
+    of
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::options::Options;
+    use crate::types::Transport;
+
+    fn cuda(ordinals: &[i32], transport: Transport) -> Topology {
+        let mut o = Options::default();
+        o.set_cuda_replicas(ordinals).unwrap();
+        o.transport = transport;
+        Topology::from_options(&o).unwrap()
+    }
+
+    #[test]
+    fn host_replicas_are_one_group_reduced_in_place() {
+        let mut o = Options::default();
+        o.set_host_replicas(3).unwrap();
+        let levels = Levels::new(&Topology::from_options(&o).unwrap());
+        assert_eq!(levels.groups, vec![vec![0, 1, 2]]);
+        assert!(levels.in_place());
+    }
+
+    #[test]
+    fn gpus_are_groups_joined_by_nccl_or_by_the_cross_device_steps() {
+        let nccl = Levels::new(&cuda(&[0, 1, 0, 1], Transport::Nccl));
+        assert_eq!(nccl.groups, vec![vec![0, 2], vec![1, 3]]);
+        assert_eq!(nccl.across, Across::Collective);
+        assert_eq!(nccl.group_of(), vec![0, 1, 0, 1]);
+
+        let peer = Levels::new(&cuda(&[0, 1, 0, 1], Transport::PeerCopy));
+        let Across::Steps(steps) = &peer.across else {
+            panic!("{:?}", peer.across)
+        };
+        // Leader 1 summed into leader 0, the result copied back; no local step.
+        let shape: Vec<(StepOp, usize, usize)> =
+            steps.iter().map(|s| (s.op, s.src, s.dst)).collect();
+        assert_eq!(shape, vec![(StepOp::Sum, 1, 0), (StepOp::Copy, 0, 1)]);
+
+        let one_gpu = Levels::new(&cuda(&[0, 0], Transport::Nccl));
+        assert!(
+            one_gpu.in_place(),
+            "one GPU: no NCCL launch, reduced in place"
+        );
+    }
+}
