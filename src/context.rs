@@ -14,7 +14,7 @@ use crate::exec::{Executor, SparseOutputs};
 use crate::options::Options;
 use crate::plan::{self, Bucket, Plan, Topology};
 use crate::registry::sparse::SparseRegistry;
-use crate::registry::{Registration, Registry, Snapshot, TensorView};
+use crate::registry::{self, Registration, Registry, Snapshot, TensorView};
 use crate::types::{DType, Device, Memory, ReduceOp, Role, RoleMask};
 
 pub struct Context {
@@ -75,13 +75,7 @@ impl Context {
     }
 
     fn check_replica(&self, replica: usize, argument: &str) -> Result<()> {
-        if replica >= self.replica_count() {
-            return Err(Error::invalid(format!(
-                "{argument} {replica} is out of range: the context has {} replicas",
-                self.replica_count()
-            )));
-        }
-        Ok(())
+        registry::check_replica(replica, self.replica_count(), argument)
     }
 
     pub fn set_stream(&mut self, replica: usize, stream: usize) -> Result<()> {

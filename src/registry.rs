@@ -50,6 +50,16 @@ pub struct Registry {
     generation: u64,
 }
 
+/// The one range check of a replica index (`argument` names it in the message).
+pub(crate) fn check_replica(replica: usize, replicas: usize, argument: &str) -> Result<()> {
+    if replica >= replicas {
+        return Err(Error::invalid(format!(
+            "{argument} {replica} is out of range: the context has {replicas} replicas"
+        )));
+    }
+    Ok(())
+}
+
 impl Registry {
     pub fn new(replicas: usize) -> Registry {
         Registry {
@@ -77,12 +87,7 @@ impl Registry {
     }
 
     pub fn register(&mut self, name: &str, replica: usize, reg: Registration) -> Result<()> {
-        if replica >= self.replicas {
-            return Err(Error::invalid(format!(
-                "replica {replica} is out of range: the context has {} replicas",
-                self.replicas
-            )));
-        }
+        check_replica(replica, self.replicas, "replica")?;
         // Every later byte count and slice is `count * size` from `ptr`: it must not wrap.
         let fits = (reg.count.checked_mul(reg.dtype.size()))
             .filter(|&bytes| bytes <= isize::MAX as usize && reg.ptr.checked_add(bytes).is_some());

@@ -7,6 +7,7 @@
 mod bmuf;
 mod cuda;
 pub(crate) mod host;
+pub(crate) mod spares;
 mod sparse;
 
 pub use bmuf::{bmuf_state_dtype, BmufFilter, BmufSpan};
@@ -50,7 +51,8 @@ impl BucketView<'_> {
 }
 
 /// Memory the library owns on one replica (host memory for host replicas, device memory for
-/// CUDA ones): sparse outputs, BMUF state, staging. Zero-filled when made, freed on drop — by a
+/// CUDA ones): sparse outputs, BMUF state, staging. Its contents are undefined (whoever reads it
+/// writes it first). Dropped, it goes back to its backend's [`spares::Spares`] for reuse — on a
 /// stream-ordered backend only once the work issued before the drop has completed (it may still
 /// read or write the memory: a replaced output, an error path), so dropping is always safe.
 pub struct Allocation {
@@ -153,7 +155,9 @@ pub(crate) trait Backend: Send {
     /// As for [`Backend::reduce`].
     unsafe fn spread(&self, group: usize, bucket: &BucketView<'_>, root: usize) -> Result<()>;
 
-    /// `bytes` zero-filled bytes of library-owned memory on `replica`.
+    /// At least `bytes` bytes of library-owned memory on `replica`, contents undefined: an idle
+    /// block of an earlier step when one fits ([`spares::Spares`]), else fresh memory of the
+    /// size class, so that the next steps' slightly larger requests still fit it.
     fn alloc(&self, replica: usize, bytes: usize) -> Result<Allocation>;
 
     /// Copies `bytes` from `src` on replica `src_replica` to `dst` on replica `dst_replica`, after

@@ -17,10 +17,8 @@ pub use sparse::{SparseOutputs, SparseStats};
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use parking_lot::Mutex;
-
 use crate::backend::host::HostBackend;
-use crate::backend::{Allocation, Backend, BucketView, Segment, Streams};
+use crate::backend::{Backend, BucketView, Segment, Streams};
 use crate::error::{Error, Result};
 use crate::plan::{plan_buckets, Bucket, Levels, Topology};
 use crate::registry::TensorView;
@@ -36,8 +34,6 @@ pub struct Executor {
     host: Option<(HostBackend, Levels)>,
     /// A `begin`/`end` bracket is open: work inside it needs no bracket of its own.
     in_bracket: AtomicBool,
-    /// Sparse outputs no longer valid, kept for the next gather to write into (by replica).
-    spare_outputs: Mutex<Vec<(usize, Allocation)>>,
 }
 
 /// Marks the bracket closed even if its work unwinds.
@@ -112,7 +108,6 @@ impl Executor {
             levels: Levels::new(topology),
             host,
             in_bracket: AtomicBool::new(false),
-            spare_outputs: Mutex::new(Vec::new()),
         }
     }
 

@@ -17,7 +17,7 @@ use std::collections::HashMap;
 
 use super::transfer::{transfer, Transfer};
 use super::Executor;
-use crate::backend::{size_class, Allocation, Coalesced, IndexCheck, SliceRef, ValuesRef};
+use crate::backend::{Allocation, Coalesced, IndexCheck, SliceRef, ValuesRef};
 use crate::error::{Error, ErrorKind, Result};
 use crate::plan::sparse::{world_offsets, IndexGroup};
 use crate::registry::sparse::SparseInput;
@@ -25,8 +25,6 @@ use crate::types::ReduceOp;
 
 /// The root of the coalesced gather.
 const ROOT: usize = 0;
-/// The smallest fresh output: tiny slices need not each get their own size class.
-const PAGE: usize = 4096;
 
 /// One replica's part of a gathered slice; `None` when it has no rows (C sees NULL).
 type PerReplica = Vec<Option<Allocation>>;
@@ -90,24 +88,6 @@ impl SparseOutputs {
         ))
     }
 
-    /// Every allocation with the replica it is on.
-    fn into_allocations(self) -> Vec<(usize, Allocation)> {
-        let per_replica = |p: PerReplica| {
-            p.into_iter()
-                .enumerate()
-                .filter_map(|(r, a)| a.map(|a| (r, a)))
-        };
-        let mut out = Vec::new();
-        for g in self.groups {
-            out.extend(per_replica(g.indices));
-        }
-        for n in self.by_name.into_values().chain(self.retired) {
-            out.extend(per_replica(n.values));
-        }
-        out.extend(self.scratch);
-        out
-    }
-
     /// Hides `name` (it was unregistered) while keeping its memory valid until the next step.
     pub fn forget(&mut self, name: &str) {
         if let Some(out) = self.by_name.remove(name) {
@@ -145,42 +125,21 @@ fn short_result(backend: &str, got: usize, want: usize) -> Error {
 }
 
 impl Executor {
-    /// Takes back the outputs of a step that are no longer valid (replaced by a newer step, or
-    /// never installed because the step failed) for the next gather to write into: outputs are
-    /// double-buffered instead of allocated every step. The spares they replace are freed
-    /// (after the work issued so far, on a stream-ordered backend).
+    /// Gives back the outputs of a step that are no longer valid (replaced by a newer step, or
+    /// never installed because the step failed): the backend reuses their memory for later
+    /// steps' outputs (after the work issued so far, on a stream-ordered backend).
     ///
     /// Reuse is safe in stream order: the next gather writes after its collective's `begin`,
     /// which waits for everything the callers queued before it (their reads of these outputs
     /// included), and every earlier collective's work precedes that on dpsync's streams.
     pub fn retire_outputs(&self, outputs: SparseOutputs) {
-        let fresh = outputs.into_allocations();
-        let old = std::mem::replace(&mut *self.spare_outputs.lock(), fresh);
-        // Freed by the backend once the work issued so far has completed (`Allocation`).
-        drop(old);
+        drop(outputs);
     }
 
-    /// Memory for a gathered output of `bytes` on `replica`: a spare from an earlier step when
-    /// one fits (not more than twice its size class), else a new allocation rounded up to a size
-    /// class, so that the next steps' slightly larger slices still fit it (fresh memory costs
-    /// a zero fill and page faults on the host, a possible device sync on CUDA). Not
-    /// zero-filled: the gather writes every byte of an output.
+    /// Memory for a gathered output of `bytes` on `replica` (its contents undefined: the gather
+    /// writes every byte of an output).
     fn alloc_output(&self, replica: usize, bytes: usize) -> Result<Allocation> {
-        let mut spare = self.spare_outputs.lock();
-        let class = size_class(bytes, PAGE);
-        let best = spare
-            .iter()
-            .enumerate()
-            .filter(|(_, (r, a))| *r == replica && a.bytes() >= bytes && a.bytes() <= 2 * class)
-            .min_by_key(|(_, (_, a))| a.bytes())
-            .map(|(i, _)| i);
-        match best {
-            Some(i) => Ok(spare.swap_remove(i).1),
-            None => {
-                drop(spare);
-                self.backend.alloc(replica, class)
-            }
-        }
+        self.backend.alloc(replica, bytes)
     }
 
     /// Runs `batch` ([`transfer`]) and counts its bytes.

@@ -109,13 +109,7 @@ impl SparseRegistry {
     }
 
     fn check_replica(&self, replica: usize) -> Result<()> {
-        if replica >= self.replicas {
-            return Err(Error::invalid(format!(
-                "replica {replica} is out of range: the context has {} replicas",
-                self.replicas
-            )));
-        }
-        Ok(())
+        super::check_replica(replica, self.replicas, "replica")
     }
 
     /// Identical re-registration is a no-op; another spec on the same replica is CONFLICT.

@@ -300,19 +300,6 @@ impl DeviceMemory {
         })
     }
 
-    /// Zero-fills the first `bytes` in order on `stream` (a stream of this memory's device):
-    /// a plain cuMemsetD8 would go to the legacy stream, which dpsync's non-blocking streams do
-    /// not wait for, so work queued on `stream` could run before the fill.
-    pub fn zero(&self, bytes: usize, stream: sys::CUstream) -> Result<()> {
-        debug_assert!(bytes <= self.bytes.max(1));
-        let _bound = self.ctx.bind()?;
-        // SAFETY: our allocation of at least `bytes` bytes (and of at least one).
-        check(
-            unsafe { sys::cuMemsetD8Async(self.ptr, 0, bytes.max(1), stream) },
-            "cuMemsetD8Async",
-        )
-    }
-
     /// Whether this memory is on `ctx`'s device.
     pub fn is_on(&self, ctx: &Arc<PrimaryContext>) -> bool {
         Arc::ptr_eq(&self.ctx, ctx)

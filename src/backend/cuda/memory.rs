@@ -9,8 +9,9 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::driver::{self, DeviceMemory, PrimaryContext};
+use super::driver::{self, DeviceMemory};
 use super::{CudaBackend, Group};
+use crate::backend::spares::Block;
 use crate::backend::{size_class, BucketView, Members};
 use crate::error::Result;
 
@@ -84,61 +85,21 @@ impl Drop for Handed {
     }
 }
 
-/// Idle device memory of completed collectives (coalescing maps, outputs replaced by newer
-/// ones), reused for the next per-step buffers: freeing and allocating them every step would
-/// call `cuMemFree`, which waits for the whole device (the callers' streams included) and so
-/// blocks the host. Nothing is freed while a collective is issued: spares beyond
-/// [`MAX_SPARES`] retire and are freed by `synchronize` (which blocks anyway), by an
-/// allocation that ran out of memory, or at destroy.
-#[derive(Default)]
-pub(super) struct Spares {
-    mems: Vec<DeviceMemory>,
-    pub(super) retired: Vec<DeviceMemory>,
-    /// Outgrown page-locked staging buffers (`cuMemFreeHost` may wait for the device too).
-    pub(super) retired_host: Vec<driver::PinnedMemory>,
+/// Device memory of completed collectives (coalescing maps, outputs replaced by newer ones) is
+/// reused for the next per-step buffers ([`Spares`]): freeing and allocating them every step
+/// would call `cuMemFree`, which waits for the whole device (the callers' streams included) and
+/// so blocks the host. Nothing is freed while a collective is issued: spares beyond the cache's
+/// limit retire and are freed by `synchronize` (which blocks anyway), by an allocation that ran
+/// out of memory, or at destroy.
+impl Block for DeviceMemory {
+    fn bytes(&self) -> usize {
+        self.bytes
+    }
 }
-
-/// Spares kept for reuse at most; the oldest beyond that retire.
-const MAX_SPARES: usize = 32;
 
 /// Fresh per-step device memory is at least 64 KiB ([`size_class`]): the driver's allocation
 /// granularity makes smaller buffers no cheaper.
 pub(super) const DEVICE_FLOOR: usize = 64 << 10;
-
-impl Spares {
-    /// The smallest spare on `ctx`'s device that holds `bytes` without wasting more than half
-    /// of itself (small requests take anything up to 64 KiB).
-    pub(super) fn take(&mut self, ctx: &Arc<PrimaryContext>, bytes: usize) -> Option<DeviceMemory> {
-        let most = bytes.saturating_mul(2).max(64 << 10);
-        let i = (self.mems.iter().enumerate())
-            .filter(|(_, m)| m.is_on(ctx) && m.bytes >= bytes && m.bytes <= most)
-            .min_by_key(|(_, m)| m.bytes)
-            .map(|(i, _)| i)?;
-        Some(self.mems.remove(i))
-    }
-
-    /// Every spare and retired allocation on `ctx`'s device, for the caller to free (outside
-    /// the state lock).
-    pub(super) fn release(&mut self, ctx: &Arc<PrimaryContext>) -> Vec<DeviceMemory> {
-        let (mut mine, others): (Vec<_>, Vec<_>) = std::mem::take(&mut self.mems)
-            .into_iter()
-            .partition(|m| m.is_on(ctx));
-        self.mems = others;
-        let (retired, others): (Vec<_>, Vec<_>) = std::mem::take(&mut self.retired)
-            .into_iter()
-            .partition(|m| m.is_on(ctx));
-        self.retired = others;
-        mine.extend(retired);
-        mine
-    }
-
-    /// Takes memory no queued work uses any more.
-    pub(super) fn put(&mut self, mems: Vec<DeviceMemory>) {
-        self.mems.extend(mems);
-        let excess = self.mems.len().saturating_sub(MAX_SPARES);
-        self.retired.extend(self.mems.drain(..excess));
-    }
-}
 
 impl CudaBackend {
     /// The segment table of `bucket` over `members` of `group`, in device memory (uploaded once
@@ -191,7 +152,7 @@ impl CudaBackend {
     /// its stream, contents undefined: a spare of a completed collective when one fits, else
     /// a fresh allocation of the size class ([`Spares`]).
     pub(super) fn device_memory(&self, group: &Group, bytes: usize) -> Result<DeviceMemory> {
-        if let Some(mem) = self.state.lock().spares.take(&group.ctx, bytes) {
+        if let Some(mem) = (self.state.lock().spares).take(bytes, |m| m.is_on(&group.ctx)) {
             return Ok(mem);
         }
         self.fresh_memory(group, size_class(bytes, DEVICE_FLOOR))
@@ -201,7 +162,7 @@ impl CudaBackend {
     /// device are freed and the allocation is tried once more.
     pub(super) fn fresh_memory(&self, group: &Group, bytes: usize) -> Result<DeviceMemory> {
         DeviceMemory::uninit(&group.ctx, bytes).or_else(|first| {
-            let idle = self.state.lock().spares.release(&group.ctx);
+            let idle = (self.state.lock().spares).release(|m| m.is_on(&group.ctx));
             if idle.is_empty() {
                 return Err(first);
             }

@@ -122,7 +122,6 @@ impl Backend for CudaBackend {
     fn alloc(&self, replica: usize, bytes: usize) -> Result<Allocation> {
         let g = &self.groups[self.replicas[replica].group];
         let mem = self.device_memory(g, bytes)?;
-        mem.zero(bytes, g.stream.0)?;
         let ptr = mem.ptr as usize;
         let owner = Handed {
             mem: Some(mem),
@@ -299,6 +298,7 @@ impl Drop for CudaBackend {
             std::mem::forget(std::mem::take(&mut state.issuing));
             // Idle, but freeing may wait for a device whose work never finishes.
             std::mem::forget(std::mem::take(&mut state.spares));
+            std::mem::forget(std::mem::take(&mut state.retired_host));
             if let Some(comms) = self.comms.get_mut().take() {
                 comms.abort();
             }

@@ -11,10 +11,10 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys;
 
 use super::driver::{self, DeviceMemory, Event};
-use super::memory::Spares;
 use super::nccl;
 use super::sparse::{CheckSlot, DeferredCheck};
 use super::{distinct_callers, CudaBackend, Group};
+use crate::backend::spares::Spares;
 use crate::backend::Streams;
 use crate::error::{Error, ErrorKind, Result};
 use crate::types::Memory;
@@ -56,7 +56,10 @@ pub(super) struct State {
     /// Set by a timeout or a device fault: every later collective is refused.
     pub(super) failed: Option<Error>,
     /// Memory of completed collectives for reuse.
-    pub(super) spares: Spares,
+    pub(super) spares: Spares<DeviceMemory>,
+    /// Outgrown page-locked staging buffers (`cuMemFreeHost` may wait for the device too), freed
+    /// by `synchronize`.
+    pub(super) retired_host: Vec<driver::PinnedMemory>,
 }
 
 pub(super) fn deadline(issued: Instant, timeout: Option<Duration>) -> Option<Instant> {
@@ -186,7 +189,7 @@ impl CudaBackend {
                 state.check_slots.push(slot);
             }
             state.spares.put(leftovers.keep);
-            state.spares.retired.extend(leftovers.retire);
+            state.spares.retire(leftovers.retire);
         }
         Ok(())
     }
@@ -240,9 +243,8 @@ impl CudaBackend {
         self.observe(true)?;
         let (retired, retired_host, index_error) = {
             let mut state = self.state.lock();
-            let spares = &mut state.spares;
-            let retired = std::mem::take(&mut spares.retired);
-            let retired_host = std::mem::take(&mut spares.retired_host);
+            let retired = state.spares.take_retired();
+            let retired_host = std::mem::take(&mut state.retired_host);
             (retired, retired_host, state.index_error.take())
         };
         // The host waits here anyway: free what retired (cuMemFree waits for the device), not

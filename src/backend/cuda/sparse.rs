@@ -141,7 +141,7 @@ impl CudaBackend {
                     outgrown => {
                         // Freed by the next synchronize: cuMemFreeHost may wait for the device.
                         if let Some((old, _)) = outgrown {
-                            self.state.lock().spares.retired_host.push(old);
+                            self.state.lock().retired_host.push(old);
                         }
                         let size = crate::backend::size_class(bytes, super::memory::DEVICE_FLOOR);
                         (PinnedMemory::new(&group.ctx, size)?, size)

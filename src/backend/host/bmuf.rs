@@ -335,6 +335,7 @@ mod tests {
         let run = |threads: usize| {
             let backend = HostBackend {
                 max_threads: threads,
+                ..HostBackend::new()
             };
             let mut params: Vec<f32> = (0..n).map(|i| (i as f32).sin()).collect();
             let (mut w, mut d) = (vec![0f32; n], vec![0f32; n]);

@@ -11,13 +11,16 @@ mod bmuf;
 mod kernels;
 mod sparse;
 
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::Mutex;
 
 use half::{bf16, f16};
 
+use super::spares::{Block, Spares};
 use super::{
-    Allocation, Backend, BmufFilter, BmufSpan, BucketView, Coalesced, IndexCheck, Links, Segment,
-    SliceRef, Streams,
+    size_class, Allocation, Backend, BmufFilter, BmufSpan, BucketView, Coalesced, IndexCheck,
+    Links, Segment, SliceRef, Streams,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::types::{DType, ReduceOp};
@@ -34,7 +37,38 @@ fn hardware_threads() -> usize {
 
 pub struct HostBackend {
     max_threads: usize,
+    /// Idle library memory, reused by `alloc` (host work is done when a call returns, so a
+    /// dropped allocation is idle at once).
+    spares: Arc<Mutex<Spares<Words>>>,
 }
+
+/// Host library memory: u128 words, so 16-byte aligned for every dtype (and SIMD loads).
+struct Words(Vec<u128>);
+
+impl Block for Words {
+    fn bytes(&self) -> usize {
+        self.0.len() * 16
+    }
+}
+
+/// The owner of an [`Allocation`]'s words: gives them back to the spares on drop.
+struct Pooled {
+    words: Option<Words>,
+    spares: Arc<Mutex<Spares<Words>>>,
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        let mut spares = self.spares.lock();
+        spares.put(self.words.take());
+        let retired = spares.take_retired();
+        drop(spares);
+        drop(retired);
+    }
+}
+
+/// Fresh host memory is at least a page ([`size_class`]).
+const PAGE: usize = 4096;
 
 impl HostBackend {
     /// Uses every hardware thread, or `DPSYNC_HOST_THREADS` (>= 1) when set: a framework that
@@ -46,6 +80,7 @@ impl HostBackend {
             .filter(|&n| n >= 1);
         HostBackend {
             max_threads: configured.unwrap_or_else(hardware_threads),
+            spares: Arc::default(),
         }
     }
 
@@ -175,18 +210,32 @@ impl Backend for HostBackend {
     }
 
     fn alloc(&self, _replica: usize, bytes: usize) -> Result<Allocation> {
-        // u128 words: 16-byte alignment suits every dtype (and SIMD loads). Reserved fallibly:
-        // a huge gathered slice must be an error, not an abort of the host process.
-        let mut words: Vec<u128> = Vec::new();
-        words.try_reserve_exact(bytes.div_ceil(16)).map_err(|_| {
-            Error::new(
-                ErrorKind::Backend,
-                format!("out of host memory: could not allocate {bytes} bytes of library memory"),
-            )
-        })?;
-        words.resize(bytes.div_ceil(16), 0);
-        let ptr = words.as_mut_ptr() as usize;
-        Ok(Allocation::new(ptr, bytes, Box::new(words)))
+        let reused = self.spares.lock().take(bytes, |_| true);
+        let mut words = match reused {
+            Some(words) => words,
+            None => {
+                // Reserved fallibly: a huge gathered slice must be an error, not an abort of the
+                // host process.
+                let n = size_class(bytes, PAGE).div_ceil(16);
+                let mut v: Vec<u128> = Vec::new();
+                v.try_reserve_exact(n).map_err(|_| {
+                    Error::new(
+                        ErrorKind::Backend,
+                        format!(
+                            "out of host memory: could not allocate {bytes} bytes of library memory"
+                        ),
+                    )
+                })?;
+                v.resize(n, 0);
+                Words(v)
+            }
+        };
+        let ptr = words.0.as_mut_ptr() as usize;
+        let owner = Pooled {
+            words: Some(words),
+            spares: self.spares.clone(),
+        };
+        Ok(Allocation::new(ptr, bytes, Box::new(owner)))
     }
 
     unsafe fn copy(
@@ -277,17 +326,30 @@ mod tests {
     use super::*;
 
     #[test]
-    fn allocations_are_zeroed_aligned_and_copyable() {
+    fn allocations_are_aligned_copyable_and_reused_once_dropped() {
         let b = HostBackend::new();
         let a = b.alloc(0, 40).unwrap();
         let c = b.alloc(1, 40).unwrap();
         assert_eq!(a.ptr() % 16, 0);
         assert_eq!(a.bytes(), 40);
         let bytes = unsafe { std::slice::from_raw_parts_mut(a.ptr() as *mut u8, 40) };
-        assert!(bytes.iter().all(|&x| x == 0));
         bytes.iter_mut().enumerate().for_each(|(i, x)| *x = i as u8);
         unsafe { b.copy(0, a.ptr(), 1, c.ptr(), 40).unwrap() };
         let copied = unsafe { std::slice::from_raw_parts(c.ptr() as *const u8, 40) };
         assert_eq!(copied, &bytes[..]);
+        // A page-sized class: a request of up to 2 KiB takes it back, a larger one does not fit.
+        let (ptr, small) = (a.ptr(), c.ptr());
+        drop(a);
+        assert_eq!(
+            b.alloc(0, 2000).unwrap().ptr(),
+            ptr,
+            "the idle block is reused"
+        );
+        drop(c);
+        assert_ne!(
+            b.alloc(0, 5000).unwrap().ptr(),
+            small,
+            "too small: fresh memory"
+        );
     }
 }
