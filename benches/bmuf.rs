@@ -82,11 +82,11 @@ fn update_vs_memcpy(params: &[(String, usize)], reps: usize, threads: Option<usi
 fn step_vs_collective(params: &[(String, usize)], reps: usize) {
     let mut replicas: Vec<Vec<Vec<f32>>> =
         (0..REPLICAS).map(|r| replica_params(params, r)).collect();
-    let ctx = Ctx::host(REPLICAS, FUSION_BYTES);
+    let ctx = Context::host(REPLICAS, Some(FUSION_BYTES));
     for (r, tensors) in replicas.iter_mut().enumerate() {
         for ((name, _), data) in params.iter().zip(tensors.iter_mut()) {
             let ptr = data.as_mut_ptr() as *mut c_void;
-            ctx.register(name, PARAM, r, ptr, data.len(), F32);
+            register(&ctx, name, PARAM, r, ptr, data.len(), F32);
         }
     }
     unsafe { check(dpsync_bmuf_init(ctx.0, 1.0, -1.0, true)) };

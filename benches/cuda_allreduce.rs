@@ -31,31 +31,27 @@ use dpsync::*;
 
 #[path = "common/mod.rs"]
 mod common;
-use common::{check, filled, median, raw_nccl, Ctx, F32, GRAD, PARAM};
+use common::{check, cuda_context, filled, median, raw_nccl, register, Context, F32, GRAD, PARAM};
 
 const AVG: u32 = dpsync_reduce_op::DPSYNC_REDUCE_AVG as u32;
 /// One GPU: the reduction is the local walk whatever the transport; PEER_COPY loads no NCCL.
 const PEER_COPY: u32 = dpsync_transport::DPSYNC_TRANSPORT_PEER_COPY as u32;
 
 /// CUDA replicas on `ordinals` over `transport`; `None` without a GPU.
-fn cuda_ctx(ordinals: &[i32], transport: u32, fusion_bytes: usize) -> Option<Ctx> {
-    Ctx::create(|o| unsafe {
-        check(dpsync_options_set_cuda_replicas(
-            o,
-            ordinals.as_ptr(),
-            ordinals.len(),
-        ));
-        check(dpsync_options_set_transport(o, transport));
-        check(dpsync_options_set_fusion_bytes(o, fusion_bytes));
+fn cuda_ctx(ordinals: &[i32], transport: u32, fusion_bytes: usize) -> Option<Context> {
+    cuda_context(|o| {
+        o.set_cuda_replicas(ordinals);
+        o.set_transport(transport);
+        o.set_fusion_bytes(fusion_bytes);
     })
 }
 
 /// Registers `n` f32 of device memory as `role`.
-fn reg(ctx: &Ctx, name: &str, role: u32, replica: usize, ptr: u64, n: usize) {
-    ctx.register(name, role, replica, ptr as *mut c_void, n, F32);
+fn reg(ctx: &Context, name: &str, role: u32, replica: usize, ptr: u64, n: usize) {
+    register(ctx, name, role, replica, ptr as *mut c_void, n, F32);
 }
 
-fn set_stream(ctx: &Ctx, replica: usize, stream: &CudaStream) {
+fn set_stream(ctx: &Context, replica: usize, stream: &CudaStream) {
     // SAFETY: a live context and stream.
     unsafe {
         check(dpsync_set_stream(

@@ -13,8 +13,9 @@ mod common;
 use common::*;
 
 /// Registers a host f32 gradient.
-fn reg(ctx: &Ctx, name: &str, replica: usize, data: &mut [f32]) {
-    ctx.register(
+fn reg(ctx: &Context, name: &str, replica: usize, data: &mut [f32]) {
+    register(
+        ctx,
         name,
         GRAD,
         replica,
@@ -35,7 +36,7 @@ fn allreduce_vs_memcpy(quick: bool, threads: Option<usize>) {
     let replicas = 4;
     let n = if quick { 1 << 20 } else { 16 << 20 };
     let reps = if quick { 3 } else { 9 };
-    let ctx = Ctx::host(replicas, 25 << 20);
+    let ctx = Context::host(replicas, Some(25 << 20));
     std::env::remove_var("DPSYNC_HOST_THREADS");
     let mut bufs: Vec<Vec<f32>> = (0..replicas).map(|r| filled(n, r, 0.0)).collect();
     for (r, b) in bufs.iter_mut().enumerate() {
@@ -75,9 +76,9 @@ fn gradient_set(label: &str, file: &str, quick: bool) {
         .map(|r| params.iter().map(|(_, n)| filled(*n, r, 0.0)).collect())
         .collect();
     let mut flat: Vec<Vec<f32>> = (0..replicas).map(|r| filled(total, r, 0.0)).collect();
-    let fused = Ctx::host(replicas, 25 << 20);
-    let unfused = Ctx::host(replicas, 0);
-    let single = Ctx::host(replicas, 25 << 20);
+    let fused = Context::host(replicas, Some(25 << 20));
+    let unfused = Context::host(replicas, Some(0));
+    let single = Context::host(replicas, Some(25 << 20));
     for (r, tensors) in bufs.iter_mut().enumerate() {
         for ((name, _), data) in params.iter().zip(tensors.iter_mut()) {
             reg(&fused, name, r, data);
@@ -114,7 +115,7 @@ fn gradient_set(label: &str, file: &str, quick: bool) {
 /// Host-side cost of one call: allreduce of one f32 on 2 replicas.
 fn call_overhead(quick: bool) {
     let calls = if quick { 10_000 } else { 200_000 };
-    let ctx = Ctx::host(2, 25 << 20);
+    let ctx = Context::host(2, Some(25 << 20));
     let mut a = [1.0f32];
     let mut b = [2.0f32];
     reg(&ctx, "x", 0, &mut a);
@@ -143,7 +144,7 @@ fn grad_ready_step(quick: bool) {
     let counts: &[usize] = if quick { &[1000] } else { &[1000, 16_000] };
     for &tensors in counts {
         for fusion in [25 << 20, 0] {
-            let ctx = Ctx::host(2, fusion);
+            let ctx = Context::host(2, Some(fusion));
             let mut bufs: Vec<Vec<f32>> = (0..2).map(|r| filled(4 * tensors, r, 0.0)).collect();
             let names: Vec<CString> = (0..tensors)
                 .map(|t| CString::new(format!("g{t}")).unwrap())

@@ -68,12 +68,10 @@ impl Zipf {
 }
 
 /// The benchmark's context: host replicas with the embedding gradient registered.
-fn sparse_context(coalesce: bool) -> Ctx {
-    let ctx = Ctx::create(|o| unsafe {
-        check(dpsync_options_set_host_replicas(o, REPLICAS));
-        check(dpsync_options_set_sparse_coalesce(o, coalesce));
-    })
-    .expect("host contexts are always available");
+fn sparse_context(coalesce: bool) -> Context {
+    let o = Options::host(REPLICAS);
+    o.set_sparse_coalesce(coalesce);
+    let ctx = Context::new(&o);
     let name = CString::new("emb_grad").unwrap();
     for r in 0..REPLICAS {
         // SAFETY: a live context and name.
@@ -92,7 +90,7 @@ fn sparse_context(coalesce: bool) -> Ctx {
     ctx
 }
 
-impl Ctx {
+impl Context {
     /// Sets every replica's slice and runs the step.
     fn step(&self, step: &Step) {
         let name = CString::new("emb_grad").unwrap();
@@ -136,7 +134,7 @@ impl Ctx {
 
     /// Bytes the last step copied, from dpsync_describe.
     fn bytes_copied(&self) -> usize {
-        self.describe()["sparse_last_step"]["bytes_copied"]
+        self.describe_json()["sparse_last_step"]["bytes_copied"]
             .as_u64()
             .expect("bytes_copied") as usize
     }
@@ -181,7 +179,7 @@ struct Figures {
 }
 
 impl Figures {
-    fn run(&mut self, ctx: &Ctx, step: &Step, table: &mut [f32]) {
+    fn run(&mut self, ctx: &Context, step: &Step, table: &mut [f32]) {
         let t = Instant::now();
         ctx.step(step);
         self.gather.push(t.elapsed());

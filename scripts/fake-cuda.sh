@@ -19,23 +19,16 @@ source "$(dirname "$0")/common.sh"
 build_fake_cuda() {
   local out=target/fakecuda
   mkdir -p "$out"
-  local items
-  items=$(grep -oP 'pub\(crate\) const ITEMS: u32 = \K[0-9]+' src/backend/cuda/kernels.rs)
   {
     cat src/backend/cuda/kernels/emulate.hpp
     cat src/backend/cuda/kernels/{prelude,dense,bmuf,sparse}.cu
-    # The tests' own kernels (tests/common/gpu.rs SPIN) and their clock.
-    cat tests/fakecuda/clock64.hpp
-    python3 - <<'PY'
-import re
-src = open("tests/common/gpu.rs").read()
-print(re.search(r'pub const SPIN: &str = r#"(.*?)"#;', src, re.S).group(1))
-for name in re.findall(r'__global__ void (\w+)\(', src):
-    print(f"DPSYNC_KERNEL({name})")
-PY
+    # The tests' own kernels (tests/fakecuda/spin.cu, which names them for the emulator) and
+    # their clock.
+    cat tests/fakecuda/clock64.hpp tests/fakecuda/spin.cu
     cat tests/fakecuda/fake_cuda.cpp
   } >"$out/fake_cuda_all.cpp"
-  c++ -std=c++20 -O2 -ffp-contract=off -fPIC -shared -pthread -DITEMS_PER_THREAD="$items" \
+  # ITEMS_PER_THREAD: prelude.cu's default, which a unit test keeps equal to the Rust side's.
+  c++ -std=c++20 -O2 -ffp-contract=off -fPIC -shared -pthread \
     -Wl,-soname,libcuda.so.1 -o "$out/libcuda.so.1" "$out/fake_cuda_all.cpp"
   ln -sf libcuda.so.1 "$out/libcuda.so"
   # The NCCL stand-in; it finds the fake driver's fake_cuda_* helpers at run time (dlsym).

@@ -4,9 +4,18 @@
 //! collective afterwards still works. Also dpsync_status_name, dpsync_version and the per-thread
 //! last error.
 
-mod common;
+mod common {
+    pub mod abi;
+    pub mod buf;
+    pub mod context;
+    pub mod errors;
+    pub mod float16;
+    pub mod lcg;
+    pub mod reference;
+    pub mod skip;
+}
 
-use common::*;
+use common::{abi::*, buf::*, context::*, errors::*, reference::*, skip::*};
 use dpsync::*;
 use std::ffi::{c_char, c_void};
 use std::ptr;

@@ -3,9 +3,17 @@
 //! assertion for two replicas, restart by a second init, every bad input, and the rule for
 //! PARAM tensors registered or unregistered after init.
 
-mod common;
+mod common {
+    pub mod abi;
+    pub mod buf;
+    pub mod context;
+    pub mod errors;
+    pub mod float16;
+    pub mod lcg;
+    pub mod reference;
+}
 
-use common::*;
+use common::{abi::*, buf::*, context::*, errors::*, float16::*, lcg::*, reference::*};
 
 // ------------------------------------------------------------------ reference and helpers
 

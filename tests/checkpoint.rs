@@ -5,9 +5,17 @@
 //! identical thing again is a no-op; tensors registered after collectives are included in later
 //! ones; unregistered tensors are ignored.
 
-mod common;
+mod common {
+    pub mod abi;
+    pub mod buf;
+    pub mod context;
+    pub mod errors;
+    pub mod float16;
+    pub mod lcg;
+    pub mod reference;
+}
 
-use common::*;
+use common::{abi::*, buf::*, context::*, errors::*, reference::*};
 use std::collections::BTreeMap;
 
 /// Named tensors on every replica, with their roles, kept at stable addresses.

@@ -5,9 +5,16 @@
 //! steps); and dpsync_plan_describe for CUDA topologies (Caffe2's Pascal/Kepler seed case, the
 //! pairwise trees, NCCL with replicas sharing a GPU), all through the C ABI.
 
-mod common;
+mod common {
+    pub mod abi;
+    pub mod buf;
+    pub mod context;
+    pub mod float16;
+    pub mod lcg;
+    pub mod reference;
+}
 
-use common::*;
+use common::{abi::*, buf::*, context::*, float16::*, lcg::*, reference::*};
 use serde_json::Value;
 use std::collections::BTreeSet;
 

@@ -12,9 +12,17 @@
 //! docs/API.md: "calls on one context may come from any thread and are serialised by the
 //! context". A watchdog aborts the process with a message if a test hangs.
 
-mod common;
+mod common {
+    pub mod abi;
+    pub mod buf;
+    pub mod context;
+    pub mod errors;
+    pub mod float16;
+    pub mod lcg;
+    pub mod sparse;
+}
 
-use common::*;
+use common::{abi::*, buf::*, context::*, errors::*, float16::*, lcg::*};
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::io::Write;

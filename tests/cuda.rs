@@ -4,10 +4,23 @@
 //! Device memory, streams and the spin kernels come from cudarc's safe layer, as a framework's
 //! would come from its own runtime; dpsync only ever sees the raw pointers and streams.
 
-mod common;
+mod common {
+    pub mod abi;
+    pub mod buf;
+    pub mod context;
+    pub mod cuda_context;
+    pub mod errors;
+    pub mod float16;
+    pub mod gpu;
+    pub mod lcg;
+    pub mod place;
+    pub mod skip;
+    pub mod sparse;
+}
 
 use common::gpu::*;
-use common::*;
+use common::place::*;
+use common::{abi::*, buf::*, context::*, cuda_context::*, errors::*, skip::*};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use dpsync::*;
 use half::{bf16, f16};

@@ -6,13 +6,21 @@
 //! and device must agree to the byte. With four replicas the order of the additions may differ
 //! between backends; there the params agree to within a few units in the last place.
 
-mod common;
+mod common {
+    pub mod abi;
+    pub mod buf;
+    pub mod context;
+    pub mod cuda_context;
+    pub mod float16;
+    pub mod gpu;
+    pub mod lcg;
+    pub mod place;
+    pub mod skip;
+}
 
-use common::gpu::{
-    decode, encode, for_each_transport, in_stream_order, rank_per_replica, synchronize, Mem, Place,
-    ACROSS_GPUS,
-};
-use common::*;
+use common::gpu::{for_each_transport, in_stream_order, rank_per_replica, ACROSS_GPUS};
+use common::place::{decode, encode, synchronize, Mem, Place};
+use common::{abi::*, buf::*, context::*, cuda_context::*, lcg::*, skip::*};
 
 /// Tensor sizes: one that spans several kernel chunks and starts the bucket, one small.
 const SIZES: [usize; 2] = [5000, 37];

@@ -3,15 +3,27 @@
 //! run of equal indices in world order with the same accumulation types everywhere). Without a
 //! GPU every test prints "skipped: no CUDA device" and returns.
 
-mod common;
+mod common {
+    pub mod abi;
+    pub mod buf;
+    pub mod close;
+    pub mod context;
+    pub mod cuda_context;
+    pub mod embedding;
+    pub mod errors;
+    pub mod float16;
+    pub mod gpu;
+    pub mod lcg;
+    pub mod place;
+    pub mod skip;
+    pub mod sparse;
+}
 
 use std::ffi::c_void;
 
-use common::gpu::{
-    encode, encode_indices, fake_driver_fn, for_each_transport, rank_per_replica, read_at,
-    synchronize, Mem, Place,
-};
-use common::*;
+use common::gpu::{fake_driver_fn, for_each_transport, rank_per_replica};
+use common::place::{encode, encode_indices, read_at, synchronize, Mem, Place};
+use common::{abi::*, buf::*, context::*, cuda_context::*, errors::*, lcg::*};
 
 /// A sparse gradient of the comparison: name, row length, value dtype, index dtype, and the
 /// gradient whose index buffer it shares (same pointer on every replica), if any.
@@ -409,7 +421,8 @@ fn coalesced_steps_reuse_device_memory_once_warm() {
 /// driver; it bites on a GPU and under FAKE_CUDA_ASYNC=1). False when `transport` is not
 /// available here.
 fn gather_in_stream_order(test: &str, ordinals: &[i32], transport: u32, coalesce: bool) -> bool {
-    use common::gpu::{dptr, set_stream, spin_kernels};
+    use common::gpu::{set_stream, spin_kernels};
+    use common::place::dptr;
     use cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
     let (rows, row_len) = (64usize, 4usize);
     let reps = ordinals.len();
@@ -520,7 +533,8 @@ fn gathers_across_gpus_are_ordered_by_each_replicas_stream() {
 /// streams (a GPU, or the fake driver's FAKE_CUDA_ASYNC=1).
 #[test]
 fn the_coalescing_wait_for_the_indices_times_out() {
-    use common::gpu::{dptr, set_stream, StuckCaller};
+    use common::gpu::{set_stream, StuckCaller};
+    use common::place::dptr;
     let test = "the_coalescing_wait_for_the_indices_times_out";
     let Some(stuck) = StuckCaller::new(test, |o| {
         o.set_sparse_coalesce(true);

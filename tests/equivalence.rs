@@ -5,9 +5,17 @@
 //! final weights must be close to the 1-replica run, bytewise identical on every replica, bytewise
 //! identical whatever fusion_bytes is, and identical run after run.
 
-mod common;
+mod common {
+    pub mod abi;
+    pub mod buf;
+    pub mod close;
+    pub mod context;
+    pub mod float16;
+    pub mod lcg;
+    pub mod reference;
+}
 
-use common::*;
+use common::{abi::*, buf::*, close::*, context::*, lcg::*, reference::*};
 
 const D: usize = 6; // inputs
 const H: usize = 5; // hidden units

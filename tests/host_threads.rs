@@ -1,9 +1,12 @@
 //! DPSYNC_HOST_THREADS is read when a context is created. Its own test binary: the variable is
 //! process-wide, so no other test may run beside it.
 
-mod common;
+mod common {
+    pub mod abi;
+    pub mod context;
+}
 
-use common::*;
+use common::{abi::*, context::*};
 
 #[test]
 fn host_threads_follow_the_environment_and_give_the_same_bytes() {

@@ -3,9 +3,18 @@
 //! early before the first), `dpsync_allreduce_grads` finishes the rest, and the step ends with
 //! the same bytes as a step without the calls.
 
-mod common;
+mod common {
+    pub mod abi;
+    pub mod buf;
+    pub mod context;
+    pub mod errors;
+    pub mod float16;
+    pub mod lcg;
+    pub mod reference;
+    pub mod sparse;
+}
 
-use common::*;
+use common::{abi::*, buf::*, context::*, errors::*, reference::*};
 
 /// Tensors of the model, in registration (forward) order: name, dtype, elements. With 64-byte
 /// buckets the plan fuses them, last registered first, into buckets by dtype and size.

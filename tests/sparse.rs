@@ -10,9 +10,22 @@
 //! - Every bad input: the status, a message naming the gradient and replica, and nothing
 //!   changed (dense gradients, previous outputs, the slices already set).
 
-mod common;
+mod common {
+    pub mod abi;
+    pub mod buf;
+    pub mod close;
+    pub mod context;
+    pub mod cuda_context;
+    pub mod embedding;
+    pub mod errors;
+    pub mod float16;
+    pub mod lcg;
+    pub mod place;
+    pub mod skip;
+    pub mod sparse;
+}
 
-use common::*;
+use common::{abi::*, context::*, errors::*, float16::*, lcg::*, sparse::*};
 use dpsync::*;
 use std::collections::BTreeMap;
 use std::ffi::c_void;
@@ -146,7 +159,7 @@ fn sparse_stats(ctx: &Context) -> serde_json::Value {
 fn equiv_sparse_embedding_model_trains_alike_on_1_2_and_4_replicas_coalesced_or_not() {
     let sets: [&[i32]; 3] = [&[0], &[0, 0], &[0, 0, 0, 0]];
     assert!(common::embedding::equiv_sparse(
-        &common::gpu::Place::Host,
+        &common::place::Place::Host,
         sets,
         T_AUTO
     ));

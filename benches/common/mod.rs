@@ -1,10 +1,15 @@
-//! What the benchmarks share: a context handle over the C ABI, status checks, side-by-side
-//! timing and the parameter-set files. Each benchmark includes this module by path.
+//! What the benchmarks share: the tests' context handle over the C ABI (tests/common/context.rs),
+//! status checks, side-by-side timing and the parameter-set files. Each benchmark includes this
+//! module by path.
 #![allow(dead_code)]
 
+#[path = "../../tests/common/context.rs"]
+pub mod context;
 pub mod raw_nccl;
 
-use std::ffi::{c_void, CStr, CString};
+pub use context::{Context, Options};
+
+use std::ffi::{c_void, CStr};
 use std::time::{Duration, Instant};
 
 use dpsync::*;
@@ -24,93 +29,36 @@ pub fn check(status: dpsync_status) {
     }
 }
 
-/// A context, destroyed on drop.
-pub struct Ctx(pub *mut dpsync_context);
-
-impl Ctx {
-    /// A context from options that `configure` sets; `None` (after printing "skipped: ...")
-    /// when dpsync answers UNAVAILABLE, as it does for CUDA replicas without a GPU.
-    pub fn create(configure: impl FnOnce(*mut dpsync_options)) -> Option<Ctx> {
-        // SAFETY: a fresh options object, freed after use; out pointers are valid.
-        unsafe {
-            let mut o = std::ptr::null_mut();
-            check(dpsync_options_new(&mut o));
-            configure(o);
-            let mut c = std::ptr::null_mut();
-            let st = dpsync_context_create(o, &mut c);
-            dpsync_options_free(o);
-            if st == dpsync_status::DPSYNC_STATUS_UNAVAILABLE {
-                let msg = CStr::from_ptr(dpsync_last_error()).to_string_lossy();
-                // The GPU machine's run (scripts/gpu-check.sh) must not skip silently.
-                if std::env::var("DPSYNC_REQUIRE_GPU").as_deref() == Ok("1") {
-                    panic!("DPSYNC_REQUIRE_GPU=1, but the CUDA context was UNAVAILABLE: {msg}");
-                }
-                println!("skipped: no CUDA device ({msg})");
-                return None;
-            }
-            check(st);
-            Some(Ctx(c))
+/// A context over CUDA replicas from options that `configure` sets; `None` (after printing
+/// "skipped: ...") when dpsync answers UNAVAILABLE, as it does without a GPU.
+pub fn cuda_context(configure: impl FnOnce(&Options)) -> Option<Context> {
+    let o = Options::new();
+    configure(&o);
+    let ctx = Context::new_if_available(&o);
+    if ctx.is_none() {
+        let msg = context::last_error();
+        // The GPU machine's run (scripts/gpu-check.sh) must not skip silently.
+        if std::env::var("DPSYNC_REQUIRE_GPU").as_deref() == Ok("1") {
+            panic!("DPSYNC_REQUIRE_GPU=1, but the CUDA context was UNAVAILABLE: {msg}");
         }
+        println!("skipped: no CUDA device ({msg})");
     }
-
-    /// `replicas` host replicas with fusion buckets of `fusion_bytes`.
-    pub fn host(replicas: usize, fusion_bytes: usize) -> Ctx {
-        Ctx::create(|o| unsafe {
-            check(dpsync_options_set_host_replicas(o, replicas));
-            check(dpsync_options_set_fusion_bytes(o, fusion_bytes));
-        })
-        .expect("host contexts are always available")
-    }
-
-    /// Registers `n` elements of `dtype` at `ptr` under `name` on `replica`.
-    pub fn register(
-        &self,
-        name: &str,
-        role: u32,
-        replica: usize,
-        ptr: *mut c_void,
-        n: usize,
-        dtype: u32,
-    ) {
-        let name = CString::new(name).unwrap();
-        // SAFETY: a live context; the caller keeps `ptr` valid while registered.
-        unsafe {
-            check(dpsync_register(
-                self.0,
-                name.as_ptr(),
-                role,
-                replica,
-                ptr,
-                n,
-                dtype,
-            ))
-        };
-    }
-
-    /// `dpsync_describe` parsed.
-    pub fn describe(&self) -> serde_json::Value {
-        // SAFETY: a live context; the buffer is as long as it says.
-        unsafe {
-            let mut len = 0usize;
-            check(dpsync_describe(self.0, std::ptr::null_mut(), 0, &mut len));
-            let mut buf = vec![0u8; len + 1];
-            check(dpsync_describe(
-                self.0,
-                buf.as_mut_ptr().cast(),
-                buf.len(),
-                &mut len,
-            ));
-            buf.truncate(len);
-            serde_json::from_slice(&buf).expect("describe is JSON")
-        }
-    }
+    ctx
 }
 
-impl Drop for Ctx {
-    fn drop(&mut self) {
-        // SAFETY: ours, destroyed once.
-        unsafe { dpsync_context_destroy(self.0) };
-    }
+/// Registers `n` elements of `dtype` at `ptr` under `name` on `replica`.
+pub fn register(
+    ctx: &Context,
+    name: &str,
+    role: u32,
+    replica: usize,
+    ptr: *mut c_void,
+    n: usize,
+    dtype: u32,
+) {
+    check(context::register_raw(
+        ctx.0, name, role, replica, ptr, n, dtype,
+    ));
 }
 
 /// The middle value (the upper one of an even count).

@@ -4,8 +4,12 @@
 //! gradients dpsync reduces — dense `w_grad`/`b_grad` and the sparse `table_grad` slices — live
 //! in the run's [`Place`], so on CUDA replicas the gather and the allreduce run on the GPUs.
 
-use super::gpu::{encode_indices, read_at, synchronize, Mem, Place};
-use super::*;
+use super::abi::{F32, GRAD, SUM};
+use super::buf::DType;
+use super::close::{assert_allclose, f32_bytes};
+use super::context::{check, register_raw};
+use super::lcg::Lcg;
+use super::place::{encode_indices, read_at, synchronize, Mem, Place};
 
 const VOCAB: usize = 40;
 const EMB: usize = 4;

@@ -1,40 +1,20 @@
-//! CUDA helpers for the GPU tests: device memory, streams and test kernels from cudarc's safe
-//! layer, as a framework's would come from its own runtime; dpsync only ever sees raw pointers
-//! and streams.
+//! CUDA helpers for the GPU tests: the tests' own kernels, caller streams, registration of device
+//! memory, and the skips of tests that need more than this machine has.
 
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use dpsync::*;
 
-use super::{
-    bf16_to_f32, check, f16_to_f32, f32_to_bf16, f32_to_f16, register_raw, Context, DType,
-};
+use super::abi::{F32, T_NCCL, T_PEER_COPY};
+use super::context::{check, register_raw, Context, Options};
+use super::cuda_context::cuda_context;
+use super::place::{dptr, gpu, synchronize};
+use super::skip::skip;
 
-pub fn gpu() -> Arc<CudaContext> {
-    CudaContext::new(0).expect("a context on GPU 0 (dpsync found one)")
-}
-
-/// The legacy default stream of GPU `ordinal`.
-pub fn default_stream(ordinal: i32) -> Arc<CudaStream> {
-    CudaContext::new(ordinal as usize)
-        .expect("a context on a visible GPU")
-        .default_stream()
-}
-
-pub const SPIN: &str = r#"
-extern "C" __global__ void spin_then_fill(float* out, unsigned long long n, float value,
-                                          long long cycles) {
-  long long start = clock64();
-  while (clock64() - start < cycles) { }
-  for (unsigned long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
-       i += (unsigned long long)gridDim.x * blockDim.x) out[i] = value;
-}
-extern "C" __global__ void copy_out(const float* in, float* out, unsigned long long n) {
-  for (unsigned long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
-       i += (unsigned long long)gridDim.x * blockDim.x) out[i] = in[i];
-}
-"#;
+/// The tests' kernels (tests/fakecuda/spin.cu: NVRTC compiles them here; scripts/fake-cuda.sh
+/// builds them into the fake CUDA driver).
+pub const SPIN: &str = include_str!("../fakecuda/spin.cu");
 
 pub struct Spin {
     pub fill: cudarc::driver::CudaFunction,
@@ -43,20 +23,23 @@ pub struct Spin {
 
 /// A context on [0, 0] whose replicas both use one caller stream, with the test kernels to
 /// keep that stream busy: the timeout tests' setup.
+// The timeout tests' setup (tests/cuda.rs, tests/cuda_sparse.rs).
+#[allow(dead_code)]
 pub struct StuckCaller {
     pub ctx: Context,
     pub caller: Arc<CudaStream>,
     spin: Spin,
 }
 
+#[allow(dead_code)] // as StuckCaller
 impl StuckCaller {
     /// `None`, having said why, without asynchronous streams (the synchronous fake cannot keep a
     /// stream busy) or without a GPU. The caller stream is not yet given to dpsync.
-    pub fn new(test: &str, configure: impl Fn(&super::Options)) -> Option<StuckCaller> {
+    pub fn new(test: &str, configure: impl Fn(&Options)) -> Option<StuckCaller> {
         if needs_async_streams(test) {
             return None;
         }
-        let ctx = super::cuda_context(test, &[0, 0], configure)?;
+        let ctx = cuda_context(test, &[0, 0], configure)?;
         let gpu = gpu();
         let spin = spin_kernels(&gpu);
         let caller = gpu.new_stream().unwrap();
@@ -85,12 +68,8 @@ pub fn spin_kernels(ctx: &Arc<CudaContext>) -> Spin {
     }
 }
 
-pub fn dptr<T>(stream: &Arc<CudaStream>, s: &CudaSlice<T>) -> usize {
-    use cudarc::driver::DevicePtr;
-    let (p, _sync) = s.device_ptr(stream);
-    p as usize
-}
-
+// For dense device tensors (tests/cuda.rs, and in_stream_order).
+#[allow(dead_code)]
 pub fn register_device(
     ctx: &Context,
     name: &str,
@@ -118,241 +97,6 @@ pub fn set_stream(ctx: &Context, replica: usize, stream: &Arc<CudaStream>) {
     check(st, "dpsync_set_stream");
 }
 
-pub fn synchronize(ctx: &Context) -> dpsync_status {
-    // SAFETY: a live context.
-    unsafe { dpsync_synchronize(ctx.0) }
-}
-
-/// A copy of `bytes` bytes of device memory at `ptr` (any device: unified addressing).
-pub fn download(ptr: usize, bytes: usize) -> Vec<u8> {
-    let mut out = vec![0u8; bytes];
-    if bytes > 0 {
-        gpu().bind_to_thread().expect("bind GPU 0");
-        // SAFETY: the caller names live device memory of at least `bytes`.
-        unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut out, ptr as u64) }
-            .expect("device-to-host copy");
-    }
-    out
-}
-
-/// Device memory on `stream`'s device holding `bytes` (at least one byte, so the pointer is
-/// valid even for an empty slice).
-pub fn upload(stream: &Arc<CudaStream>, bytes: &[u8]) -> CudaSlice<u8> {
-    if bytes.is_empty() {
-        return stream.alloc_zeros::<u8>(1).unwrap();
-    }
-    stream.clone_htod(bytes).unwrap()
-}
-
-/// Where a comparison run keeps replica memory: the host, or GPUs (the default stream of every
-/// visible device, by ordinal).
-pub enum Place {
-    Host,
-    Gpu(Vec<Arc<CudaStream>>),
-}
-
-/// The number of CUDA devices cudarc sees (0 without a driver).
-pub fn device_count() -> usize {
-    CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
-}
-
-impl Place {
-    /// Every visible GPU, by ordinal; `None`, having printed "`test`: skipped: no CUDA device",
-    /// when dpsync finds no GPU.
-    pub fn gpu(test: &str) -> Option<Place> {
-        super::cuda_context(test, &[0], |_| {})?;
-        let streams = (0..device_count())
-            .map(|d| default_stream(d as i32))
-            .collect();
-        Some(Place::Gpu(streams))
-    }
-
-    /// As [`Place::gpu`], with at least `n` GPUs: otherwise prints "`test`: skipped: needs `n`
-    /// CUDA devices" (scripts/fake-cuda.sh runs these tests with four fake devices).
-    pub fn gpus(test: &str, n: usize) -> Option<Place> {
-        let place = Place::gpu(test)?;
-        let found = device_count();
-        if found < n {
-            super::skip(format_args!(
-                "{test}: skipped: needs {n} CUDA devices, found {found}"
-            ));
-            return None;
-        }
-        Some(place)
-    }
-
-    /// A context with one replica per entry of `ordinals` in this place (host replicas, or CUDA
-    /// replicas on those GPUs over `transport`), with sparse coalescing as given; `None` when
-    /// the CUDA context cannot be made here.
-    pub fn context(
-        &self,
-        test: &str,
-        ordinals: &[i32],
-        transport: u32,
-        coalesce: bool,
-    ) -> Option<super::Context> {
-        match self {
-            Place::Host => {
-                let o = super::Options::host(ordinals.len());
-                o.set_sparse_coalesce(coalesce);
-                Some(super::Context::new(&o))
-            }
-            Place::Gpu(_) => super::cuda_context(test, ordinals, |o| {
-                o.set_sparse_coalesce(coalesce);
-                o.set_transport(transport);
-            }),
-        }
-    }
-
-    /// `bytes` in memory of this place (on GPU 0 for a GPU place).
-    pub fn mem(&self, bytes: &[u8]) -> Mem {
-        self.mem_on(0, bytes)
-    }
-
-    /// `bytes` in memory of this place, on GPU `ordinal` for a GPU place.
-    pub fn mem_on(&self, ordinal: i32, bytes: &[u8]) -> Mem {
-        match self {
-            Place::Host => {
-                let mut words = vec![0u64; bytes.len().div_ceil(8).max(1)];
-                // SAFETY: the words hold at least `bytes.len()` bytes.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        bytes.as_ptr(),
-                        words.as_mut_ptr().cast::<u8>(),
-                        bytes.len(),
-                    )
-                };
-                Mem::Host(words, bytes.len())
-            }
-            Place::Gpu(streams) => {
-                let stream = &streams[ordinal as usize];
-                let d = upload(stream, bytes);
-                stream.synchronize().unwrap();
-                Mem::Device(d, stream.clone())
-            }
-        }
-    }
-}
-
-/// One buffer on one replica, in the place of its run. Host words keep every dtype aligned.
-pub enum Mem {
-    Host(Vec<u64>, usize),
-    Device(CudaSlice<u8>, Arc<CudaStream>),
-}
-
-impl Mem {
-    pub fn ptr(&self) -> usize {
-        match self {
-            Mem::Host(words, _) => words.as_ptr() as usize,
-            Mem::Device(d, stream) => dptr(stream, d),
-        }
-    }
-
-    pub fn len(&self) -> usize {
-        match self {
-            Mem::Host(_, n) => *n,
-            Mem::Device(d, _) => d.len(),
-        }
-    }
-
-    pub fn read(&self) -> Vec<u8> {
-        match self {
-            Mem::Host(words, n) => {
-                // SAFETY: the words hold `n` bytes.
-                unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), *n) }.to_vec()
-            }
-            Mem::Device(_, stream) => {
-                stream.synchronize().unwrap();
-                download(self.ptr(), self.len())
-            }
-        }
-    }
-
-    /// Overwrites the contents in place (the address stays the same).
-    pub fn write(&mut self, bytes: &[u8]) {
-        assert_eq!(bytes.len(), self.len());
-        match self {
-            Mem::Host(words, n) => {
-                // SAFETY: the words hold `n` bytes.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        bytes.as_ptr(),
-                        words.as_mut_ptr().cast::<u8>(),
-                        *n,
-                    )
-                }
-            }
-            Mem::Device(d, stream) => {
-                stream.memcpy_htod(bytes, d).unwrap();
-                stream.synchronize().unwrap();
-            }
-        }
-    }
-}
-
-/// Bytes of `ptr` in the place of a run (`bytes` of host memory, or device memory).
-pub fn read_at(place: &Place, ptr: usize, bytes: usize) -> Vec<u8> {
-    if bytes == 0 {
-        return Vec::new(); // an empty output's address is NULL
-    }
-    match place {
-        // SAFETY: the caller names `bytes` of live host memory (a dpsync output).
-        Place::Host => unsafe { std::slice::from_raw_parts(ptr as *const u8, bytes) }.to_vec(),
-        Place::Gpu(streams) => {
-            streams.iter().for_each(|s| s.synchronize().unwrap());
-            download(ptr, bytes)
-        }
-    }
-}
-
-/// f64 view of float bytes of `dtype`.
-pub fn decode(dtype: DType, bytes: &[u8]) -> Vec<f64> {
-    match dtype {
-        DType::F32 => bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_ne_bytes(b.try_into().unwrap()) as f64)
-            .collect(),
-        DType::F64 => bytes
-            .chunks_exact(8)
-            .map(|b| f64::from_ne_bytes(b.try_into().unwrap()))
-            .collect(),
-        DType::F16 => bytes
-            .chunks_exact(2)
-            .map(|b| f16_to_f32(u16::from_ne_bytes([b[0], b[1]])) as f64)
-            .collect(),
-        DType::BF16 => bytes
-            .chunks_exact(2)
-            .map(|b| bf16_to_f32(u16::from_ne_bytes([b[0], b[1]])) as f64)
-            .collect(),
-        _ => panic!("not a float dtype"),
-    }
-}
-
-/// Indices as bytes of the index `dtype` (I32 or I64).
-pub fn encode_indices(dtype: DType, v: &[i64]) -> Vec<u8> {
-    match dtype {
-        DType::I32 => v.iter().flat_map(|&i| (i as i32).to_ne_bytes()).collect(),
-        _ => v.iter().flat_map(|&i| i.to_ne_bytes()).collect(),
-    }
-}
-
-/// `v` rounded to `dtype`, as bytes.
-pub fn encode(dtype: DType, v: &[f64]) -> Vec<u8> {
-    match dtype {
-        DType::F32 => v.iter().flat_map(|x| (*x as f32).to_ne_bytes()).collect(),
-        DType::F64 => v.iter().flat_map(|x| x.to_ne_bytes()).collect(),
-        DType::F16 => v
-            .iter()
-            .flat_map(|x| f32_to_f16(*x as f32).to_ne_bytes())
-            .collect(),
-        DType::BF16 => v
-            .iter()
-            .flat_map(|x| f32_to_bf16(*x as f32).to_ne_bytes())
-            .collect(),
-        _ => panic!("not a float dtype"),
-    }
-}
-
 /// True (after printing why the test is skipped) on the fake CUDA driver in its synchronous
 /// mode, where every launch and copy is complete when the call returns: tests of asynchrony
 /// (timeouts, stream-order negative controls) need a real GPU or the fake's FAKE_CUDA_ASYNC=1
@@ -361,7 +105,7 @@ pub fn needs_async_streams(test: &str) -> bool {
     let env = |k: &str| std::env::var(k).as_deref() == Ok("1");
     let synchronous = env("DPSYNC_FAKE_CUDA") && !env("FAKE_CUDA_ASYNC");
     if synchronous {
-        super::skip(format_args!(
+        skip(format_args!(
             "{test}: skipped: needs asynchronous streams (a real GPU, or the fake CUDA driver \
              with FAKE_CUDA_ASYNC=1)"
         ));
@@ -376,7 +120,7 @@ pub fn needs_async_streams(test: &str) -> bool {
 pub fn rank_per_replica(test: &str) -> bool {
     let on = std::env::var("DPSYNC_NCCL_RANK_PER_REPLICA").as_deref() == Ok("1");
     if !on {
-        super::skip(format_args!(
+        skip(format_args!(
             "{test}: skipped: set DPSYNC_NCCL_RANK_PER_REPLICA=1 (and NCCL_MULTI_RANK_GPU_ENABLE=1 \
              on NCCL >= 2.30) to run it"
         ));
@@ -389,6 +133,8 @@ pub fn rank_per_replica(test: &str) -> bool {
 ///
 /// # Safety
 /// `F` must be the symbol's true `extern "C"` signature.
+// For the tests that read the fake driver's counters (tests/cuda.rs, tests/cuda_sparse.rs).
+#[allow(dead_code)]
 pub unsafe fn fake_driver_fn<F: Copy>(test: &str, symbol: &str) -> Option<F> {
     // SAFETY: opens the driver library this process already loaded (dpsync did); the caller
     // vouches for the signature.
@@ -397,7 +143,7 @@ pub unsafe fn fake_driver_fn<F: Copy>(test: &str, symbol: &str) -> Option<F> {
         lib.and_then(|l| Some(*l.get::<F>(symbol.as_bytes()).ok()?))
     };
     if found.is_none() {
-        super::skip(format_args!(
+        skip(format_args!(
             "{test}: skipped: needs the fake CUDA driver's {symbol}"
         ));
     }
@@ -405,6 +151,8 @@ pub unsafe fn fake_driver_fn<F: Copy>(test: &str, symbol: &str) -> Option<F> {
 }
 
 /// The replica layouts of the `*across_gpus*` tests (four GPUs, and a shared one).
+// For the `*across_gpus*` tests of dense collectives and BMUF (tests/cuda.rs, tests/cuda_bmuf.rs).
+#[allow(dead_code)]
 pub const ACROSS_GPUS: [&[i32]; 2] = [&[0, 1, 2, 3], &[2, 0, 2]];
 
 /// One collective in stream order, each replica with its own caller stream: a kernel on replica
@@ -414,7 +162,8 @@ pub const ACROSS_GPUS: [&[i32]; 2] = [&[0, 1, 2, 3], &[2, 0, 2]];
 /// every replica's stream and made every one wait for its work. (Trivial on the synchronous fake
 /// driver; it bites on a GPU and under FAKE_CUDA_ASYNC=1.) `prepare` runs once the tensors are
 /// registered (e.g. `dpsync_bmuf_init`). False when `transport` is not available here.
-#[allow(clippy::too_many_arguments)]
+// For the stream-order tests of dense collectives and BMUF (tests/cuda.rs, tests/cuda_bmuf.rs).
+#[allow(dead_code, clippy::too_many_arguments)]
 pub fn in_stream_order(
     test: &str,
     what: &str,
@@ -429,7 +178,7 @@ pub fn in_stream_order(
     let n = 1usize << 12;
     let cfg = LaunchConfig::for_num_elems(n as u32);
     for slow in 0..ordinals.len() {
-        let Some(ctx) = super::cuda_context(test, ordinals, |o| o.set_transport(transport)) else {
+        let Some(ctx) = cuda_context(test, ordinals, |o| o.set_transport(transport)) else {
             return false;
         };
         let mut replicas = Vec::new();
@@ -439,7 +188,7 @@ pub fn in_stream_order(
             let t = stream.alloc_zeros::<f32>(n).unwrap();
             let out = stream.alloc_zeros::<f32>(n).unwrap();
             stream.synchronize().unwrap();
-            register_device(&ctx, "t", role, r, dptr(&stream, &t), n, super::F32);
+            register_device(&ctx, "t", role, r, dptr(&stream, &t), n, F32);
             set_stream(&ctx, r, &stream);
             replicas.push((spin_kernels(&dev), stream, t, out));
         }
@@ -480,10 +229,10 @@ pub fn in_stream_order(
 /// returns false when its transport cannot be used here: that is printed, and the transport's
 /// other layouts are skipped.
 pub fn for_each_transport(layouts: &[&[i32]], mut case: impl FnMut(&[i32], u32) -> bool) {
-    for transport in [super::T_NCCL, super::T_PEER_COPY] {
+    for transport in [T_NCCL, T_PEER_COPY] {
         for ordinals in layouts {
             if !case(ordinals, transport) {
-                super::skip(format_args!(
+                skip(format_args!(
                     "transport {transport} skipped: not available here"
                 ));
                 break;

@@ -1,4 +1,4 @@
-// clock64() for the tests' own kernels (tests/common/gpu.rs SPIN) on the fake CUDA driver: a clock
+// clock64() for the tests' own kernels (tests/fakecuda/spin.cu) on the fake CUDA driver: a clock
 // that runs fast, so that a spinning kernel costs nothing per emulated thread — except for the
 // first thread of the first block under FAKE_CUDA_ASYNC=1, whose clock is real time at 2 GHz, so
 // that a spinning kernel really keeps its stream busy (once per launch, not once per thread).

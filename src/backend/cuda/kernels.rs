@@ -709,4 +709,21 @@ mod tests {
         }
         assert_eq!(CHUNK, 1024);
     }
+
+    /// prelude.cu's default ITEMS_PER_THREAD (for builds that pass no -D, as the fake CUDA
+    /// driver's) is the Rust side's ITEMS.
+    #[test]
+    fn the_default_items_per_thread_is_items() {
+        let prelude = include_str!("kernels/prelude.cu");
+        let lines: Vec<&str> = prelude.lines().map(str::trim).collect();
+        let at = lines
+            .iter()
+            .position(|l| *l == "#ifndef ITEMS_PER_THREAD")
+            .expect("prelude.cu defaults ITEMS_PER_THREAD");
+        let value = lines[at + 1]
+            .strip_prefix("#define ITEMS_PER_THREAD ")
+            .expect("the #define follows the #ifndef");
+        assert_eq!(value.trim().parse::<u32>(), Ok(ITEMS));
+        assert_eq!(lines[at + 2], "#endif");
+    }
 }

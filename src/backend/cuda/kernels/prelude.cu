@@ -16,6 +16,14 @@ __device__ __forceinline__ unsigned short f32_to_f16(float a) {
 #define DPSYNC_KERNEL(name)
 #endif
 
+// Elements each thread takes of a chunk (for_each_element). dpsync passes
+// -DITEMS_PER_THREAD=<ITEMS of kernels.rs> to NVRTC and to the emulator's build; this default,
+// which a unit test in kernels.rs keeps equal to ITEMS, serves a build that passes none (the fake
+// CUDA driver of scripts/fake-cuda.sh).
+#ifndef ITEMS_PER_THREAD
+#define ITEMS_PER_THREAD 4
+#endif
+
 typedef unsigned long long u64;
 typedef long long i64;
 struct f16_t { unsigned short x; };
