@@ -1,5 +1,5 @@
 //! BMUF through the C ABI: dpsync_bmuf_init / dpsync_bmuf_step against an independent
-//! double-precision reference of the formula (shared/DESIGN.md, "BMUF (exact)"), Caffe2's own
+//! double-precision reference of the formula (the one `Backend::bmuf_update` documents), Caffe2's own
 //! assertion for two replicas, restart by a second init, every bad input, and the rule for
 //! PARAM tensors registered or unregistered after init.
 

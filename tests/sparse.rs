@@ -1,4 +1,4 @@
-//! Sparse gradient slices (issue 4) on host replicas, through the C ABI:
+//! Sparse gradient slices on host replicas, through the C ABI:
 //!
 //! - Caffe2's `test_equiv_sparse`: an embedding-bag model trained with sparse SGD on 1, 2 and 4
 //!   replicas ends with the same table (allclose), with both index dtypes, coalescing on and off.

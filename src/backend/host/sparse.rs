@@ -89,7 +89,7 @@ unsafe fn sum_runs<T: Reducible>(
     }
 }
 
-/// [`crate::backend::Backend::coalesce_many`] on the host: the sorts, then the row sums, run on
+/// [`crate::backend::Backend::coalesce`] on the host: the sorts, then the row sums, run on
 /// up to `threads` threads, one slice per thread at a time (the sorts are CPU-bound; four
 /// replicas' slices of a few thousand rows take a few hundred microseconds on one thread). The
 /// outputs are allocated in order on the calling thread, since `alloc` is the caller's.
