@@ -76,6 +76,8 @@ error_kinds! {
 pub struct Error {
     pub kind: ErrorKind,
     pub message: String,
+    /// Set where the error is made ([`Error::out_of_memory`]), never read from the message.
+    out_of_memory: bool,
 }
 
 impl Error {
@@ -83,6 +85,16 @@ impl Error {
         Error {
             kind,
             message: message.into(),
+            out_of_memory: false,
+        }
+    }
+
+    /// A BACKEND_ERROR for memory that could not be allocated (the device's, or the host's for
+    /// library memory).
+    pub(crate) fn out_of_memory(message: impl Into<String>) -> Error {
+        Error {
+            out_of_memory: true,
+            ..Error::new(ErrorKind::Backend, message)
         }
     }
 
@@ -94,12 +106,10 @@ impl Error {
         Error::new(ErrorKind::Inconsistent, message)
     }
 
-    /// A BACKEND_ERROR that only says memory ran out (the device's, or the host's for library
-    /// memory): the device itself is fine, so a context need not be given up for it.
+    /// A BACKEND_ERROR that only says memory ran out (made by [`Error::out_of_memory`]): the
+    /// device itself is fine, so a context need not be given up for it.
     pub(crate) fn is_out_of_memory(&self) -> bool {
-        self.kind == ErrorKind::Backend
-            && (self.message.contains("CUDA_ERROR_OUT_OF_MEMORY")
-                || self.message.starts_with("out of host memory"))
+        self.out_of_memory && self.kind == ErrorKind::Backend
     }
 }
 
@@ -119,17 +129,31 @@ mod tests {
 
     #[test]
     fn out_of_memory_is_told_apart_from_other_backend_errors() {
-        let oom = |m: &str| Error::new(ErrorKind::Backend, m).is_out_of_memory();
-        assert!(oom(
-            "cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY: out of memory"
-        ));
-        assert!(oom(
-            "out of host memory: could not allocate 8 bytes of library memory"
-        ));
-        assert!(!oom(
-            "cuEventRecord failed: CUDA_ERROR_ILLEGAL_ADDRESS: an illegal address"
-        ));
+        let device =
+            Error::out_of_memory("cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY: out of memory");
+        assert!(device.is_out_of_memory());
+        assert_eq!(device.kind, ErrorKind::Backend);
+        let host = Error::out_of_memory(
+            "out of host memory: could not allocate 8 bytes of library memory",
+        );
+        assert!(host.is_out_of_memory());
+        assert_eq!(
+            dpsync_status::from(host.kind),
+            dpsync_status::DPSYNC_STATUS_BACKEND_ERROR
+        );
+        // Only the error's maker says so, not its text.
+        for text in [
+            "cuEventRecord failed: CUDA_ERROR_ILLEGAL_ADDRESS: an illegal address",
+            "ncclCommInitAll failed: unhandled system error (last NCCL message: \
+             cudaMalloc: CUDA_ERROR_OUT_OF_MEMORY)",
+            "out of host memory",
+        ] {
+            assert!(
+                !Error::new(ErrorKind::Backend, text).is_out_of_memory(),
+                "{text}"
+            );
+        }
         let timeout = Error::new(ErrorKind::Timeout, "CUDA_ERROR_OUT_OF_MEMORY");
-        assert!(!timeout.is_out_of_memory(), "only BACKEND_ERRORs");
+        assert!(!timeout.is_out_of_memory());
     }
 }

@@ -18,7 +18,7 @@ use half::{bf16, f16};
 use super::{
     Allocation, Backend, BmufFilter, BmufSpan, BucketView, Coalesced, IndexCheck, Segment, SliceRef,
 };
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, Result};
 use crate::plan::{Step, StepOp, Via};
 use crate::types::{DType, ReduceOp};
 
@@ -180,10 +180,9 @@ impl Backend for HostBackend {
         // a huge gathered slice must be an error, not an abort of the host process.
         let mut words: Vec<u128> = Vec::new();
         words.try_reserve_exact(bytes.div_ceil(16)).map_err(|_| {
-            Error::new(
-                ErrorKind::Backend,
-                format!("out of host memory: could not allocate {bytes} bytes of library memory"),
-            )
+            Error::out_of_memory(format!(
+                "out of host memory: could not allocate {bytes} bytes of library memory"
+            ))
         })?;
         words.resize(bytes.div_ceil(16), 0);
         let ptr = words.as_mut_ptr() as usize;
