@@ -1045,3 +1045,106 @@ fn tensors_sharing_memory_across_replicas_are_refused() {
         "nothing changed"
     );
 }
+
+// --------------------------------------------- sparse slices whose byte size overflows
+
+/// `dpsync_sparse_set` checks the byte size of both halves of a slice, `rows × index size` and
+/// `rows × row_len × value size`: either one overflowing or above `isize::MAX` is refused at
+/// once with INVALID_ARGUMENT naming `rows`, the gradient and the replica, and nothing is
+/// recorded (before, a slice whose index bytes alone overflowed was accepted and only
+/// dpsync_allreduce_grads refused it). Self-contained: only the C ABI and std.
+#[test]
+fn sparse_set_refuses_a_slice_whose_index_or_value_bytes_overflow() {
+    use dpsync_dtype::*;
+    use dpsync_status::*;
+
+    /// (status, last error) of one call.
+    fn call(status: dpsync_status) -> (dpsync_status, String) {
+        // SAFETY: dpsync_last_error returns a NUL-terminated string valid until the next call.
+        let message = unsafe { std::ffi::CStr::from_ptr(dpsync_last_error()) };
+        (status, message.to_string_lossy().into_owned())
+    }
+
+    #[track_caller]
+    fn ok(status: dpsync_status, what: &str) {
+        let (status, message) = call(status);
+        assert_eq!(status, DPSYNC_STATUS_OK, "{what}: {message}");
+    }
+
+    // (row_len, value dtype, index dtype, rows): what overflows or exceeds isize::MAX.
+    let half = 1usize << (usize::BITS - 1); // isize::MAX + 1
+    let cases = [
+        // The fuzzer's case: 2^61 i64 indices are 2^64 bytes; the f16 values only 2^62.
+        (1, DPSYNC_DTYPE_F16, DPSYNC_DTYPE_I64, 1usize << 61),
+        // Values overflow (8 f64 per row), indices (i64) are 2^62 bytes.
+        (8, DPSYNC_DTYPE_F64, DPSYNC_DTYPE_I64, 1usize << 59),
+        // Index bytes exactly isize::MAX + 1, values 2^61 bytes.
+        (1, DPSYNC_DTYPE_F16, DPSYNC_DTYPE_I64, half / 8),
+        // Value bytes exactly isize::MAX + 1, indices (i32) half of that.
+        (1, DPSYNC_DTYPE_F64, DPSYNC_DTYPE_I32, half / 8),
+    ];
+    for (row_len, value_dtype, index_dtype, rows) in cases {
+        let case = format!("row_len {row_len}, {value_dtype:?}, {index_dtype:?}, rows {rows}");
+        unsafe {
+            let mut options = ptr::null_mut();
+            ok(dpsync_options_new(&mut options), "options_new");
+            ok(
+                dpsync_options_set_host_replicas(options, 1),
+                "host_replicas",
+            );
+            let mut ctx = ptr::null_mut();
+            ok(dpsync_context_create(options, &mut ctx), "context_create");
+            dpsync_options_free(options);
+            let name = c"emb".as_ptr();
+            ok(
+                dpsync_register_sparse(
+                    ctx,
+                    name,
+                    0,
+                    row_len,
+                    value_dtype as u32,
+                    index_dtype as u32,
+                    22,
+                ),
+                "register_sparse",
+            );
+            // Aligned for every dtype; never read by dpsync_sparse_set.
+            let idx = [0u64; 2];
+            let val = [0f64; 8];
+            let (i, v) = (idx.as_ptr().cast::<c_void>(), val.as_ptr().cast::<c_void>());
+
+            let (status, message) = call(dpsync_sparse_set(ctx, name, 0, i, v, rows));
+            assert_eq!(status, DPSYNC_STATUS_INVALID_ARGUMENT, "{case}: {message}");
+            for needle in ["rows", "'emb'", "replica 0"] {
+                assert!(
+                    message.contains(needle),
+                    "{case}: {needle:?} not in {message:?}"
+                );
+            }
+            // Nothing was recorded: the step still lacks a slice.
+            let (status, message) = call(dpsync_allreduce_grads(ctx, 0));
+            assert_eq!(status, DPSYNC_STATUS_INCONSISTENT, "{case}: {message}");
+            assert!(message.contains("no slice set"), "{case}: {message}");
+
+            // A valid slice (one row of index 3) still works.
+            let idx = [3u64; 2];
+            ok(
+                dpsync_sparse_set(ctx, name, 0, idx.as_ptr().cast(), v, 1),
+                "sparse_set",
+            );
+            ok(dpsync_allreduce_grads(ctx, 0), "allreduce_grads");
+            let (mut gi, mut gv, mut n) = (ptr::null(), ptr::null(), usize::MAX);
+            ok(
+                dpsync_sparse_get(ctx, name, 0, &mut gi, &mut gv, &mut n),
+                "sparse_get",
+            );
+            assert_eq!(n, 1, "{case}: gathered rows");
+            let index = match index_dtype {
+                DPSYNC_DTYPE_I32 => *gi.cast::<i32>() as i64,
+                _ => *gi.cast::<i64>(),
+            };
+            assert_eq!(index, 3, "{case}: gathered index");
+            ok(dpsync_context_destroy(ctx), "context_destroy");
+        }
+    }
+}

@@ -3,7 +3,6 @@
 use std::ffi::c_char;
 
 use super::boundary;
-use crate::error::ErrorKind;
 
 /// Result of every fallible call. `DPSYNC_STATUS_OK` (0) is success; on failure
 /// `dpsync_last_error()` says what was wrong. Numbers are never reused.
@@ -34,23 +33,8 @@ pub enum dpsync_status {
     DPSYNC_STATUS_TIMEOUT = 8,
     /// Internal defect caught at the boundary; the context refuses further work.
     DPSYNC_STATUS_PANIC = 9,
-}
-
-impl From<ErrorKind> for dpsync_status {
-    fn from(kind: ErrorKind) -> Self {
-        use dpsync_status::*;
-        match kind {
-            ErrorKind::InvalidArgument => DPSYNC_STATUS_INVALID_ARGUMENT,
-            ErrorKind::NotFound => DPSYNC_STATUS_NOT_FOUND,
-            ErrorKind::Conflict => DPSYNC_STATUS_CONFLICT,
-            ErrorKind::Inconsistent => DPSYNC_STATUS_INCONSISTENT,
-            ErrorKind::InvalidState => DPSYNC_STATUS_INVALID_STATE,
-            ErrorKind::Unavailable => DPSYNC_STATUS_UNAVAILABLE,
-            ErrorKind::Backend => DPSYNC_STATUS_BACKEND_ERROR,
-            ErrorKind::Timeout => DPSYNC_STATUS_TIMEOUT,
-            ErrorKind::Panic => DPSYNC_STATUS_PANIC,
-        }
-    }
+    // A new status also needs its line in `error_kinds!` (src/error.rs), which gives it its
+    // `ErrorKind` and its name; the build fails until it has one.
 }
 
 /// Element types of tensors.
@@ -115,19 +99,7 @@ pub extern "C" fn dpsync_version() -> *const c_char {
 /// Name of a status code, e.g. "DPSYNC_STATUS_NOT_FOUND"; "UNKNOWN" for other values. Static string.
 #[no_mangle]
 pub extern "C" fn dpsync_status_name(status: u32) -> *const c_char {
-    let name: &'static str = match status {
-        0 => "DPSYNC_STATUS_OK\0",
-        1 => "DPSYNC_STATUS_INVALID_ARGUMENT\0",
-        2 => "DPSYNC_STATUS_NOT_FOUND\0",
-        3 => "DPSYNC_STATUS_CONFLICT\0",
-        4 => "DPSYNC_STATUS_INCONSISTENT\0",
-        5 => "DPSYNC_STATUS_INVALID_STATE\0",
-        6 => "DPSYNC_STATUS_UNAVAILABLE\0",
-        7 => "DPSYNC_STATUS_BACKEND_ERROR\0",
-        8 => "DPSYNC_STATUS_TIMEOUT\0",
-        9 => "DPSYNC_STATUS_PANIC\0",
-        _ => "UNKNOWN\0",
-    };
+    let name = dpsync_status::from_code(status).map_or("UNKNOWN\0", dpsync_status::name);
     name.as_ptr().cast()
 }
 

@@ -187,14 +187,25 @@ impl SparseRegistry {
     /// Sets this step's slice of `name` on `replica` (a second call replaces the first).
     pub fn set(&mut self, name: &str, replica: usize, slice: SparseSlice) -> Result<()> {
         let spec = self.spec(name, replica)?;
-        let bytes = slice
-            .rows
-            .checked_mul(spec.row_bytes())
-            .filter(|b| *b <= isize::MAX as usize);
-        if bytes.is_none() {
+        // Both buffers must be addressable: rows x index size and rows x row_len x value size
+        // bytes, each at most isize::MAX (the index bytes can overflow when the values' do not).
+        let rows = slice.rows;
+        let fits = |bytes: Option<usize>| bytes.is_some_and(|b| b <= isize::MAX as usize);
+        if !fits(rows.checked_mul(spec.index_dtype.size())) {
             return Err(Error::invalid(format!(
-                "rows {} x row_len {} of {} is too large (sparse gradient '{name}', replica {replica})",
-                slice.rows, spec.row_len, spec.value_dtype
+                "rows {rows} is too large: {rows} indices of {} exceed isize::MAX bytes \
+                 (sparse gradient '{name}', replica {replica})",
+                spec.index_dtype
+            )));
+        }
+        let value_bytes = rows
+            .checked_mul(spec.row_len)
+            .and_then(|n| n.checked_mul(spec.value_dtype.size()));
+        if !fits(value_bytes) {
+            return Err(Error::invalid(format!(
+                "rows {rows} is too large: rows {rows} x row_len {} of {} exceed isize::MAX bytes \
+                 (sparse gradient '{name}', replica {replica})",
+                spec.row_len, spec.value_dtype
             )));
         }
         let misaligned = |ptr: usize, dtype: DType| slice.rows > 0 && ptr % dtype.size() != 0;
@@ -428,6 +439,29 @@ mod tests {
         );
         let err = r.set("emb", 0, slice(usize::MAX / 4)).unwrap_err();
         assert_eq!(err.kind, ErrorKind::InvalidArgument);
+        // One f32 per row: 2^60 rows are 2^62 bytes of values but 2^63 bytes of i64 indices,
+        // one byte over isize::MAX; one row fewer fits.
+        r.register("one", 0, spec(1)).unwrap();
+        let err = r.set("one", 0, slice(1 << 60)).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::InvalidArgument);
+        assert!(
+            err.message
+                .starts_with("rows 1152921504606846976 is too large: ")
+                && err.message.contains("indices of i64")
+                && err.message.ends_with("(sparse gradient 'one', replica 0)"),
+            "{}",
+            err.message
+        );
+        r.set("one", 0, slice((1 << 60) - 1)).unwrap();
+        // Overflowing index bytes (2^64), and values over isize::MAX without overflowing.
+        assert!(r.set("one", 0, slice(1 << 61)).is_err());
+        r.register("wide", 0, spec(1 << 20)).unwrap();
+        let err = r.set("wide", 0, slice(1 << 41)).unwrap_err();
+        assert!(
+            err.message.contains("x row_len 1048576 of f32"),
+            "{}",
+            err.message
+        );
         // No rows: no pointer is read, so NULL or odd addresses are fine.
         r.set(
             "emb",

@@ -35,15 +35,18 @@ pub fn load() -> Result<()> {
         .clone()
 }
 
-/// `Ok` for `CUDA_SUCCESS`, else a BACKEND_ERROR naming `what` and the driver's text.
+/// `Ok` for `CUDA_SUCCESS`, else a BACKEND_ERROR naming `what` and the driver's text (marked
+/// out of memory for `CUDA_ERROR_OUT_OF_MEMORY`).
 pub fn check(result: sys::CUresult, what: &str) -> Result<()> {
     if result == sys::CUresult::CUDA_SUCCESS {
         return Ok(());
     }
-    Err(Error::new(
-        ErrorKind::Backend,
-        format!("{what} failed: {}", describe(result)),
-    ))
+    let message = format!("{what} failed: {}", describe(result));
+    Err(if result == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+        Error::out_of_memory(message)
+    } else {
+        Error::new(ErrorKind::Backend, message)
+    })
 }
 
 /// "CUDA_ERROR_X: text" for a driver result.

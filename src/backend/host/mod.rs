@@ -22,7 +22,7 @@ use super::{
     size_class, Allocation, Backend, BmufFilter, BmufSpan, BucketView, Coalesced, IndexCheck,
     Links, Segment, SliceRef, Streams,
 };
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, Result};
 use crate::types::{DType, ReduceOp};
 
 /// Below this many bytes touched, a call runs on the caller's thread: spawning costs ~10 µs.
@@ -219,12 +219,9 @@ impl Backend for HostBackend {
                 let n = size_class(bytes, PAGE).div_ceil(16);
                 let mut v: Vec<u128> = Vec::new();
                 v.try_reserve_exact(n).map_err(|_| {
-                    Error::new(
-                        ErrorKind::Backend,
-                        format!(
-                            "out of host memory: could not allocate {bytes} bytes of library memory"
-                        ),
-                    )
+                    Error::out_of_memory(format!(
+                        "out of host memory: could not allocate {bytes} bytes of library memory"
+                    ))
                 })?;
                 v.resize(n, 0);
                 Words(v)
