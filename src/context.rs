@@ -99,10 +99,11 @@ impl Context {
         self.check_replica(replica, "replica")?;
         let memory = match self.topology.devices[replica] {
             Device::Host => Memory::Host,
-            Device::Cuda(_) => self
-                .executor
-                .memory_of(replica, ptr)
-                .map_err(|e| Error::new(e.kind, format!("tensor '{name}': data: {}", e.message)))?,
+            Device::Cuda(_) => self.executor.memory_of(replica, ptr).map_err(|mut e| {
+                // The same error (its kind, out of memory or not), named.
+                e.message = format!("tensor '{name}': data: {}", e.message);
+                e
+            })?,
         };
         self.check_not_sparse(name)?;
         let reg = Registration {

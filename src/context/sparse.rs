@@ -64,11 +64,9 @@ impl Context {
                 if slice.rows == 0 || ptr == 0 {
                     continue; // the registry reports NULL with rows > 0
                 }
-                let memory = self.executor.memory_of(replica, ptr).map_err(|e| {
-                    Error::new(
-                        e.kind,
-                        format!("sparse gradient '{name}': {what}: {}", e.message),
-                    )
+                let memory = self.executor.memory_of(replica, ptr).map_err(|mut e| {
+                    e.message = format!("sparse gradient '{name}': {what}: {}", e.message);
+                    e
                 })?;
                 if memory != Memory::Device {
                     return Err(Error::invalid(format!(
