@@ -455,6 +455,30 @@ const char *dpsync_status_name(uint32_t status);
  */
 const char *dpsync_last_error(void);
 
+/**
+ * Makes contexts created from these options span a world of processes over MPI: `mpi_comm`
+ * points to the caller's `MPI_Comm` variable (its value is copied), NULL means
+ * `MPI_COMM_WORLD`. Every collective then covers every replica of every rank, and world replica
+ * indices (rank 0's replicas first) name broadcast roots and order sparse gathers.
+ * DPSYNC_STATUS_UNAVAILABLE, with nothing changed, when the library was built without MPI
+ * (the message says so).
+ */
+enum dpsync_status dpsync_options_set_world_mpi(struct dpsync_options *options,
+                                                const void *mpi_comm);
+
+/**
+ * This process's rank and the number of ranks: 0 and 1 outside a world.
+ */
+enum dpsync_status dpsync_rank(const struct dpsync_context *context, size_t *rank, size_t *ranks);
+
+/**
+ * Replicas in the whole world, and the world index of this process's local replica 0 (outside
+ * a world: the replica count and 0).
+ */
+enum dpsync_status dpsync_world_replicas(const struct dpsync_context *context,
+                                         size_t *total,
+                                         size_t *offset);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

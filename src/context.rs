@@ -69,6 +69,16 @@ impl Context {
         self.topology.replicas()
     }
 
+    /// This process's rank and the number of ranks (0 and 1 outside a world).
+    pub fn rank(&self) -> (usize, usize) {
+        (self.topology.rank, self.topology.world_size)
+    }
+
+    /// Replicas in the whole world, and the world index of this process's replica 0.
+    pub fn world_replicas(&self) -> (usize, usize) {
+        (self.topology.world_replicas(), self.topology.world_offset())
+    }
+
     /// 1 / replicas in the world: the loss factor that turns a SUM of gradients into a mean.
     pub fn loss_scale(&self) -> f64 {
         1.0 / self.topology.world_replicas() as f64

@@ -1,7 +1,7 @@
 //! Context options, checked when they are set (what can be checked alone) and again as a whole
 //! when a context or a dry-run plan is made from them.
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::types::{Device, Transport};
 
 /// Upper bound on replicas per process: far above any real node, low enough that a garbage
@@ -92,6 +92,18 @@ impl Options {
             )));
         }
         Ok(())
+    }
+
+    /// A world over the MPI communicator at `mpi_comm` (NULL: `MPI_COMM_WORLD`). This build has
+    /// no MPI engine: UNAVAILABLE, saying so, and nothing changes.
+    pub fn set_world_mpi(&mut self, mpi_comm: usize) -> Result<()> {
+        let _ = mpi_comm;
+        Err(Error::new(
+            ErrorKind::Unavailable,
+            "dpsync_options_set_world_mpi: this build of dpsync has no MPI support, so a context \
+             cannot span several processes (worlds need the library built with MPI: see the \
+             README, \"Worlds\")",
+        ))
     }
 
     pub fn has_cuda_replicas(&self) -> bool {

@@ -15,6 +15,7 @@ mod options;
 mod register;
 mod sparse;
 mod status;
+mod world;
 
 pub use bmuf::*;
 pub use boundary::dpsync_context;
@@ -25,3 +26,4 @@ pub use options::*;
 pub use register::*;
 pub use sparse::*;
 pub use status::*;
+pub use world::*;

@@ -58,9 +58,11 @@ pub struct Topology {
     pub peer_detected: Option<Vec<u8>>,
     pub transport: TransportChoice,
     pub transport_reason: String,
-    /// This process's rank and the number of processes (always 0 and 1 until multi-process).
+    /// This process's rank and the number of processes (0 and 1 outside a world).
     pub rank: usize,
     pub world_size: usize,
+    /// Local replicas of every rank, in rank order (outside a world: this process's count).
+    pub replicas_per_rank: Vec<usize>,
     /// One NCCL rank per replica, not per distinct GPU (`Options::nccl_rank_per_replica`,
     /// honoured with transport NCCL only).
     pub rank_per_replica: bool,
@@ -112,6 +114,7 @@ impl Topology {
             transport_reason,
             rank: 0,
             world_size: 1,
+            replicas_per_rank: vec![n],
             rank_per_replica,
         };
         topology.own_devices_readable();
@@ -161,7 +164,12 @@ impl Topology {
 
     /// Replicas over all processes: the divisor of AVG and of the loss scale.
     pub fn world_replicas(&self) -> usize {
-        self.devices.len() * self.world_size
+        self.replicas_per_rank.iter().sum()
+    }
+
+    /// The world index of this process's replica 0 (rank offsets: rank 0's replicas first).
+    pub fn world_offset(&self) -> usize {
+        self.replicas_per_rank[..self.rank].iter().sum()
     }
 
     /// Whether a kernel on `a`'s device may read `b`'s memory directly and vice versa.

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Check that the generated include/dpsync.h provides the C contract (shared/api/dpsync.h).
+"""Check that the generated include/dpsync.h provides the C contract (shared/api/dpsync.h and its
+world addendum shared/api/dpsync_world.h).
 
 The contract header is parsed for function prototypes, enum constants and typedefs. A C file is
 generated that includes the project's header and, for each of them,
@@ -12,7 +13,7 @@ and compiled with `cc -std=c11 -Wall -Wextra -Wpedantic -Werror -c`. A mismatch 
 or return type is an incompatible-pointer error. When the whole file fails, each item is compiled
 on its own to name the ones at fault.
 
-    python3 tests/contract/check_contract.py [CONTRACT_HEADER] [--header include/dpsync.h] [--cc cc]
+    python3 tests/contract/check_contract.py [CONTRACT_HEADER...] [--header include/dpsync.h] [--cc cc]
 
 Standard library only. Exits 0 with "skipped: ..." when the contract header is not present.
 """
@@ -209,19 +210,23 @@ def compile_c(cc, include_dir, source, workdir, stem):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("contract", nargs="?", default=os.path.join(REPO_ROOT, "..", "shared", "api", "dpsync.h"),
-                    help="contract header (default: ../shared/api/dpsync.h next to the repository)")
+    api = os.path.join(REPO_ROOT, "..", "shared", "api")
+    ap.add_argument("contract", nargs="*",
+                    default=[os.path.join(api, "dpsync.h"), os.path.join(api, "dpsync_world.h")],
+                    help="contract headers (default: ../shared/api/dpsync.h and dpsync_world.h next "
+                         "to the repository)")
     ap.add_argument("--header", default=os.path.join(REPO_ROOT, "include", "dpsync.h"),
                     help="the generated header (default: include/dpsync.h)")
     ap.add_argument("--cc", default=os.environ.get("CC", "cc"), help="C compiler (default: $CC or cc)")
     ap.add_argument("--keep", action="store_true", help="keep the generated C file and print its path")
     args = ap.parse_args()
 
-    contract_path = os.path.abspath(args.contract)
+    contract_paths = [os.path.abspath(c) for c in args.contract]
     header_path = os.path.abspath(args.header)
-    if not os.path.isfile(contract_path):
-        print("skipped: contract header not found at %s" % contract_path)
-        return 0
+    for contract_path in contract_paths:
+        if not os.path.isfile(contract_path):
+            print("skipped: contract header not found at %s" % contract_path)
+            return 0
     if not os.path.isfile(header_path):
         print("error: generated header not found at %s (run cargo build --release first)" % header_path)
         print("0 passed, 1 failed")
@@ -230,9 +235,20 @@ def main():
         print("skipped: C compiler %r not found" % args.cc)
         return 0
 
-    contract = parse_header(contract_path)
+    contract = parse_header(contract_paths[0])
+    for extra in contract_paths[1:]:
+        more = parse_header(extra)
+        if not more["functions"]:
+            print("error: parsed no functions from %s" % extra)
+            print("0 passed, 1 failed")
+            return 1
+        for key, value in more.items():
+            if isinstance(value, dict):
+                contract[key].update(value)
+            else:
+                contract[key] = contract[key] + [v for v in value if v not in contract[key]]
     if not contract["functions"] or not contract["constants"]:
-        print("error: parsed no functions or no constants from %s" % contract_path)
+        print("error: parsed no functions or no constants from %s" % ", ".join(contract_paths))
         print("0 passed, 1 failed")
         return 1
     present = declared_identifiers(header_path)
@@ -241,7 +257,7 @@ def main():
     n_constants = sum(1 for label, _, _ in items if label.startswith("constant "))
     n_types = len(items) - n_functions - n_constants
 
-    print("contract:  %s" % contract_path)
+    print("contract:  %s" % ", ".join(contract_paths))
     print("generated: %s" % header_path)
     if skipped:
         print("not exported yet (allowed): %s" % ", ".join(skipped))
