@@ -9,6 +9,9 @@ use dpsync::*;
 
 use dpsync_status::*;
 
+/// A query with two outputs.
+type Query<'a> = dyn Fn(&mut usize, &mut usize) -> dpsync_status + 'a;
+
 fn last_error() -> String {
     // SAFETY: the library returns a NUL-terminated per-thread string.
     unsafe { CStr::from_ptr(dpsync_last_error()) }
@@ -77,7 +80,7 @@ fn one_process_is_a_world_of_one_rank_holding_every_replica() {
 
         // NULL outputs and contexts name the argument; the outputs are not written.
         let (mut x, mut y) = (7, 7);
-        let calls: [(&str, &dyn Fn(&mut usize, &mut usize) -> dpsync_status); 6] = [
+        let calls: [(&str, &Query<'_>); 6] = [
             ("rank", &|_, y| dpsync_rank(ctx, ptr::null_mut(), y)),
             ("ranks", &|x, _| dpsync_rank(ctx, x, ptr::null_mut())),
             ("total", &|_, y| {
