@@ -1,0 +1,204 @@
+/*
+ * world_train — train_dense's model trained by a world of processes, each with its own number of
+ * host replicas, kept in sync by one dpsync context per process over MPI.
+ *
+ * Launched by mpirun / mpiexec / srun (one process per rank). dpsync initialises MPI itself (the
+ * options name no communicator: MPI_COMM_WORLD), so this program needs no MPI header. World
+ * replica w (rank offset + local index) computes the w-th shard of the global batch, exactly as
+ * replica w of `train_dense --replicas <total>` does, so both end with the same weights up to
+ * the rounding of the summation order.
+ *
+ *   mpirun -n 2 world_train --replicas-per-rank 3,1 [--steps S] [--batch B] [--lr LR]
+ *                           [--save FILE] [--expect FILE --tol T] [--describe]
+ *
+ * Exit code 77 (skipped) when the library was built without MPI.
+ */
+#include <dpsync.h>
+
+#include "dense_model.h"
+#include "example_util.h"
+
+enum { MAX_RANKS = 64, SKIPPED = 77 };
+
+static void usage(void) {
+  fprintf(stderr,
+          "usage: world_train --replicas-per-rank N0,N1,... [--steps S] [--batch B] [--lr LR]\n"
+          "                   [--save FILE] [--expect FILE --tol T] [--describe]\n"
+          "  one count per rank; B must be a multiple of the total.\n");
+  exit(2);
+}
+
+/* "3,1,2" -> counts; returns how many, 0 on a malformed list. */
+static size_t parse_counts(const char *text, size_t *counts) {
+  size_t n = 0;
+  char buf[512];
+  if (strlen(text) >= sizeof buf) return 0;
+  strcpy(buf, text);
+  for (char *tok = strtok(buf, ","); tok != NULL; tok = strtok(NULL, ",")) {
+    if (n == MAX_RANKS || !parse_size(tok, &counts[n]) || counts[n] == 0) return 0;
+    n++;
+  }
+  return n;
+}
+
+/* A context over the world with `replicas` host replicas on this rank; 0 when the library has
+   no MPI (the caller skips). */
+static dpsync_context *world_context(size_t replicas) {
+  dpsync_options *opts = NULL;
+  dpsync_context *ctx = NULL;
+  CHECK(dpsync_options_new(&opts));
+  CHECK(dpsync_options_set_host_replicas(opts, replicas));
+  dpsync_status st = dpsync_options_set_world_mpi(opts, NULL);
+  if (st == DPSYNC_STATUS_UNAVAILABLE) {
+    printf("world_train: skipped: %s\n", dpsync_last_error());
+    dpsync_options_free(opts);
+    return NULL;
+  }
+  CHECK(st);
+  CHECK(dpsync_context_create(opts, &ctx));
+  dpsync_options_free(opts);
+  return ctx;
+}
+
+int main(int argc, char **argv) {
+  size_t counts[MAX_RANKS], n_counts = 0, steps = 100, batch = 64;
+  int describe = 0;
+  double lr = 0.5, tol = 0.0;
+  const char *save_path = NULL, *expect_path = NULL;
+
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i];
+    const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (strcmp(a, "--describe") == 0) {
+      describe = 1;
+      continue;
+    }
+    if (v == NULL) usage();
+    i++;
+    if (strcmp(a, "--replicas-per-rank") == 0) {
+      if ((n_counts = parse_counts(v, counts)) == 0) usage();
+    } else if (strcmp(a, "--steps") == 0) {
+      if (!parse_size(v, &steps) || steps == 0) usage();
+    } else if (strcmp(a, "--batch") == 0) {
+      if (!parse_size(v, &batch) || batch == 0) usage();
+    } else if (strcmp(a, "--lr") == 0) {
+      if (!parse_double(v, &lr) || lr <= 0.0) usage();
+    } else if (strcmp(a, "--tol") == 0) {
+      if (!parse_double(v, &tol) || tol < 0.0) usage();
+    } else if (strcmp(a, "--save") == 0) {
+      save_path = v;
+    } else if (strcmp(a, "--expect") == 0) {
+      expect_path = v;
+    } else {
+      usage();
+    }
+  }
+  if (n_counts == 0) usage();
+
+  /* The rank decides the local replica count, and a context tells the rank: a first context
+     with one replica per rank (creation is collective) asks, then the real one is made. */
+  dpsync_context *probe = world_context(1);
+  if (probe == NULL) return SKIPPED;
+  size_t rank = 0, ranks = 0;
+  CHECK(dpsync_rank(probe, &rank, &ranks));
+  CHECK(dpsync_context_destroy(probe));
+  if (ranks != n_counts) {
+    fprintf(stderr, "rank %zu: --replicas-per-rank lists %zu counts for %zu ranks\n", rank,
+            n_counts, ranks);
+    return 1;
+  }
+  const size_t replicas = counts[rank];
+  dpsync_context *ctx = world_context(replicas);
+  if (ctx == NULL) return 1; /* MPI was there a moment ago */
+
+  size_t total = 0, offset = 0;
+  double loss_scale = 0.0;
+  CHECK(dpsync_world_replicas(ctx, &total, &offset));
+  CHECK(dpsync_loss_scale(ctx, &loss_scale));
+  if (batch % total != 0) {
+    fprintf(stderr, "--batch %zu is not a multiple of the %zu replicas of the world\n", batch, total);
+    return 1;
+  }
+  const size_t local_batch = batch / total;
+  printf("world_train: rank %zu of %zu, %zu host replicas (world replicas %zu..%zu of %zu), "
+         "global batch %zu, %zu steps, lr %g, loss scale %g\n",
+         rank, ranks, replicas, offset, offset + replicas - 1, total, batch, steps, lr, loss_scale);
+
+  replica_t *reps = calloc(replicas, sizeof *reps);
+  if (reps == NULL) {
+    fprintf(stderr, "out of memory\n");
+    return 1;
+  }
+  for (size_t r = 0; r < replicas; r++) {
+    for (int t = 0; t < N_TENSORS; t++) {
+      CHECK(dpsync_register(ctx, TENSORS[t].name, DPSYNC_ROLE_PARAM, r,
+                            reps[r].params + TENSORS[t].offset, TENSORS[t].count, DPSYNC_DTYPE_F32));
+      CHECK(dpsync_register(ctx, TENSORS[t].grad_name, DPSYNC_ROLE_GRAD, r,
+                            reps[r].grads + TENSORS[t].offset, TENSORS[t].count, DPSYNC_DTYPE_F32));
+    }
+    CHECK(dpsync_register(ctx, "loss", DPSYNC_ROLE_COMPUTED, r, &reps[r].loss, 1, DPSYNC_DTYPE_F64));
+  }
+
+  /* Only world replica 0 initialises; the broadcast from it (a world index) overwrites every
+     other replica of every rank. */
+  for (size_t r = 0; r < replicas; r++)
+    for (int i = 0; i < N_PARAMS; i++) reps[r].params[i] = (float)(offset + r) * 100.0f + (float)i;
+  if (offset == 0) {
+    lcg_t g = {0x1234abcdULL};
+    for (int t = 0; t < N_TENSORS; t++) {
+      float bound = TENSORS[t].fan_in > 0 ? 1.0f / sqrtf((float)TENSORS[t].fan_in) : 0.0f;
+      for (size_t i = 0; i < TENSORS[t].count; i++)
+        reps[0].params[TENSORS[t].offset + i] = bound > 0.0f ? lcg_uniform(&g, -bound, bound) : 0.0f;
+    }
+  }
+  CHECK(dpsync_broadcast(ctx, DPSYNC_ROLE_PARAM, 0));
+
+  if (describe && rank == 0) {
+    size_t len = 0;
+    CHECK(dpsync_describe(ctx, NULL, 0, &len));
+    char *json = malloc(len + 1);
+    if (json == NULL) return 1;
+    CHECK(dpsync_describe(ctx, json, len + 1, &len));
+    printf("%s\n", json);
+    free(json);
+  }
+
+  make_dataset();
+  double first_loss = 0.0, last_loss = 0.0;
+  for (size_t step = 0; step < steps; step++) {
+    for (size_t r = 0; r < replicas; r++) {
+      forward_backward(&reps[r], step * batch + (offset + r) * local_batch, local_batch,
+                       loss_scale / (double)local_batch);
+      for (int t = N_TENSORS - 1; t >= 0; t--) CHECK(dpsync_grad_ready(ctx, TENSORS[t].grad_name, r));
+    }
+    CHECK(dpsync_allreduce_grads(ctx, DPSYNC_REDUCE_SUM));
+    CHECK(dpsync_allreduce(ctx, "loss", DPSYNC_REDUCE_SUM));
+    for (size_t r = 0; r < replicas; r++)
+      for (int i = 0; i < N_PARAMS; i++) reps[r].params[i] -= (float)lr * reps[r].grads[i];
+    if (step == 0) first_loss = reps[0].loss;
+    last_loss = reps[0].loss;
+    if (rank == 0) printf("step %zu loss %.6f\n", step, reps[0].loss);
+  }
+
+  int ok = 1;
+  for (size_t r = 1; r < replicas; r++) {
+    if (memcmp(reps[r].params, reps[0].params, sizeof reps[0].params) != 0) {
+      fprintf(stderr, "FAIL: rank %zu: replica %zu's weights differ from replica 0's\n", rank, r);
+      ok = 0;
+    }
+  }
+  if (!(last_loss < first_loss)) {
+    fprintf(stderr, "FAIL: rank %zu: loss did not fall (%.6f -> %.6f)\n", rank, first_loss, last_loss);
+    ok = 0;
+  }
+  if (save_path != NULL && rank == 0) save_weights(save_path, reps[0].params);
+  if (expect_path != NULL && !expect_weights(expect_path, reps[0].params, tol)) {
+    fprintf(stderr, "FAIL: rank %zu: weights differ from %s beyond tol %g\n", rank, expect_path, tol);
+    ok = 0;
+  }
+  CHECK(dpsync_context_destroy(ctx));
+  free(reps);
+  if (!ok) return 1;
+  printf("final (rank %zu): loss %.6f -> %.6f after %zu steps\n", rank, first_loss, last_loss, steps);
+  return 0;
+}
