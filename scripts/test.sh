@@ -34,3 +34,6 @@ step "ctest: C examples"
 
 step "GPU tests and cuda_train on the fake CUDA driver (CPU emulation; scripts/fake-cuda.sh)"
 bash scripts/fake-cuda.sh
+
+step "two simulated hosts: MPI across two network namespaces joined by a veth pair (scripts/two-hosts.sh)"
+bash scripts/two-hosts.sh --self-test
