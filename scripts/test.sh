@@ -34,3 +34,9 @@ step "ctest: C examples"
 
 step "GPU tests and cuda_train on the fake CUDA driver (CPU emulation; scripts/fake-cuda.sh)"
 bash scripts/fake-cuda.sh
+
+step "worlds over MPI (--features mpi, own target dir): clippy, tests/world_mpi.rs under mpirun -n 2 and -n 3"
+ensure_mpi
+# A separate target directory: target/release keeps the default library, which links no MPI.
+cargo clippy --release --all-targets --features mpi --target-dir target/mpi -- -D warnings
+cargo test --release --features mpi --target-dir target/mpi --lib --test world --test world_mpi
