@@ -22,6 +22,22 @@ ensure_tools() {
   command -v cargo >/dev/null 2>&1 || { echo "cargo not found: install a Rust toolchain (rustup)" >&2; exit 1; }
 }
 
+# MPI for the `mpi` feature (worlds of several processes): Open MPI's headers and launcher, and
+# libclang, which rsmpi's build needs to generate its bindings.
+ensure_mpi() {
+  local missing=()
+  command -v mpicc >/dev/null 2>&1 || missing+=(libopenmpi-dev)
+  command -v mpirun >/dev/null 2>&1 || missing+=(openmpi-bin)
+  compgen -G '/usr/lib/llvm-*/lib/libclang.so' >/dev/null || missing+=(libclang-dev)
+  if ((${#missing[@]})); then
+    step "installing ${missing[*]}"
+    local sudo=""
+    [ "$(id -u)" = 0 ] || sudo="sudo"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+  fi
+}
+
 build_library() {
   step "cargo build --release (libdpsync.so, libdpsync.a)"
   cargo build --release

@@ -35,5 +35,21 @@ step "ctest: C examples"
 step "GPU tests and cuda_train on the fake CUDA driver (CPU emulation; scripts/fake-cuda.sh)"
 bash scripts/fake-cuda.sh
 
+step "worlds over MPI (--features mpi, own target dir): clippy, tests/world_mpi.rs under mpirun -n 2 and -n 3"
+ensure_mpi
+# A separate target directory: target/release keeps the default library, which links no MPI.
+cargo clippy --release --all-targets --features mpi --target-dir target/mpi -- -D warnings
+cargo test --release --features mpi --target-dir target/mpi --lib --test world --test world_mpi
+
+step "examples_c/world_train on the MPI-enabled library: one rank, mpirun -n 2 (3,1) and -n 3 (2,1,1)"
+cargo build --release --features mpi --target-dir target/mpi
+cmake -S examples_c -B build/world -DCMAKE_BUILD_TYPE=Release -DDPSYNC_WORLD_TESTS=ON \
+  -DDPSYNC_LIB_DIR="$PWD/target/mpi/release" >/dev/null
+cmake --build build/world -j "$(nproc)" --target train_dense world_train
+(cd build/world && ctest --output-on-failure -R "^(train_dense_4|world_train_.*)$")
+
 step "two simulated hosts: MPI across two network namespaces joined by a veth pair (scripts/two-hosts.sh)"
 bash scripts/two-hosts.sh --self-test
+# world_train with one rank on each simulated host, against train_dense's weights (build/world).
+bash scripts/two-hosts.sh -- "$PWD/build/world/world_train" --replicas-per-rank 3,1 --steps 60 \
+  --batch 48 --expect "$PWD/build/world/train_dense_ref.bin" --tol 1e-4

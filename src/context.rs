@@ -10,7 +10,7 @@ use std::sync::Arc;
 use crate::backend;
 use crate::error::{Error, ErrorKind, Result};
 use crate::exec::bmuf::{self, BmufState};
-use crate::exec::{Executor, SparseOutputs};
+use crate::exec::{world, Executor, SparseOutputs};
 use crate::options::Options;
 use crate::plan::{self, Bucket, Plan, Topology};
 use crate::registry::sparse::SparseRegistry;
@@ -51,13 +51,27 @@ pub fn plan_describe(options: &Options) -> Result<String> {
 impl Context {
     pub fn new(options: &Options) -> Result<Context> {
         options.validate()?;
-        let backend::Opened { topology, backend } = backend::open(options)?;
+        let backend::Opened {
+            mut topology,
+            backend,
+        } = backend::open(options)?;
+        // In a world, creation is collective: the engine joins, then the ranks agree on the
+        // options and learn each other's replica counts.
+        let ranks = match &options.world {
+            None => None,
+            Some(w) => {
+                let ranks = backend::join(w, options.timeout())?;
+                topology.replicas_per_rank = world::settle(&*ranks, options, topology.replicas())?;
+                (topology.rank, topology.world_size) = (ranks.rank(), ranks.ranks());
+                Some(ranks)
+            }
+        };
         Ok(Context {
             options: options.clone(),
             registry: Registry::new(topology.replicas()),
             sparse: SparseRegistry::new(topology.replicas()),
             sparse_out: SparseOutputs::default(),
-            executor: Executor::new(backend, &topology),
+            executor: Executor::new(backend, &topology, ranks),
             topology,
             prepared: None,
             bmuf: None,
@@ -168,7 +182,53 @@ impl Context {
         if let Some(state) = &self.bmuf {
             json["bmuf"] = state.describe();
         }
+        if let Some(ranks) = self.executor.ranks() {
+            let mut world = ranks.describe();
+            world["rank"] = self.topology.rank.into();
+            world["ranks"] = self.topology.world_size.into();
+            world["replicas_per_rank"] = self.topology.replicas_per_rank.clone().into();
+            world["cross_rank"] = "mpi".into();
+            json["world"] = world;
+        }
         json.to_string()
+    }
+
+    /// Whether this context spans a world of processes.
+    pub fn in_world(&self) -> bool {
+        self.executor.ranks().is_some()
+    }
+
+    /// Agreement before mutation: outside a world `verdict` as it is; in a world the ranks'
+    /// verdicts and the fingerprints of `call` and its `tensors` are exchanged, and every rank
+    /// fails, nothing changed, unless all passed and match ([`world::agree`]). The call's text
+    /// and tensor lines are made only in a world.
+    fn agree(
+        &self,
+        verdict: Result<()>,
+        call: impl FnOnce() -> String,
+        tensors: &[&TensorView],
+    ) -> Result<()> {
+        let Some(ranks) = self.executor.ranks() else {
+            return verdict;
+        };
+        let mut lines = vec![call()];
+        lines.extend(
+            tensors
+                .iter()
+                .map(|t| format!("{}\t{} {} x {}", t.name, t.role, t.count, t.dtype)),
+        );
+        world::agree(ranks, verdict, &lines)
+    }
+
+    /// What a world does not do yet: refused alike on every rank, before any exchange.
+    fn not_in_world(&self, what: &str) -> Result<()> {
+        if self.in_world() {
+            return Err(Error::new(
+                ErrorKind::Unavailable,
+                format!("{what} is not supported across the ranks of a world in this version"),
+            ));
+        }
+        Ok(())
     }
 
     fn divisor(&self) -> usize {
@@ -177,7 +237,23 @@ impl Context {
 
     pub fn allreduce_grads(&mut self, op: ReduceOp) -> Result<()> {
         let (snapshot, plan) = self.prepare();
-        snapshot.grads_to_reduce()?;
+        let verdict = snapshot
+            .grads_to_reduce()
+            .and_then(|()| match self.sparse.is_empty() {
+                true => Ok(()),
+                false => self.not_in_world("dpsync_allreduce_grads with sparse gradients"),
+            });
+        let grads: Vec<&TensorView> = match self.in_world() {
+            true => (snapshot.tensors.iter())
+                .filter(|t| t.role == Role::Grad)
+                .collect(),
+            false => Vec::new(),
+        };
+        self.agree(
+            verdict,
+            || format!("dpsync_allreduce_grads(op={op:?})"),
+            &grads,
+        )?;
         let tensors: Vec<&TensorView> = snapshot.tensors.iter().collect();
         // Buckets dpsync_grad_ready reduced this step are not reduced again (context/overlap.rs).
         let (left, summed) = self.split_buckets(&plan, &tensors, op)?;
@@ -210,37 +286,66 @@ impl Context {
     }
 
     pub fn allreduce(&mut self, name: &str, op: ReduceOp) -> Result<()> {
-        if self.sparse.contains(name) {
-            return Err(Error::new(
+        let (snapshot, _) = self.prepare();
+        let tensor = if self.sparse.contains(name) {
+            Err(Error::new(
                 ErrorKind::NotFound,
                 format!(
                     "tensor '{name}' is not a dense tensor: it is a sparse gradient, gathered by \
                      dpsync_allreduce_grads"
                 ),
-            ));
-        }
-        let (snapshot, _) = self.prepare();
-        let tensor = snapshot.lookup(name)?;
+            ))
+        } else {
+            snapshot.lookup(name)
+        };
+        let involved: Vec<&TensorView> = tensor.iter().copied().collect();
+        self.agree(
+            tensor.as_ref().map(|_| ()).map_err(Clone::clone),
+            || format!("dpsync_allreduce(name='{name}', op={op:?})"),
+            &involved,
+        )?;
+        let tensor = tensor?;
         // SAFETY: as in allreduce_grads.
         unsafe {
             (self.executor).allreduce(&[tensor], op, self.divisor(), self.options.fusion_bytes)
         }
     }
 
+    /// `root` is a world replica index (rank offsets first; the local index outside a world).
     pub fn broadcast(&mut self, roles: RoleMask, root: usize) -> Result<()> {
-        self.check_replica(root, "root_replica")?;
         let (snapshot, _) = self.prepare();
-        let tensors = snapshot.select(roles)?;
+        let world_replicas = self.topology.world_replicas();
+        let selected = registry::check_replica(root, world_replicas, "root_replica")
+            .and_then(|()| snapshot.select(roles));
+        let involved = selected.as_deref().unwrap_or_default();
+        self.agree(
+            selected.as_ref().map(|_| ()).map_err(Clone::clone),
+            || format!("dpsync_broadcast(roles={:#x}, root={root})", roles.bits()),
+            involved,
+        )?;
+        let tensors = selected?;
+        // The rank holding world replica `root`, and its local index there.
+        let (mut root_rank, mut local) = (0, root);
+        while local >= self.topology.replicas_per_rank[root_rank] {
+            local -= self.topology.replicas_per_rank[root_rank];
+            root_rank += 1;
+        }
         // SAFETY: as in allreduce_grads.
         unsafe {
             self.executor
-                .broadcast(&tensors, root, self.options.fusion_bytes)
+                .broadcast(&tensors, root_rank, local, self.options.fusion_bytes)
         }
     }
 
     pub fn average(&mut self, roles: RoleMask) -> Result<()> {
         let (snapshot, _) = self.prepare();
-        let tensors = snapshot.select(roles)?;
+        let selected = snapshot.select(roles);
+        self.agree(
+            selected.as_ref().map(|_| ()).map_err(Clone::clone),
+            || format!("dpsync_average(roles={:#x})", roles.bits()),
+            selected.as_deref().unwrap_or_default(),
+        )?;
+        let tensors = selected?;
         // SAFETY: as in allreduce_grads.
         unsafe {
             self.executor.allreduce(
@@ -255,6 +360,7 @@ impl Context {
     /// Starts (or restarts) BMUF over the PARAM tensors. Everything is checked before replica
     /// 0's params are broadcast, and the previous filter is kept when anything fails.
     pub fn bmuf_init(&mut self, block_lr: f64, block_momentum: f64, nesterov: bool) -> Result<()> {
+        self.not_in_world("BMUF")?;
         let filter = bmuf::filter(
             block_lr,
             block_momentum,
@@ -277,6 +383,7 @@ impl Context {
     }
 
     pub fn bmuf_step(&mut self) -> Result<()> {
+        self.not_in_world("BMUF")?;
         let (snapshot, _) = self.prepare();
         let divisor = self.divisor();
         let state = self.bmuf.as_mut().ok_or_else(bmuf::not_started)?;

@@ -20,7 +20,10 @@ pub struct Options {
     pub replicas: Vec<Device>,
     pub transport: Transport,
     pub fusion_bytes: usize,
+    /// 0 = wait forever. Read through [`Options::timeout`], which knows a world's default.
     pub timeout_ms: u64,
+    /// `dpsync_options_set_timeout_ms` was called: an explicit 0 means forever, in a world too.
+    pub timeout_set: bool,
     /// Row-major n x n override of the peer-access matrix, n = replica count.
     pub peer_access: Option<Vec<u8>>,
     /// Coalesce sparse gradients (each replica's slice before the gather, the result after).
@@ -31,7 +34,25 @@ pub struct Options {
     /// communicators on a one-GPU machine. From `DPSYNC_NCCL_RANK_PER_REPLICA=1` when the
     /// options are created.
     pub nccl_rank_per_replica: bool,
+    /// A world of processes (`dpsync_options_set_world_mpi`); `None`: this process alone.
+    pub world: Option<World>,
 }
+
+/// The communicator a world spans.
+// Made only by the MPI engine: a build without it never has a world.
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum World {
+    /// `MPI_COMM_WORLD` (dpsync initialises MPI if nobody has).
+    MpiCommWorld,
+    /// The bytes of the caller's `MPI_Comm` value, copied when the option was set (its size and
+    /// meaning belong to the MPI implementation: a pointer in Open MPI, an int in MPICH).
+    MpiComm(Vec<u8>),
+}
+
+/// A world's timeout when none was set: long enough for the slowest rank's start-up and a
+/// large model's first step, short enough that a dead rank is reported, not waited on forever.
+pub(crate) const WORLD_DEFAULT_TIMEOUT_MS: u64 = 10 * 60 * 1000;
 
 impl Default for Options {
     fn default() -> Self {
@@ -40,10 +61,12 @@ impl Default for Options {
             transport: Transport::Auto,
             fusion_bytes: DEFAULT_FUSION_BYTES,
             timeout_ms: 0,
+            timeout_set: false,
             peer_access: None,
             sparse_coalesce: false,
             nccl_rank_per_replica: std::env::var("DPSYNC_NCCL_RANK_PER_REPLICA")
                 .is_ok_and(|v| matches!(v.trim(), "1" | "true" | "yes")),
+            world: None,
         }
     }
 }
@@ -94,16 +117,28 @@ impl Options {
         Ok(())
     }
 
-    /// A world over the MPI communicator at `mpi_comm` (NULL: `MPI_COMM_WORLD`). This build has
-    /// no MPI engine: UNAVAILABLE, saying so, and nothing changes.
-    pub fn set_world_mpi(&mut self, mpi_comm: usize) -> Result<()> {
-        let _ = mpi_comm;
-        Err(Error::new(
-            ErrorKind::Unavailable,
-            "dpsync_options_set_world_mpi: this build of dpsync has no MPI support, so a context \
-             cannot span several processes (worlds need the library built with MPI: see the \
-             README, \"Worlds\")",
-        ))
+    /// A world over the MPI communicator at `mpi_comm` (NULL: `MPI_COMM_WORLD`), its value
+    /// copied now. Without an MPI engine in this build: UNAVAILABLE, and nothing changes.
+    ///
+    /// # Safety
+    /// A non-NULL `mpi_comm` points to an `MPI_Comm` of the MPI the library was built with.
+    pub unsafe fn set_world_mpi(&mut self, mpi_comm: *const std::ffi::c_void) -> Result<()> {
+        self.world = Some(crate::backend::world_of(mpi_comm)?);
+        Ok(())
+    }
+
+    pub fn set_timeout_ms(&mut self, timeout_ms: u64) {
+        self.timeout_ms = timeout_ms;
+        self.timeout_set = true;
+    }
+
+    /// The collective timeout in ms (0 = forever): as set, else 0 alone and 10 minutes in a
+    /// world, where a dead rank must not hang the others.
+    pub fn timeout(&self) -> u64 {
+        match (self.timeout_set, &self.world) {
+            (false, Some(_)) => WORLD_DEFAULT_TIMEOUT_MS,
+            _ => self.timeout_ms,
+        }
     }
 
     pub fn has_cuda_replicas(&self) -> bool {
@@ -127,6 +162,13 @@ impl Options {
                 )))
             }
             _ => {}
+        }
+        if self.world.is_some() && cuda {
+            return Err(Error::new(
+                ErrorKind::Unavailable,
+                "a world of processes spans host replicas only in this version; these options \
+                 have CUDA replicas",
+            ));
         }
         if let Some(matrix) = &self.peer_access {
             let n = self.replicas.len();

@@ -1,6 +1,6 @@
-//! The world calls in a build without MPI, through the C ABI: setting a world is UNAVAILABLE
-//! and changes nothing, and a context is a world of one rank (rank 0 of 1, its replicas the
-//! whole world).
+//! The world calls in one process, through the C ABI: without MPI setting a world is
+//! UNAVAILABLE and changes nothing (with MPI, a communicator needs MPI initialised), and a
+//! context is a world of one rank (rank 0 of 1, its replicas the whole world).
 
 use std::ffi::{c_void, CStr};
 use std::ptr;
@@ -31,6 +31,7 @@ fn host_options(replicas: usize) -> *mut dpsync_options {
     o
 }
 
+#[cfg(not(feature = "mpi"))]
 #[test]
 fn a_world_without_mpi_is_unavailable_and_changes_nothing() {
     let o = host_options(3);
@@ -60,6 +61,21 @@ fn a_world_without_mpi_is_unavailable_and_changes_nothing() {
         dpsync_context_destroy(ctx);
         dpsync_options_free(o);
     }
+}
+
+/// With the MPI engine, a communicator needs MPI initialised by the caller (nothing here does),
+/// and NULL (MPI_COMM_WORLD) is taken; worlds themselves are tested by tests/world_mpi.rs.
+#[cfg(feature = "mpi")]
+#[test]
+fn a_communicator_needs_mpi_initialised() {
+    let o = host_options(2);
+    let comm = 0usize;
+    let st = unsafe { dpsync_options_set_world_mpi(o, &comm as *const usize as *const c_void) };
+    assert_eq!(st, DPSYNC_STATUS_INVALID_STATE);
+    assert!(last_error().contains("mpi_comm"), "{}", last_error());
+    let st = unsafe { dpsync_options_set_world_mpi(o, ptr::null()) };
+    assert_eq!(st, DPSYNC_STATUS_OK, "{}", last_error());
+    unsafe { dpsync_options_free(o) };
 }
 
 #[test]

@@ -7,13 +7,15 @@
 mod bmuf;
 mod cuda;
 pub(crate) mod host;
+#[cfg(feature = "mpi")]
+mod mpi;
 pub(crate) mod spares;
 mod sparse;
 
 pub use bmuf::{bmuf_state_dtype, BmufFilter, BmufSpan};
 
 use crate::error::{Error, Result};
-use crate::options::Options;
+use crate::options::{Options, World};
 use crate::plan::Topology;
 use crate::types::{DType, Memory};
 
@@ -384,6 +386,69 @@ pub(crate) trait Collective {
 
     /// Every move as a send and a receive, all in one group.
     fn send_recv(&self, moves: &[Move]) -> Result<()>;
+}
+
+/// Level 3: the ranks (processes) of a world. Every rank makes the same calls in the same order
+/// (the executor's agreement sees to it); each call returns once this rank's part is done, or
+/// fails with TIMEOUT when the others did not take part within the world's timeout, after which
+/// every call is refused (INVALID_STATE: the ranks may have parted ways).
+pub(crate) trait Ranks: Send {
+    /// This process's rank and the number of ranks.
+    fn rank(&self) -> usize;
+    fn ranks(&self) -> usize;
+
+    /// What `dpsync_describe` shows of the engine under "world" (engine, library).
+    fn describe(&self) -> serde_json::Value;
+
+    /// Every span `(ptr, count)` := its sum over the ranks, the same bytes on every rank: the
+    /// spans are exchanged as one message (a fused bucket), in order. f16/bf16 are summed in
+    /// f32 and rounded once.
+    ///
+    /// # Safety
+    /// Every span is valid for `count` aligned elements of `dtype` in host memory.
+    unsafe fn allreduce(&self, dtype: DType, spans: &[(usize, usize)]) -> Result<()>;
+
+    /// Every span `(ptr, bytes)` := rank `root`'s, as one message.
+    ///
+    /// # Safety
+    /// Every span is valid for `bytes` bytes in host memory.
+    unsafe fn broadcast(&self, spans: &[(usize, usize)], root: usize) -> Result<()>;
+
+    /// Every rank's `bytes` (of any length), in rank order.
+    fn allgather(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>>;
+}
+
+/// The world the caller's `mpi_comm` names (NULL: `MPI_COMM_WORLD`), its value copied now.
+/// UNAVAILABLE in a build without the MPI engine.
+///
+/// # Safety
+/// A non-NULL `mpi_comm` points to an `MPI_Comm`.
+pub(crate) unsafe fn world_of(mpi_comm: *const std::ffi::c_void) -> Result<World> {
+    #[cfg(feature = "mpi")]
+    return mpi::world_of(mpi_comm);
+    #[cfg(not(feature = "mpi"))]
+    {
+        let _ = mpi_comm;
+        Err(Error::new(
+            crate::error::ErrorKind::Unavailable,
+            "dpsync_options_set_world_mpi: this build of dpsync has no MPI support, so a context \
+             cannot span several processes (build the library with `cargo build --release \
+             --features mpi`: see the README, \"Worlds\")",
+        ))
+    }
+}
+
+/// Joins `world` (collective: every rank of its communicator calls it): MPI initialised if
+/// nobody has, the communicator duplicated, within `timeout_ms` (0 = forever).
+pub(crate) fn join(world: &World, timeout_ms: u64) -> Result<Box<dyn Ranks>> {
+    #[cfg(feature = "mpi")]
+    return Ok(Box::new(mpi::MpiRanks::join(world, timeout_ms)?));
+    #[cfg(not(feature = "mpi"))]
+    {
+        let _ = (world, timeout_ms);
+        // SAFETY: NULL is always accepted; this build answers UNAVAILABLE.
+        Err(unsafe { world_of(std::ptr::null()) }.unwrap_err())
+    }
 }
 
 /// What [`open`] found: the topology (built once, with what the devices told) and the backend

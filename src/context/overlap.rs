@@ -136,7 +136,9 @@ impl Context {
         // what they queued: started here, that wait would block this backward thread (and,
         // through the context's lock, every other replica's) until all the GPUs caught up.
         // allreduce_grads reduces them instead, once.
-        let early = !self.executor.touching_waits(planned.memory);
+        // In a world, buckets must cross the ranks in the same order on every rank, which the
+        // order of readiness does not give: allreduce_grads reduces them, in bucket order.
+        let early = !self.executor.touching_waits(planned.memory) && !self.in_world();
         if let (1, Some(op), true) = (self.overlap.missing[b], self.overlap.op, early) {
             // The bucket over its own tensors only, renumbered: a step costs O(tensors), not
             // O(tensors x buckets) (backends key their caches by pointers, not indices).

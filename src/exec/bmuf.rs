@@ -228,7 +228,7 @@ impl Executor {
         // has changed.
         self.bracket(|| {
             self.bmuf_load(&bmuf, 0)?;
-            self.broadcast(params, 0, fusion_bytes)?;
+            self.broadcast(params, 0, 0, fusion_bytes)?;
             for r in 1..replicas {
                 self.bmuf_load(&bmuf, r)?;
             }

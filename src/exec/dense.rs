@@ -9,9 +9,12 @@
 //!   then an add; result copies); each buffer unpacked into its group's replicas (with the AVG
 //!   division). Buffers and layouts are made first, so that nothing between the exchange and
 //!   the unpacks allocates.
+//! - A world of processes (host replicas): level 1 in place without the AVG division, then the
+//!   ranks' sum of local replica 0's bucket ([`Ranks::allreduce`], one message), the division,
+//!   and local replica 0's result spread to the others ([`Backend::spread`]).
 
 use super::Site;
-use crate::backend::{BucketView, Links, Members, Slot};
+use crate::backend::{Backend, BucketView, Links, Members, Ranks, Slot};
 use crate::error::Result;
 use crate::plan::{Across, Levels, Step, StepOp, Via};
 
@@ -24,7 +27,14 @@ pub(super) unsafe fn allreduce(
     bucket: &BucketView<'_>,
     avg: Option<usize>,
 ) -> Result<()> {
-    let Site { backend, levels } = site;
+    let Site {
+        backend,
+        levels,
+        ranks,
+    } = site;
+    if let Some(ranks) = ranks {
+        return allreduce_ranks(backend, levels, ranks, bucket, avg);
+    }
     let replicas: usize = levels.groups.iter().map(Vec::len).sum();
     if bucket.elements() == 0 || (replicas <= 1 && avg.is_none()) {
         return Ok(());
@@ -51,6 +61,41 @@ pub(super) unsafe fn allreduce(
     combine(links, levels, bucket, &buffers)?;
     for (g, (&layout, &buffer)) in layouts.iter().zip(&buffers).enumerate() {
         links.unpack(g, bucket, layout, buffer, avg)?;
+    }
+    Ok(())
+}
+
+/// The walk with level 3, host memory (one group): local sum, the ranks' sum of the leader's
+/// bucket, the AVG division, the leader's result spread to the other local replicas.
+///
+/// # Safety
+/// As for [`allreduce`].
+unsafe fn allreduce_ranks(
+    backend: &dyn Backend,
+    levels: &Levels,
+    ranks: &dyn Ranks,
+    bucket: &BucketView<'_>,
+    avg: Option<usize>,
+) -> Result<()> {
+    if bucket.elements() == 0 {
+        return Ok(());
+    }
+    let members = &levels.groups[0];
+    let leader = members[0];
+    if members.len() > 1 {
+        backend.reduce(0, members, bucket, None)?;
+    }
+    let spans: Vec<(usize, usize)> = (bucket.segments.iter())
+        .map(|s| (s.ptrs[leader], s.count))
+        .collect();
+    ranks.allreduce(bucket.dtype, &spans)?;
+    if let Some(divisor) = avg {
+        for &(ptr, count) in &spans {
+            backend.divide(leader, bucket.dtype, ptr, count, divisor)?;
+        }
+    }
+    if members.len() > 1 {
+        backend.spread(0, bucket, leader)?;
     }
     Ok(())
 }
@@ -115,12 +160,44 @@ unsafe fn run_steps(
     Ok(())
 }
 
-/// Every replica of `site` gets replica `root`'s bytes of `bucket`.
+/// Every replica of `site` gets local replica `root`'s bytes of `bucket` on rank `root_rank`
+/// (0 outside a world).
 ///
 /// # Safety
 /// As for [`allreduce`].
-pub(super) unsafe fn broadcast(site: Site<'_>, bucket: &BucketView<'_>, root: usize) -> Result<()> {
-    let Site { backend, levels } = site;
+pub(super) unsafe fn broadcast(
+    site: Site<'_>,
+    bucket: &BucketView<'_>,
+    root_rank: usize,
+    root: usize,
+) -> Result<()> {
+    let Site {
+        backend,
+        levels,
+        ranks,
+    } = site;
+    if let Some(ranks) = ranks {
+        // Level 3 (host memory, one group): the root's rank sends its root replica's bytes to
+        // every rank's local replica 0, then each rank spreads them locally.
+        if bucket.elements() == 0 {
+            return Ok(());
+        }
+        let members = &levels.groups[0];
+        let leader = if ranks.rank() == root_rank {
+            root
+        } else {
+            members[0]
+        };
+        let size = bucket.dtype.size();
+        let spans: Vec<(usize, usize)> = (bucket.segments.iter())
+            .map(|s| (s.ptrs[leader], s.count * size))
+            .collect();
+        ranks.broadcast(&spans, root_rank)?;
+        if members.len() > 1 {
+            backend.spread(0, bucket, leader)?;
+        }
+        return Ok(());
+    }
     let replicas: usize = levels.groups.iter().map(Vec::len).sum();
     if bucket.elements() == 0 || replicas <= 1 {
         return Ok(());

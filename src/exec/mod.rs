@@ -12,13 +12,14 @@ pub mod bmuf;
 mod dense;
 mod sparse;
 mod transfer;
+pub mod world;
 
 pub use sparse::{SparseOutputs, SparseStats};
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::backend::host::HostBackend;
-use crate::backend::{Backend, BucketView, Segment, Streams};
+use crate::backend::{Backend, BucketView, Ranks, Segment, Streams};
 use crate::error::{Error, Result};
 use crate::plan::{plan_buckets, Bucket, Levels, Topology};
 use crate::registry::TensorView;
@@ -34,6 +35,8 @@ pub struct Executor {
     host: Option<(HostBackend, Levels)>,
     /// A `begin`/`end` bracket is open: work inside it needs no bracket of its own.
     in_bracket: AtomicBool,
+    /// Level 3, the other processes of a world (host replicas only, for now).
+    ranks: Option<Box<dyn Ranks>>,
 }
 
 /// Marks the bracket closed even if its work unwinds.
@@ -89,16 +92,22 @@ fn merge_device_buckets(buckets: &[Bucket]) -> Vec<Bucket> {
     out
 }
 
-/// The backend of one kind of memory and its levels.
+/// The backend of one kind of memory, its levels, and the ranks of a world above them.
 #[derive(Clone, Copy)]
 struct Site<'a> {
     backend: &'a dyn Backend,
     levels: &'a Levels,
+    ranks: Option<&'a dyn Ranks>,
 }
 
 impl Executor {
-    /// `backend` and `topology` as [`crate::backend::open`] gave them.
-    pub(crate) fn new(backend: Box<dyn Backend>, topology: &Topology) -> Executor {
+    /// `backend` and `topology` as [`crate::backend::open`] gave them; `ranks`: the world's
+    /// engine ([`crate::backend::join`]), whose ranks the topology already counts.
+    pub(crate) fn new(
+        backend: Box<dyn Backend>,
+        topology: &Topology,
+        ranks: Option<Box<dyn Ranks>>,
+    ) -> Executor {
         let host = backend.streams().is_some().then(|| {
             let host = HostBackend::new();
             (host, Levels::new(&topology.for_host_memory()))
@@ -108,7 +117,13 @@ impl Executor {
             levels: Levels::new(topology),
             host,
             in_bracket: AtomicBool::new(false),
+            ranks,
         }
+    }
+
+    /// The world's engine, in a world.
+    pub(crate) fn ranks(&self) -> Option<&dyn Ranks> {
+        self.ranks.as_deref()
     }
 
     pub fn describe_backend(&self) -> serde_json::Value {
@@ -184,10 +199,12 @@ impl Executor {
             (Memory::Host, Some((host, levels))) => Site {
                 backend: host,
                 levels,
+                ranks: self.ranks(),
             },
             _ => Site {
                 backend: self.backend.as_ref(),
                 levels: &self.levels,
+                ranks: self.ranks(),
             },
         }
     }
@@ -301,13 +318,15 @@ impl Executor {
         Ok(())
     }
 
-    /// Copies `tensors` from replica `root` to every other replica.
+    /// Copies `tensors` from local replica `root` of rank `root_rank` (0 outside a world) to
+    /// every other replica.
     ///
     /// # Safety
     /// As for [`Executor::allreduce_buckets`].
     pub unsafe fn broadcast(
         &self,
         tensors: &[&TensorView],
+        root_rank: usize,
         root: usize,
         fusion_bytes: usize,
     ) -> Result<()> {
@@ -315,7 +334,7 @@ impl Executor {
         self.collective(&buckets, || {
             for bucket in &buckets {
                 let site = self.site_to_touch(bucket.memory)?;
-                dense::broadcast(site, &view(bucket, tensors), root)?;
+                dense::broadcast(site, &view(bucket, tensors), root_rank, root)?;
             }
             Ok(())
         })

@@ -109,7 +109,7 @@ pub unsafe extern "C" fn dpsync_options_set_timeout_ms(
     timeout_ms: u64,
 ) -> dpsync_status {
     with_options(options, |o| {
-        o.timeout_ms = timeout_ms;
+        o.set_timeout_ms(timeout_ms);
         Ok(())
     })
 }

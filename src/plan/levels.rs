@@ -8,7 +8,8 @@
 //! - Level 2, **devices**: the groups' fusion buffers are combined by one grouped collective
 //!   (NCCL, one rank per group) or by the plan's sum and copy steps between group leaders.
 //!
-//! A world of processes adds a level above these; the lower ones stay as they are.
+//! - Level 3, **ranks**: in a world of processes, each rank's local result (its replica 0's
+//!   bucket) is summed across the ranks through MPI, then spread down as above.
 
 use serde_json::{json, Value};
 
@@ -35,6 +36,9 @@ pub struct Levels {
     pub groups: Vec<Vec<usize>>,
     /// Level 2.
     pub across: Across,
+    /// Level 3: replicas per rank of the world, in rank order (one entry outside a world:
+    /// no level 3).
+    pub ranks: Vec<usize>,
 }
 
 impl Levels {
@@ -57,7 +61,11 @@ impl Levels {
             topology.transport != TransportChoice::Host || groups.len() <= 1,
             "host memory is one group"
         );
-        Levels { groups, across }
+        Levels {
+            groups,
+            across,
+            ranks: topology.replicas_per_rank.clone(),
+        }
     }
 
     /// The group of every replica.
@@ -67,7 +75,7 @@ impl Levels {
 
     /// Whether level 1 is the whole collective (every bucket reduced in place).
     pub fn in_place(&self) -> bool {
-        self.across == Across::Nothing
+        self.across == Across::Nothing && self.ranks.len() <= 1
     }
 
     /// The levels as `dpsync_describe` shows them.
@@ -78,7 +86,14 @@ impl Levels {
             Across::Steps(steps) => json!({"level": "devices", "via": "steps",
                                            "steps": steps.len()}),
         };
-        json!([{"level": "replicas", "groups": self.groups}, across])
+        let mut levels = vec![json!({"level": "replicas", "groups": self.groups}), across];
+        if self.ranks.len() > 1 {
+            levels.push(
+                json!({"level": "ranks", "via": "mpi", "ranks": self.ranks.len(),
+                               "replicas_per_rank": self.ranks}),
+            );
+        }
+        json!(levels)
     }
 }
 

@@ -104,7 +104,7 @@ impl CudaBackend {
                 start: Event::new()?,
             });
         }
-        let timeout = (options.timeout_ms > 0).then(|| Duration::from_millis(options.timeout_ms));
+        let timeout = (options.timeout() > 0).then(|| Duration::from_millis(options.timeout()));
         let callers = distinct_callers(&groups, &replicas);
         let mut backend = CudaBackend {
             groups,

@@ -1,0 +1,530 @@
+//! The MPI engine between the ranks of a world ([`Ranks`]), through rsmpi's raw bindings
+//! (`mpi::ffi`): its communicator is a duplicate of the caller's, so dpsync's traffic never
+//! mixes with theirs, and every collective is issued non-blocking and polled against the
+//! world's timeout, so a dead or stuck rank gives TIMEOUT, never a hang.
+
+use std::ffi::{c_int, c_void, CStr};
+use std::mem::{size_of, MaybeUninit};
+use std::time::{Duration, Instant};
+
+use half::{bf16, f16};
+use mpi::ffi;
+use parking_lot::Mutex;
+use serde_json::json;
+
+use super::Ranks;
+use crate::error::{Error, ErrorKind, Result};
+use crate::options::World;
+use crate::types::DType;
+
+/// MPI counts are C ints: longer buffers go in pieces of this many elements.
+const CHUNK: usize = 1 << 30;
+
+/// Serialises dpsync's MPI initialisation (two contexts created at once by two threads).
+static INIT: Mutex<()> = Mutex::new(());
+
+extern "C" {
+    /// The C library's: dpsync finalises the MPI it initialised when the process exits
+    /// (cbindgen.toml excludes it from the header).
+    fn atexit(callback: extern "C" fn()) -> c_int;
+}
+
+extern "C" fn finalize_at_exit() {
+    // SAFETY: MPI calls allowed at any time; finalised once, only if nobody did it before.
+    unsafe {
+        if !finalized() {
+            ffi::MPI_Finalize();
+        }
+    }
+}
+
+fn initialized() -> bool {
+    let mut flag = 0;
+    // SAFETY: allowed before MPI_Init and after MPI_Finalize.
+    unsafe { ffi::MPI_Initialized(&mut flag) };
+    flag != 0
+}
+
+fn finalized() -> bool {
+    let mut flag = 0;
+    // SAFETY: as above.
+    unsafe { ffi::MPI_Finalized(&mut flag) };
+    flag != 0
+}
+
+fn level_name(level: c_int) -> &'static str {
+    // SAFETY: link-time constants of the MPI library.
+    unsafe {
+        match level {
+            l if l == ffi::RSMPI_THREAD_SINGLE => "MPI_THREAD_SINGLE",
+            l if l == ffi::RSMPI_THREAD_FUNNELED => "MPI_THREAD_FUNNELED",
+            l if l == ffi::RSMPI_THREAD_SERIALIZED => "MPI_THREAD_SERIALIZED",
+            l if l == ffi::RSMPI_THREAD_MULTIPLE => "MPI_THREAD_MULTIPLE",
+            _ => "an unknown thread level",
+        }
+    }
+}
+
+/// The world `mpi_comm` names: a copy of the caller's communicator value, which only means
+/// something once MPI is initialised.
+///
+/// # Safety
+/// A non-NULL `mpi_comm` points to an `MPI_Comm`.
+pub(crate) unsafe fn world_of(mpi_comm: *const c_void) -> Result<World> {
+    if mpi_comm.is_null() {
+        return Ok(World::MpiCommWorld);
+    }
+    if !initialized() || finalized() {
+        return Err(Error::new(
+            ErrorKind::InvalidState,
+            "mpi_comm: a communicator needs MPI initialised (and not finalised) by the caller; \
+             pass NULL for MPI_COMM_WORLD and dpsync initialises MPI itself",
+        ));
+    }
+    let bytes = std::slice::from_raw_parts(mpi_comm.cast::<u8>(), size_of::<ffi::MPI_Comm>());
+    Ok(World::MpiComm(bytes.to_vec()))
+}
+
+/// Initialises MPI (MPI_THREAD_MULTIPLE) unless someone did, and checks the thread level: dpsync
+/// calls MPI from whichever thread calls it, so anything less is UNAVAILABLE.
+fn ensure_initialized() -> Result<()> {
+    let _once = INIT.lock();
+    if finalized() {
+        return Err(Error::new(
+            ErrorKind::InvalidState,
+            "MPI is already finalised in this process: a world cannot be joined any more",
+        ));
+    }
+    let mut provided: c_int = 0;
+    // SAFETY: plain MPI calls on MPI's own outputs.
+    unsafe {
+        if initialized() {
+            ffi::MPI_Query_thread(&mut provided);
+        } else {
+            let rc = ffi::MPI_Init_thread(
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                ffi::RSMPI_THREAD_MULTIPLE,
+                &mut provided,
+            );
+            if rc != 0 {
+                return Err(backend_error("MPI_Init_thread", rc));
+            }
+            // Ours to finalise, at exit: contexts may live until then.
+            atexit(finalize_at_exit);
+        }
+        if provided < ffi::RSMPI_THREAD_MULTIPLE {
+            return Err(Error::new(
+                ErrorKind::Unavailable,
+                format!(
+                    "MPI provides {} only; dpsync needs MPI_THREAD_MULTIPLE (initialise MPI \
+                     with MPI_Init_thread(MPI_THREAD_MULTIPLE), or use an MPI built with \
+                     thread support)",
+                    level_name(provided)
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// MPI's words for an error code.
+fn error_string(code: c_int) -> String {
+    let mut buf = vec![0u8; ffi::MPI_MAX_ERROR_STRING as usize + 1];
+    let mut len: c_int = 0;
+    // SAFETY: the buffer holds MPI_MAX_ERROR_STRING characters.
+    unsafe { ffi::MPI_Error_string(code, buf.as_mut_ptr().cast(), &mut len) };
+    buf.truncate(len.max(0) as usize);
+    String::from_utf8_lossy(&buf).into_owned()
+}
+
+fn backend_error(call: &str, code: c_int) -> Error {
+    Error::new(
+        ErrorKind::Backend,
+        format!("{call} failed: {} (code {code})", error_string(code)),
+    )
+}
+
+fn library_version() -> String {
+    // MPI_MAX_LIBRARY_VERSION_STRING is 256 in Open MPI and 8192 in MPICH.
+    let mut buf = vec![0u8; 8192];
+    let mut len: c_int = 0;
+    // SAFETY: callable before and after initialisation; the buffer is large enough.
+    unsafe { ffi::MPI_Get_library_version(buf.as_mut_ptr().cast(), &mut len) };
+    let text = CStr::from_bytes_until_nul(&buf)
+        .map(|c| c.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    text.trim_end().to_owned()
+}
+
+/// The duplicated communicator, freed when the context goes.
+struct Comm(ffi::MPI_Comm);
+
+// SAFETY: MPI_THREAD_MULTIPLE (checked at join) allows any thread to use a communicator; the
+// context's lock keeps one call at a time on it.
+unsafe impl Send for Comm {}
+
+pub(crate) struct MpiRanks {
+    comm: Comm,
+    rank: usize,
+    size: usize,
+    timeout: Option<Duration>,
+    /// Set by a timeout or a failed MPI call: the ranks may have parted ways, so every later
+    /// call is refused.
+    failed: Mutex<Option<String>>,
+    library: String,
+    /// Send and receive stages of every transfer, reused (8-byte words: aligned for every
+    /// dtype). Staged because a timed-out MPI request stays pending and may still write its
+    /// buffers: then they are leaked, never the caller's memory (and MPI_IN_PLACE's value
+    /// differs between MPI implementations, so dpsync never passes it).
+    scratch: Mutex<[Vec<u64>; 2]>,
+}
+
+/// One MPI call's return code as a result.
+fn check(call: &str, rc: c_int) -> Result<()> {
+    match rc {
+        0 => Ok(()),
+        rc => Err(backend_error(call, rc)),
+    }
+}
+
+fn count_of(n: usize) -> c_int {
+    c_int::try_from(n).expect("chunked below C int range")
+}
+
+impl MpiRanks {
+    /// See [`super::join`].
+    pub(crate) fn join(world: &World, timeout_ms: u64) -> Result<MpiRanks> {
+        ensure_initialized()?;
+        // SAFETY: MPI is initialised; the caller's value is an MPI_Comm of this MPI (its bytes
+        // were copied from one).
+        let parent = unsafe {
+            match world {
+                World::MpiCommWorld => ffi::RSMPI_COMM_WORLD,
+                World::MpiComm(bytes) => {
+                    std::ptr::read_unaligned(bytes.as_ptr().cast::<ffi::MPI_Comm>())
+                }
+            }
+        };
+        let timeout = (timeout_ms > 0).then(|| Duration::from_millis(timeout_ms));
+        let mut comm = MaybeUninit::<ffi::MPI_Comm>::uninit();
+        let mut request = MaybeUninit::<ffi::MPI_Request>::uninit();
+        // SAFETY: outputs written by MPI_Comm_idup, read only after its request completed.
+        let comm = unsafe {
+            check(
+                "MPI_Comm_idup",
+                ffi::MPI_Comm_idup(parent, comm.as_mut_ptr(), request.as_mut_ptr()),
+            )?;
+            let mut request = request.assume_init();
+            poll(
+                &mut request,
+                timeout,
+                "dpsync_context_create (MPI_Comm_idup)",
+            )?;
+            comm.assume_init()
+        };
+        let (mut rank, mut size) = (0, 0);
+        // SAFETY: a valid communicator; errors on it are returned, not fatal.
+        unsafe {
+            ffi::MPI_Comm_set_errhandler(comm, ffi::RSMPI_ERRORS_RETURN);
+            ffi::MPI_Comm_rank(comm, &mut rank);
+            ffi::MPI_Comm_size(comm, &mut size);
+        }
+        Ok(MpiRanks {
+            comm: Comm(comm),
+            rank: rank as usize,
+            size: size as usize,
+            timeout,
+            failed: Mutex::new(None),
+            library: library_version(),
+            scratch: Mutex::new([Vec::new(), Vec::new()]),
+        })
+    }
+
+    fn refuse_if_failed(&self) -> Result<()> {
+        match &*self.failed.lock() {
+            None => Ok(()),
+            Some(why) => Err(Error::new(
+                ErrorKind::InvalidState,
+                format!("this context's world failed earlier ({why}): it refuses collectives"),
+            )),
+        }
+    }
+
+    /// Issues one non-blocking call and waits for it; a failure fails the world.
+    fn run(&self, what: &str, issue: impl FnOnce(*mut ffi::MPI_Request) -> c_int) -> Result<()> {
+        let mut request = MaybeUninit::<ffi::MPI_Request>::uninit();
+        let done = check(what, issue(request.as_mut_ptr())).and_then(|()| {
+            // SAFETY: the call succeeded, so it wrote the request.
+            let mut request = unsafe { request.assume_init() };
+            poll(&mut request, self.timeout, what)
+        });
+        if let Err(e) = &done {
+            *self.failed.lock() = Some(e.message.clone());
+        }
+        done
+    }
+
+    /// `send[..count] → recv[..count]` summed over ranks, in pieces of at most [`CHUNK`].
+    ///
+    /// # Safety
+    /// Both hold `count` elements of `size` bytes of `datatype`.
+    unsafe fn allreduce_raw(
+        &self,
+        datatype: ffi::MPI_Datatype,
+        size: usize,
+        send: *const u8,
+        recv: *mut u8,
+        count: usize,
+    ) -> Result<()> {
+        for start in (0..count).step_by(CHUNK) {
+            let n = CHUNK.min(count - start);
+            self.run("MPI_Iallreduce", |request| {
+                ffi::MPI_Iallreduce(
+                    send.add(start * size).cast(),
+                    recv.add(start * size).cast(),
+                    count_of(n),
+                    datatype,
+                    ffi::RSMPI_SUM,
+                    self.comm.0,
+                    request,
+                )
+            })?;
+        }
+        Ok(())
+    }
+}
+
+/// `words` grown to at least `bytes` bytes; its first byte.
+fn stage(words: &mut Vec<u64>, bytes: usize) -> *mut u8 {
+    let n = bytes.div_ceil(8);
+    if words.len() < n {
+        words.resize(n, 0);
+    }
+    words.as_mut_ptr().cast()
+}
+
+/// `count` elements of `T` at `src` as f32 at `dst`.
+///
+/// # Safety
+/// Both hold `count` aligned elements.
+unsafe fn widen<T: Copy>(src: *const u8, dst: *mut u8, count: usize, f: fn(T) -> f32) {
+    let (xs, out) = (
+        std::slice::from_raw_parts(src.cast::<T>(), count),
+        std::slice::from_raw_parts_mut(dst.cast::<f32>(), count),
+    );
+    out.iter_mut().zip(xs).for_each(|(o, &x)| *o = f(x));
+}
+
+/// `count` f32 at `src` rounded once to `T` at `dst`.
+///
+/// # Safety
+/// As for [`widen`].
+unsafe fn narrow<T: Copy>(src: *const u8, dst: *mut u8, count: usize, f: fn(f32) -> T) {
+    let (xs, out) = (
+        std::slice::from_raw_parts(src.cast::<f32>(), count),
+        std::slice::from_raw_parts_mut(dst.cast::<T>(), count),
+    );
+    out.iter_mut().zip(xs).for_each(|(o, &x)| *o = f(x));
+}
+
+/// Waits for `request` within `timeout` (None: forever), yielding the CPU between tests: ranks
+/// oversubscribe cores in tests and small clusters, and a spinning rank slows the one it waits
+/// for.
+fn poll(request: &mut ffi::MPI_Request, timeout: Option<Duration>, what: &str) -> Result<()> {
+    let start = Instant::now();
+    let mut tests = 0u32;
+    loop {
+        let mut flag: c_int = 0;
+        // SAFETY: an active request of this process.
+        let rc = unsafe { ffi::MPI_Test(request, &mut flag, ffi::RSMPI_STATUS_IGNORE) };
+        check(what, rc)?;
+        if flag != 0 {
+            return Ok(());
+        }
+        if let Some(limit) = timeout {
+            if start.elapsed() > limit {
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "{what}: not every rank took part within the timeout ({} ms)",
+                        limit.as_millis()
+                    ),
+                ));
+            }
+        }
+        tests += 1;
+        if tests < 100 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+}
+
+impl Ranks for MpiRanks {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn ranks(&self) -> usize {
+        self.size
+    }
+
+    fn describe(&self) -> serde_json::Value {
+        json!({"engine": "mpi", "mpi_library": self.library,
+               "failed": *self.failed.lock()})
+    }
+
+    unsafe fn allreduce(&self, dtype: DType, spans: &[(usize, usize)]) -> Result<()> {
+        self.refuse_if_failed()?;
+        let (datatype, size) = match dtype {
+            DType::F32 => (ffi::RSMPI_FLOAT, 4),
+            DType::F64 => (ffi::RSMPI_DOUBLE, 8),
+            DType::I32 => (ffi::RSMPI_INT32_T, 4),
+            DType::I64 => (ffi::RSMPI_INT64_T, 8),
+            // No half-precision MPI type: summed in f32, rounded once.
+            DType::F16 | DType::Bf16 => (ffi::RSMPI_FLOAT, 4),
+        };
+        let count: usize = spans.iter().map(|&(_, n)| n).sum();
+        let mut scratch = self.scratch.lock();
+        let [send, recv] = &mut *scratch;
+        let (send, recv) = (stage(send, count * size), stage(recv, count * size));
+        let mut at = 0;
+        for &(ptr, n) in spans {
+            let (src, dst) = (ptr as *const u8, send.add(at * size));
+            match dtype {
+                DType::F16 => widen::<f16>(src, dst, n, f16::to_f32),
+                DType::Bf16 => widen::<bf16>(src, dst, n, bf16::to_f32),
+                _ => std::ptr::copy_nonoverlapping(src, dst, n * size),
+            }
+            at += n;
+        }
+        if let Err(e) = self.allreduce_raw(datatype, size, send, recv, count) {
+            std::mem::forget(std::mem::take(&mut *scratch));
+            return Err(e);
+        }
+        let mut at = 0;
+        for &(ptr, n) in spans {
+            let (src, dst) = (recv.add(at * size), ptr as *mut u8);
+            match dtype {
+                DType::F16 => narrow::<f16>(src, dst, n, f16::from_f32),
+                DType::Bf16 => narrow::<bf16>(src, dst, n, bf16::from_f32),
+                _ => std::ptr::copy_nonoverlapping(src, dst, n * size),
+            }
+            at += n;
+        }
+        Ok(())
+    }
+
+    unsafe fn broadcast(&self, spans: &[(usize, usize)], root: usize) -> Result<()> {
+        self.refuse_if_failed()?;
+        let bytes: usize = spans.iter().map(|&(_, n)| n).sum();
+        let mut scratch = self.scratch.lock();
+        let buffer = stage(&mut scratch[0], bytes);
+        let mine = root == self.rank;
+        let mut at = 0;
+        for &(ptr, n) in spans.iter().filter(|_| mine) {
+            std::ptr::copy_nonoverlapping(ptr as *const u8, buffer.add(at), n);
+            at += n;
+        }
+        for start in (0..bytes).step_by(CHUNK) {
+            let n = CHUNK.min(bytes - start);
+            let sent = self.run("MPI_Ibcast", |request| {
+                ffi::MPI_Ibcast(
+                    buffer.add(start).cast(),
+                    count_of(n),
+                    ffi::RSMPI_UINT8_T,
+                    root as c_int,
+                    self.comm.0,
+                    request,
+                )
+            });
+            if let Err(e) = sent {
+                std::mem::forget(std::mem::take(&mut *scratch));
+                return Err(e);
+            }
+        }
+        let mut at = 0;
+        for &(ptr, n) in spans.iter().filter(|_| !mine) {
+            std::ptr::copy_nonoverlapping(buffer.add(at), ptr as *mut u8, n);
+            at += n;
+        }
+        Ok(())
+    }
+
+    fn allgather(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.refuse_if_failed()?;
+        // The lengths first, then the bytes at their offsets.
+        // Boxed, so that a timed-out request's buffers can be leaked (see `scratch`).
+        let mine = Box::new(bytes.len() as u64);
+        let mut lengths = vec![0u64; self.size];
+        // SAFETY: one u64 sent, one received per rank.
+        let sent = self.run("MPI_Iallgather", |request| unsafe {
+            ffi::MPI_Iallgather(
+                (&*mine as *const u64).cast(),
+                1,
+                ffi::RSMPI_UINT64_T,
+                lengths.as_mut_ptr().cast(),
+                1,
+                ffi::RSMPI_UINT64_T,
+                self.comm.0,
+                request,
+            )
+        });
+        if let Err(e) = sent {
+            std::mem::forget((mine, lengths));
+            return Err(e);
+        }
+        let total: u64 = lengths.iter().sum();
+        if total > c_int::MAX as u64 {
+            return Err(Error::invalid(format!(
+                "an exchange between ranks of {total} bytes is beyond MPI's int counts"
+            )));
+        }
+        let counts: Vec<c_int> = lengths.iter().map(|&l| l as c_int).collect();
+        let offsets: Vec<c_int> = (counts.iter())
+            .scan(0, |at, &n| {
+                let o = *at;
+                *at += n;
+                Some(o)
+            })
+            .collect();
+        let mut all = vec![0u8; total as usize];
+        let send = bytes.to_vec();
+        // SAFETY: counts and offsets describe `all`; every rank sends what it announced.
+        let sent = self.run("MPI_Iallgatherv", |request| unsafe {
+            ffi::MPI_Iallgatherv(
+                send.as_ptr().cast(),
+                count_of(bytes.len()),
+                ffi::RSMPI_UINT8_T,
+                all.as_mut_ptr().cast(),
+                counts.as_ptr(),
+                offsets.as_ptr(),
+                ffi::RSMPI_UINT8_T,
+                self.comm.0,
+                request,
+            )
+        });
+        if let Err(e) = sent {
+            std::mem::forget((send, all, counts, offsets));
+            return Err(e);
+        }
+        Ok((offsets.iter().zip(&counts))
+            .map(|(&o, &n)| all[o as usize..(o + n) as usize].to_vec())
+            .collect())
+    }
+}
+
+impl Drop for MpiRanks {
+    fn drop(&mut self) {
+        // A failed world may have a lost rank: freeing could wait on it, so the communicator is
+        // left to MPI_Finalize. After MPI_Finalize nothing may be called.
+        if self.failed.lock().is_none() && !finalized() {
+            // SAFETY: our own communicator, freed once.
+            unsafe { ffi::MPI_Comm_free(&mut self.comm.0) };
+        } else {
+            std::mem::forget(std::mem::take(&mut *self.scratch.lock()));
+        }
+    }
+}

@@ -1,0 +1,218 @@
+//! What the ranks of a world settle between them before they move data, over the engine's
+//! [`Ranks::allgather`]: at context creation the options that must agree and every rank's
+//! replica count ([`settle`]); before every collective, that all of them passed validation and
+//! make the same call over the same registrations ([`agree`]).
+
+use serde_json::{json, Value};
+
+use crate::backend::Ranks;
+use crate::error::{Error, Result};
+use crate::ffi::dpsync_status;
+use crate::options::Options;
+
+/// The options every rank must share, as `(name, value)`, in the order they are compared.
+fn shared_options(options: &Options) -> Value {
+    json!([
+        ["transport", options.transport.name()],
+        ["fusion_bytes", options.fusion_bytes],
+        ["timeout_ms", options.timeout()],
+        ["sparse_coalesce", options.sparse_coalesce],
+    ])
+}
+
+/// "ranks 0, 2" / "rank 1".
+fn ranks_text(ranks: &[usize]) -> String {
+    let list: Vec<String> = ranks.iter().map(usize::to_string).collect();
+    match ranks.len() {
+        1 => format!("rank {}", list[0]),
+        _ => format!("ranks {}", list.join(", ")),
+    }
+}
+
+/// Context creation: every rank's replica count, in rank order, once the options that must
+/// agree do (INCONSISTENT on every rank otherwise, naming the option and the ranks).
+pub fn settle(ranks: &dyn Ranks, options: &Options, local_replicas: usize) -> Result<Vec<usize>> {
+    let mine = json!({"replicas": local_replicas, "options": shared_options(options)});
+    let all: Vec<Value> = ranks
+        .allgather(mine.to_string().as_bytes())?
+        .iter()
+        .map(|b| serde_json::from_slice(b).unwrap_or(Value::Null))
+        .collect();
+    let options_of = |r: usize| all[r]["options"].as_array().cloned().unwrap_or_default();
+    for (i, option) in options_of(0).iter().enumerate() {
+        // Ranks grouped by their value of this option, in order of first appearance.
+        let mut groups: Vec<(Value, Vec<usize>)> = Vec::new();
+        for r in 0..all.len() {
+            let value = options_of(r).get(i).map_or(Value::Null, |o| o[1].clone());
+            match groups.iter_mut().find(|(v, _)| *v == value) {
+                Some((_, members)) => members.push(r),
+                None => groups.push((value, vec![r])),
+            }
+        }
+        if groups.len() > 1 {
+            let parts: Vec<String> = (groups.iter())
+                .map(|(v, members)| format!("{v} on {}", ranks_text(members)))
+                .collect();
+            return Err(Error::inconsistent(format!(
+                "dpsync_context_create: the ranks' options disagree: {} is {}",
+                option[0].as_str().unwrap_or("?"),
+                parts.join(", ")
+            )));
+        }
+    }
+    Ok(all
+        .iter()
+        .map(|v| v["replicas"].as_u64().unwrap_or(0) as usize)
+        .collect())
+}
+
+/// 64-bit FNV-1a over the lines: the same on every rank for the same lines, whatever the build.
+fn fingerprint(lines: &[String]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for line in lines {
+        for &b in line.as_bytes().iter().chain(b"\n") {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
+}
+
+/// Agreement before mutation: `verdict` is this rank's validation, `lines` its call (first line)
+/// and the registrations the call involves (one line per tensor, `name\tdescription`, in
+/// order). One small allgather of (status, fingerprint) when everything agrees; otherwise a
+/// second one of the verdicts' messages and the lines, so that every rank can say what differs,
+/// and every rank fails: with its own error where its own input failed, else INCONSISTENT
+/// naming the ranks and the first difference.
+pub fn agree(ranks: &dyn Ranks, verdict: Result<()>, lines: &[String]) -> Result<()> {
+    let status = match &verdict {
+        Ok(()) => 0u32,
+        Err(e) => dpsync_status::from(e.kind) as u32,
+    };
+    let mut record = status.to_le_bytes().to_vec();
+    record.extend_from_slice(&fingerprint(lines).to_le_bytes());
+    let records = ranks.allgather(&record)?;
+    if records.iter().all(|r| *r == record) && status == 0 {
+        return Ok(());
+    }
+    // Every rank saw the same records, so every rank takes this second exchange.
+    let mine = json!({
+        "error": verdict.as_ref().err().map(|e| e.message.clone()),
+        "status": status,
+        "lines": lines,
+    });
+    let all: Vec<Value> = ranks
+        .allgather(mine.to_string().as_bytes())?
+        .iter()
+        .map(|b| serde_json::from_slice(b).unwrap_or(Value::Null))
+        .collect();
+    verdict?;
+    Err(Error::inconsistent(disagreement(&all)))
+}
+
+/// What the first disagreeing rank does differently, in words.
+fn disagreement(all: &[Value]) -> String {
+    if let Some((r, v)) = all.iter().enumerate().find(|(_, v)| v["status"] != 0) {
+        let kind = (v["status"].as_u64())
+            .and_then(|c| dpsync_status::from_code(c as u32))
+            .map_or("an error", |s| s.name().trim_end_matches('\0'));
+        return format!(
+            "rank {r} failed its own checks ({kind}: {}); nothing was changed on any rank",
+            v["error"].as_str().unwrap_or("?")
+        );
+    }
+    let lines = |r: usize| -> Vec<String> {
+        (all[r]["lines"].as_array().into_iter().flatten())
+            .map(|l| l.as_str().unwrap_or("").to_owned())
+            .collect()
+    };
+    let first = lines(0);
+    for r in 1..all.len() {
+        let other = lines(r);
+        if other == first {
+            continue;
+        }
+        let call = |l: &[String]| l.first().cloned().unwrap_or_default();
+        if call(&first) != call(&other) {
+            return format!("rank 0 called {}, rank {r} {}", call(&first), call(&other));
+        }
+        return tensors_differ(&first[1..], &other[1..], r);
+    }
+    "the ranks' calls differ".to_owned()
+}
+
+/// The first tensor registered differently on rank 0 and rank `r` (lines `name\tdescription`).
+fn tensors_differ(first: &[String], other: &[String], r: usize) -> String {
+    let split = |l: &String| -> (String, String) {
+        let (name, what) = l.split_once('\t').unwrap_or((l.as_str(), ""));
+        (name.to_owned(), what.to_owned())
+    };
+    let (a, b): (Vec<_>, Vec<_>) = (
+        first.iter().map(split).collect(),
+        other.iter().map(split).collect(),
+    );
+    for (name, what) in &a {
+        match b.iter().find(|(n, _)| n == name) {
+            None => {
+                return format!("tensor '{name}' is registered on rank 0 only, not on rank {r}")
+            }
+            Some((_, theirs)) if theirs != what => {
+                return format!("tensor '{name}': rank {r} has {theirs}, rank 0 has {what}")
+            }
+            _ => {}
+        }
+    }
+    if let Some((name, _)) = b.iter().find(|(n, _)| !a.iter().any(|(m, _)| m == n)) {
+        return format!("tensor '{name}' is registered on rank {r} only, not on rank 0");
+    }
+    let at = a.iter().zip(&b).position(|(x, y)| x.0 != y.0).unwrap_or(0);
+    format!(
+        "the tensors are registered in another order on rank {r} than on rank 0 (position {at}: \
+         '{}' on rank 0, '{}' on rank {r})",
+        a.get(at).map_or("", |t| t.0.as_str()),
+        b.get(at).map_or("", |t| t.0.as_str())
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lines(call: &str, tensors: &[&str]) -> Value {
+        json!({"status": 0, "error": null,
+               "lines": std::iter::once(call).chain(tensors.iter().copied()).collect::<Vec<_>>()})
+    }
+
+    #[test]
+    fn disagreements_name_the_ranks_and_the_first_difference() {
+        let a = lines("dpsync_allreduce_grads(op=SUM)", &["w\tGRAD 10 x f32"]);
+        let b = lines("dpsync_broadcast(roles=1, root=0)", &["w\tGRAD 10 x f32"]);
+        assert_eq!(
+            disagreement(&[a.clone(), b]),
+            "rank 0 called dpsync_allreduce_grads(op=SUM), rank 1 dpsync_broadcast(roles=1, root=0)"
+        );
+        let c = lines("dpsync_allreduce_grads(op=SUM)", &["w\tGRAD 11 x f32"]);
+        assert_eq!(
+            disagreement(&[a.clone(), a.clone(), c]),
+            "tensor 'w': rank 2 has GRAD 11 x f32, rank 0 has GRAD 10 x f32"
+        );
+        let d = lines(
+            "dpsync_allreduce_grads(op=SUM)",
+            &["w\tGRAD 10 x f32", "extra\tGRAD 1 x f32"],
+        );
+        assert!(disagreement(&[a.clone(), d]).contains("'extra' is registered on rank 1 only"));
+        let failed = json!({"status": dpsync_status::DPSYNC_STATUS_NOT_FOUND as u32,
+                            "error": "no tensor 'x'", "lines": ["c"]});
+        let msg = disagreement(&[a, failed]);
+        assert!(
+            msg.starts_with("rank 1 failed") && msg.contains("NOT_FOUND"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn fingerprints_follow_every_byte_and_the_line_breaks() {
+        let l = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_ne!(fingerprint(&l(&["ab", "c"])), fingerprint(&l(&["a", "bc"])));
+        assert_eq!(fingerprint(&l(&["ab"])), fingerprint(&l(&["ab"])));
+    }
+}
