@@ -40,6 +40,8 @@ ensure_mpi
 # A separate target directory: target/release keeps the default library, which links no MPI.
 cargo clippy --release --all-targets --features mpi --target-dir target/mpi -- -D warnings
 cargo test --release --features mpi --target-dir target/mpi --lib --test world --test world_mpi
+step "world benchmark smoke run (figures: cargo bench --features mpi --bench world_allreduce)"
+cargo bench --features mpi --target-dir target/mpi --bench world_allreduce -- --quick
 
 step "examples_c/world_train on the MPI-enabled library: one rank, mpirun -n 2 (3,1) and -n 3 (2,1,1)"
 cargo build --release --features mpi --target-dir target/mpi

@@ -328,12 +328,15 @@ unsafe fn narrow<T: Copy>(src: *const u8, dst: *mut u8, count: usize, f: fn(f32)
     out.iter_mut().zip(xs).for_each(|(o, &x)| *o = f(x));
 }
 
-/// Waits for `request` within `timeout` (None: forever), yielding the CPU between tests: ranks
-/// oversubscribe cores in tests and small clusters, and a spinning rank slows the one it waits
-/// for.
+/// How long [`poll`] yields between tests before it sleeps.
+const SPIN: Duration = Duration::from_millis(2);
+
+/// Waits for `request` within `timeout` (None: forever), yielding the CPU between tests for the
+/// first [`SPIN`] (a small collective completes within microseconds, and a sleep's wake-up would
+/// cost more than the whole call), then sleeping 50 µs between tests: ranks oversubscribe cores
+/// in tests and small clusters, and a rank spinning for long slows the one it waits for.
 fn poll(request: &mut ffi::MPI_Request, timeout: Option<Duration>, what: &str) -> Result<()> {
     let start = Instant::now();
-    let mut tests = 0u32;
     loop {
         let mut flag: c_int = 0;
         // SAFETY: an active request of this process.
@@ -353,8 +356,7 @@ fn poll(request: &mut ffi::MPI_Request, timeout: Option<Duration>, what: &str) -
                 ));
             }
         }
-        tests += 1;
-        if tests < 100 {
+        if start.elapsed() < SPIN {
             std::thread::yield_now();
         } else {
             std::thread::sleep(Duration::from_micros(50));

@@ -1,0 +1,264 @@
+//! Worlds over MPI: dpsync's collectives across ranks against raw MPI on buffers of the same
+//! size, measured side by side (alternating) in one run; rank 0 prints. Run:
+//! `cargo bench --features mpi --bench world_allreduce` (`-- --quick` for a short smoke run): it
+//! starts itself under `mpirun --allow-run-as-root --oversubscribe`, with 2 ranks, then with 4.
+//! Figures go to docs/PERFORMANCE.md.
+//!
+//! 1. 2 ranks x 1 host replica, one 64 MiB f32 GRAD: `dpsync_allreduce_grads` vs one raw
+//!    `MPI_Allreduce` (rsmpi's `all_reduce_into`, send and receive buffers: rsmpi has no
+//!    `MPI_IN_PLACE`).
+//! 2. The ResNet-50 gradient set (161 tensors) on 2 ranks: fused `dpsync_allreduce_grads` vs one
+//!    raw allreduce of the total size vs 161 raw allreduces.
+//! 3. `dpsync_allreduce` of 1 float across 2 ranks vs a raw allreduce of 1 float (the agreement
+//!    before mutation is in dpsync's figure).
+//! 4. 2 ranks x 2 host replicas (4 in all, 64 MiB f32 each) with dpsync, and raw MPI over 4 ranks
+//!    x 1 buffer (the second mpirun).
+
+#[path = "common/mod.rs"]
+mod common;
+
+use std::process::Command;
+use std::ptr;
+use std::time::{Duration, Instant};
+
+use common::*;
+use dpsync::*;
+use mpi::collective::SystemOperation;
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
+
+const SUM: u32 = dpsync_reduce_op::DPSYNC_REDUCE_SUM as u32;
+const GRAD: u32 = dpsync_role::DPSYNC_ROLE_GRAD as u32;
+const F32: u32 = dpsync_dtype::DPSYNC_DTYPE_F32 as u32;
+
+fn under_mpirun() -> bool {
+    std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() || std::env::var_os("PMI_SIZE").is_some()
+}
+
+/// A context over MPI_COMM_WORLD with `replicas` host replicas on this rank.
+fn world_context(replicas: usize) -> Context {
+    let o = Options::host(replicas);
+    // SAFETY: valid options; NULL is MPI_COMM_WORLD (initialised by this program already).
+    check(unsafe { dpsync_options_set_world_mpi(o.0, ptr::null()) });
+    Context::new(&o)
+}
+
+/// Median times of `a` and `b` run alternately, every rank starting each together.
+fn timed(
+    world: &SimpleCommunicator,
+    reps: usize,
+    mut a: impl FnMut(),
+    mut b: impl FnMut(),
+) -> (Duration, Duration) {
+    side_by_side(
+        reps,
+        || {
+            world.barrier();
+            a()
+        },
+        || {
+            world.barrier();
+            b()
+        },
+    )
+}
+
+/// One raw allreduce (sum) of `send` into `recv`.
+fn raw(world: &SimpleCommunicator, send: &[f32], recv: &mut [f32]) {
+    world.all_reduce_into(send, recv, SystemOperation::sum());
+}
+
+fn big_gradient(world: &SimpleCommunicator, rank0: bool, quick: bool) {
+    let n = if quick { 1 << 20 } else { 16 << 20 };
+    let reps = if quick { 3 } else { 9 };
+    let ctx = world_context(1);
+    let mut grad = filled(n, 1, 0.0);
+    ctx.reg("g", GRAD, 0, &mut grad, F32);
+    let send = filled(n, 2, 0.0);
+    let mut recv = vec![0f32; n];
+    let (t_dpsync, t_raw) = timed(
+        world,
+        reps,
+        || check(ctx.allreduce_grads(SUM)),
+        || raw(world, &send, &mut recv),
+    );
+    if rank0 {
+        println!(
+            "2 ranks x 1 replica, one {} MiB f32 GRAD: dpsync_allreduce_grads {:.2} ms | raw MPI_Allreduce {:.2} ms | ratio {:.2} (target <= 1.05)",
+            (n * 4) >> 20,
+            ms(t_dpsync),
+            ms(t_raw),
+            t_dpsync.as_secs_f64() / t_raw.as_secs_f64()
+        );
+    }
+}
+
+fn resnet(world: &SimpleCommunicator, rank0: bool, quick: bool) {
+    let reps = if quick { 3 } else { 9 };
+    let params = load_param_set("resnet50_params.tsv");
+    let total: usize = params.iter().map(|(_, n)| n).sum();
+    let ctx = world_context(1);
+    let mut grads: Vec<Vec<f32>> = params.iter().map(|(_, n)| filled(*n, 3, 0.0)).collect();
+    for ((name, _), g) in params.iter().zip(grads.iter_mut()) {
+        ctx.reg(name, GRAD, 0, g, F32);
+    }
+    let send = filled(total, 4, 0.0);
+    let mut recv = vec![0f32; total];
+    let per_tensor: Vec<Vec<f32>> = params.iter().map(|(_, n)| filled(*n, 5, 0.0)).collect();
+    let mut per_tensor_out: Vec<Vec<f32>> = params.iter().map(|(_, n)| vec![0f32; *n]).collect();
+    let (t_fused, t_single) = timed(
+        world,
+        reps,
+        || check(ctx.allreduce_grads(SUM)),
+        || raw(world, &send, &mut recv),
+    );
+    let (t_unfused, t_single2) = timed(
+        world,
+        reps,
+        || {
+            for (s, r) in per_tensor.iter().zip(per_tensor_out.iter_mut()) {
+                raw(world, s, r);
+            }
+        },
+        || raw(world, &send, &mut recv),
+    );
+    if rank0 {
+        println!(
+            "ResNet-50 ({} tensors, {:.1} M f32), 2 ranks: dpsync fused {:.2} ms | one raw MPI_Allreduce of the total {:.2} ms | {} raw calls {:.2} ms (vs the single one then: {:.2} ms) | fused/single {:.2} (target <= 1.15)",
+            params.len(),
+            total as f64 / 1e6,
+            ms(t_fused),
+            ms(t_single),
+            params.len(),
+            ms(t_unfused),
+            ms(t_single2),
+            t_fused.as_secs_f64() / t_single.as_secs_f64()
+        );
+    }
+}
+
+fn one_float(world: &SimpleCommunicator, rank0: bool, quick: bool) {
+    let calls = if quick { 200 } else { 5000 };
+    let reps = if quick { 3 } else { 9 };
+    let ctx = world_context(1);
+    let mut one = [1.0f32];
+    ctx.reg("one", GRAD, 0, &mut one, F32);
+    let send = [1.0f32];
+    let mut recv = [0f32];
+    let (t_dpsync, t_raw) = timed(
+        world,
+        reps,
+        || (0..calls).for_each(|_| check(ctx.allreduce("one", SUM))),
+        || (0..calls).for_each(|_| raw(world, &send, &mut recv)),
+    );
+    if rank0 {
+        let us = |d: Duration| d.as_secs_f64() * 1e6 / calls as f64;
+        println!(
+            "1 float across 2 ranks ({calls} calls): dpsync_allreduce {:.2} us per call | raw MPI_Allreduce {:.2} us | ratio {:.2} (target <= 3)",
+            us(t_dpsync),
+            us(t_raw),
+            t_dpsync.as_secs_f64() / t_raw.as_secs_f64()
+        );
+    }
+}
+
+/// Part 4, dpsync's side: 2 local replicas per rank.
+fn two_by_two(world: &SimpleCommunicator, rank0: bool, quick: bool) {
+    let n = if quick { 1 << 20 } else { 16 << 20 };
+    let reps = if quick { 3 } else { 9 };
+    let ctx = world_context(2);
+    let mut grads = [filled(n, 6, 0.0), filled(n, 7, 0.0)];
+    for (r, g) in grads.iter_mut().enumerate() {
+        ctx.reg("g", GRAD, r, g, F32);
+    }
+    let mut times = Vec::new();
+    check(ctx.allreduce_grads(SUM));
+    for _ in 0..reps {
+        world.barrier();
+        let t = Instant::now();
+        check(ctx.allreduce_grads(SUM));
+        times.push(t.elapsed());
+    }
+    if rank0 {
+        println!(
+            "2 ranks x 2 replicas ({} MiB f32 each, 4 in all): dpsync_allreduce_grads {:.2} ms (raw MPI over 4 ranks x 1 buffer: the next line)",
+            (n * 4) >> 20,
+            ms(median(times))
+        );
+    }
+}
+
+/// Part 4, raw MPI's side: 4 ranks x 1 buffer.
+fn four_ranks_raw(world: &SimpleCommunicator, rank0: bool, quick: bool) {
+    let n = if quick { 1 << 20 } else { 16 << 20 };
+    let reps = if quick { 3 } else { 9 };
+    let send = filled(n, 8, 0.0);
+    let mut recv = vec![0f32; n];
+    raw(world, &send, &mut recv);
+    let mut times = Vec::new();
+    for _ in 0..reps {
+        world.barrier();
+        let t = Instant::now();
+        raw(world, &send, &mut recv);
+        times.push(t.elapsed());
+    }
+    if rank0 {
+        println!(
+            "4 ranks x 1 buffer ({} MiB f32 each): raw MPI_Allreduce {:.2} ms",
+            (n * 4) >> 20,
+            ms(median(times))
+        );
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    if !under_mpirun() {
+        println!(
+            "dpsync {} world benchmarks (MPI), {} hardware threads",
+            env!("CARGO_PKG_VERSION"),
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        );
+        let exe = std::env::current_exe().expect("the benchmark's path");
+        for (ranks, part) in [(2, "two"), (4, "four")] {
+            let mut cmd = Command::new("mpirun");
+            cmd.args([
+                "--allow-run-as-root",
+                "--oversubscribe",
+                "-n",
+                &ranks.to_string(),
+            ])
+            .arg(&exe)
+            .args(["--part", part]);
+            if quick {
+                cmd.arg("--quick");
+            }
+            let status = cmd
+                .status()
+                .expect("mpirun (Open MPI): scripts/common.sh ensure_mpi");
+            assert!(status.success(), "{ranks} ranks: {status}");
+        }
+        return;
+    }
+    let part = args
+        .iter()
+        .position(|a| a == "--part")
+        .and_then(|i| args.get(i + 1))
+        .cloned()
+        .unwrap_or_default();
+    let (universe, _) =
+        mpi::initialize_with_threading(mpi::Threading::Multiple).expect("MPI initialises once");
+    let world = universe.world();
+    let rank0 = world.rank() == 0;
+    match part.as_str() {
+        "two" => {
+            big_gradient(&world, rank0, quick);
+            resnet(&world, rank0, quick);
+            one_float(&world, rank0, quick);
+            two_by_two(&world, rank0, quick);
+        }
+        "four" => four_ranks_raw(&world, rank0, quick),
+        other => panic!("unknown part {other:?}"),
+    }
+}
