@@ -15,6 +15,7 @@ mod common {
     pub mod abi;
     pub mod context;
     pub mod float16;
+    pub mod skip;
 }
 
 use std::process::Command;
@@ -72,7 +73,11 @@ fn value(w: usize, i: usize) -> i64 {
 #[test]
 fn rank_body() {
     if !under_mpirun() {
-        return; // started by worlds_of_two_and_three_ranks
+        // Started by worlds_of_two_and_three_ranks, as every rank.
+        common::skip::skip(format_args!(
+            "rank_body: skipped: runs only as an MPI rank (worlds_of_two_and_three_ranks starts it)"
+        ));
+        return;
     }
     let ranks: usize = std::env::var("DPSYNC_TEST_RANKS").unwrap().parse().unwrap();
     let rank: usize = std::env::var("OMPI_COMM_WORLD_RANK")
