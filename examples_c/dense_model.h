@@ -5,6 +5,8 @@
 #ifndef DPSYNC_DENSE_MODEL_H
 #define DPSYNC_DENSE_MODEL_H
 
+#include "example_util.h"
+
 #include <errno.h>
 #include <math.h>
 #include <stdint.h>
@@ -133,6 +135,43 @@ static void forward_backward(replica_t *r, size_t first, size_t count, double co
       for (int k = 0; k < HID; k++) gw1[i * HID + k] += x[i] * dz[k];
   }
   r->loss = coef * loss;
+}
+
+/* ------------------------------------------------------------------ the library */
+
+/* Registers replica `r`'s params (PARAM), gradients (GRAD) and loss (COMPUTED). */
+static void register_replica(dpsync_context *ctx, replica_t *rep, size_t r) {
+  for (int t = 0; t < N_TENSORS; t++) {
+    CHECK(dpsync_register(ctx, TENSORS[t].name, DPSYNC_ROLE_PARAM, r, rep->params + TENSORS[t].offset,
+                          TENSORS[t].count, DPSYNC_DTYPE_F32));
+    CHECK(dpsync_register(ctx, TENSORS[t].grad_name, DPSYNC_ROLE_GRAD, r, rep->grads + TENSORS[t].offset,
+                          TENSORS[t].count, DPSYNC_DTYPE_F32));
+  }
+  CHECK(dpsync_register(ctx, "loss", DPSYNC_ROLE_COMPUTED, r, &rep->loss, 1, DPSYNC_DTYPE_F64));
+}
+
+/* The initial weights (uniform in +-1/sqrt(fan_in), biases 0), the same on every run. */
+static void init_params(float *params) {
+  lcg_t g = {0x1234abcdULL};
+  for (int t = 0; t < N_TENSORS; t++) {
+    float bound = TENSORS[t].fan_in > 0 ? 1.0f / sqrtf((float)TENSORS[t].fan_in) : 0.0f;
+    for (size_t i = 0; i < TENSORS[t].count; i++)
+      params[TENSORS[t].offset + i] = bound > 0.0f ? lcg_uniform(&g, -bound, bound) : 0.0f;
+  }
+}
+
+/* Prints dpsync_describe's JSON. */
+static void print_plan(dpsync_context *ctx) {
+  size_t len = 0;
+  CHECK(dpsync_describe(ctx, NULL, 0, &len));
+  char *json = malloc(len + 1);
+  if (json == NULL) {
+    fprintf(stderr, "out of memory\n");
+    exit(1);
+  }
+  CHECK(dpsync_describe(ctx, json, len + 1, &len));
+  printf("%s\n", json);
+  free(json);
 }
 
 /* ------------------------------------------------------------------ weight files */

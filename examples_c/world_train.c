@@ -129,39 +129,16 @@ int main(int argc, char **argv) {
     fprintf(stderr, "out of memory\n");
     return 1;
   }
-  for (size_t r = 0; r < replicas; r++) {
-    for (int t = 0; t < N_TENSORS; t++) {
-      CHECK(dpsync_register(ctx, TENSORS[t].name, DPSYNC_ROLE_PARAM, r,
-                            reps[r].params + TENSORS[t].offset, TENSORS[t].count, DPSYNC_DTYPE_F32));
-      CHECK(dpsync_register(ctx, TENSORS[t].grad_name, DPSYNC_ROLE_GRAD, r,
-                            reps[r].grads + TENSORS[t].offset, TENSORS[t].count, DPSYNC_DTYPE_F32));
-    }
-    CHECK(dpsync_register(ctx, "loss", DPSYNC_ROLE_COMPUTED, r, &reps[r].loss, 1, DPSYNC_DTYPE_F64));
-  }
+  for (size_t r = 0; r < replicas; r++) register_replica(ctx, &reps[r], r);
 
   /* Only world replica 0 initialises; the broadcast from it (a world index) overwrites every
      other replica of every rank. */
   for (size_t r = 0; r < replicas; r++)
     for (int i = 0; i < N_PARAMS; i++) reps[r].params[i] = (float)(offset + r) * 100.0f + (float)i;
-  if (offset == 0) {
-    lcg_t g = {0x1234abcdULL};
-    for (int t = 0; t < N_TENSORS; t++) {
-      float bound = TENSORS[t].fan_in > 0 ? 1.0f / sqrtf((float)TENSORS[t].fan_in) : 0.0f;
-      for (size_t i = 0; i < TENSORS[t].count; i++)
-        reps[0].params[TENSORS[t].offset + i] = bound > 0.0f ? lcg_uniform(&g, -bound, bound) : 0.0f;
-    }
-  }
+  if (offset == 0) init_params(reps[0].params);
   CHECK(dpsync_broadcast(ctx, DPSYNC_ROLE_PARAM, 0));
 
-  if (describe && rank == 0) {
-    size_t len = 0;
-    CHECK(dpsync_describe(ctx, NULL, 0, &len));
-    char *json = malloc(len + 1);
-    if (json == NULL) return 1;
-    CHECK(dpsync_describe(ctx, json, len + 1, &len));
-    printf("%s\n", json);
-    free(json);
-  }
+  if (describe && rank == 0) print_plan(ctx);
 
   make_dataset();
   double first_loss = 0.0, last_loss = 0.0;

@@ -4,6 +4,16 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 step() { printf '\n==> %s\n' "$*"; }
 
+# Installs the named Debian packages (none: nothing to do).
+apt_install() {
+  (($#)) || return 0
+  step "installing $*"
+  local sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "$@" >/dev/null
+}
+
 ensure_tools() {
   local missing=()
   command -v cmake >/dev/null 2>&1 || missing+=(cmake)
@@ -12,13 +22,7 @@ ensure_tools() {
   command -v make >/dev/null 2>&1 || missing+=(make)
   command -v python3 >/dev/null 2>&1 || missing+=(python3)
   command -v valgrind >/dev/null 2>&1 || missing+=(valgrind)
-  if ((${#missing[@]})); then
-    step "installing ${missing[*]}"
-    local sudo=""
-    [ "$(id -u)" = 0 ] || sudo="sudo"
-    $sudo apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
-  fi
+  apt_install "${missing[@]}"
   command -v cargo >/dev/null 2>&1 || { echo "cargo not found: install a Rust toolchain (rustup)" >&2; exit 1; }
 }
 
@@ -29,13 +33,7 @@ ensure_mpi() {
   command -v mpicc >/dev/null 2>&1 || missing+=(libopenmpi-dev)
   command -v mpirun >/dev/null 2>&1 || missing+=(openmpi-bin)
   compgen -G '/usr/lib/llvm-*/lib/libclang.so' >/dev/null || missing+=(libclang-dev)
-  if ((${#missing[@]})); then
-    step "installing ${missing[*]}"
-    local sudo=""
-    [ "$(id -u)" = 0 ] || sudo="sudo"
-    $sudo apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
-  fi
+  apt_install "${missing[@]}"
 }
 
 build_library() {
