@@ -35,11 +35,11 @@ step "ctest: C examples"
 step "GPU tests and cuda_train on the fake CUDA driver (CPU emulation; scripts/fake-cuda.sh)"
 bash scripts/fake-cuda.sh
 
-step "worlds over MPI (--features mpi, own target dir): clippy, tests/world_mpi.rs under mpirun -n 2 and -n 3"
+step "worlds over MPI (--features mpi, own target dir): clippy, tests/world_mpi.rs (mpirun -n 2, -n 3) and world_comm.rs (a split communicator, shared memory and TCP)"
 ensure_mpi
 # A separate target directory: target/release keeps the default library, which links no MPI.
 cargo clippy --release --all-targets --features mpi --target-dir target/mpi -- -D warnings
-cargo test --release --features mpi --target-dir target/mpi --lib --test world --test world_mpi
+cargo test --release --features mpi --target-dir target/mpi --lib --test world --test world_mpi --test world_comm
 step "world benchmark smoke run (figures: cargo bench --features mpi --bench world_allreduce)"
 cargo bench --features mpi --target-dir target/mpi --bench world_allreduce -- --quick
 
