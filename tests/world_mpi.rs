@@ -5,8 +5,9 @@
 //! every rank: rank r has r + 1 host replicas, so the ranks differ in their local counts. It
 //! checks rank / world_replicas / loss_scale, exact allreduce SUM and AVG values (f32, i64,
 //! f16, bf16), a broadcast from a world root on the last rank (not its local replica 0), describe's
-//! "world" and ranks level, agreement failures (registrations, a call that fails on one rank)
-//! with nothing changed, and an options disagreement at context creation.
+//! "world" and ranks level, agreement failures (registrations, a call that fails on one rank,
+//! ranks making different calls: another reduce op, another operation) with nothing changed,
+//! and an options disagreement at context creation.
 #![cfg(feature = "mpi")]
 // Element i of every tensor has an expected value computed from i: indexed loops read best.
 #![allow(clippy::needless_range_loop)]
@@ -254,6 +255,36 @@ fn rank_body() {
         assert_eq!(st, INCONSISTENT, "{msg}");
         assert!(msg.contains("rank 0") && msg.contains("NOT_FOUND"), "{msg}");
     }
+    assert_eq!(
+        s64[0][1],
+        value(offset, 1) << 40,
+        "{}",
+        tag("nothing changed")
+    );
+    // Ranks making different calls: INCONSISTENT on every rank naming both calls, nothing
+    // changed. Another reduce op, then another operation.
+    let op = if rank == 0 { SUM } else { AVG };
+    assert_eq!(ctx.allreduce("s_grad", op), INCONSISTENT, "{}", tag("op"));
+    let msg = last_error();
+    assert!(
+        msg.contains("rank 0 called dpsync_allreduce(name='s_grad', op=Sum)")
+            && msg.contains("dpsync_allreduce(name='s_grad', op=Avg)"),
+        "{}",
+        tag(&msg)
+    );
+    let st = if rank == 0 {
+        ctx.allreduce_grads(SUM)
+    } else {
+        ctx.allreduce("s_grad", SUM)
+    };
+    assert_eq!(st, INCONSISTENT, "{}", tag("operation"));
+    let msg = last_error();
+    assert!(
+        msg.contains("rank 0 called dpsync_allreduce_grads")
+            && msg.contains("dpsync_allreduce(name="),
+        "{}",
+        tag(&msg)
+    );
     assert_eq!(
         s64[0][1],
         value(offset, 1) << 40,
