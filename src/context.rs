@@ -202,12 +202,13 @@ impl Context {
     /// verdicts and the fingerprints of `call` and its `tensors` are exchanged, and every rank
     /// fails, nothing changed, unless all passed and match ([`world::agree`]). The call's text
     /// and tensor lines are made only in a world.
-    fn agree(
+    fn agree<T>(
         &self,
-        verdict: Result<()>,
+        verdict: &Result<T>,
         call: impl FnOnce() -> String,
         tensors: &[&TensorView],
     ) -> Result<()> {
+        let verdict = verdict.as_ref().map(|_| ()).map_err(Clone::clone);
         let Some(ranks) = self.executor.ranks() else {
             return verdict;
         };
@@ -250,7 +251,7 @@ impl Context {
             false => Vec::new(),
         };
         self.agree(
-            verdict,
+            &verdict,
             || format!("dpsync_allreduce_grads(op={op:?})"),
             &grads,
         )?;
@@ -300,7 +301,7 @@ impl Context {
         };
         let involved: Vec<&TensorView> = tensor.iter().copied().collect();
         self.agree(
-            tensor.as_ref().map(|_| ()).map_err(Clone::clone),
+            &tensor,
             || format!("dpsync_allreduce(name='{name}', op={op:?})"),
             &involved,
         )?;
@@ -319,17 +320,12 @@ impl Context {
             .and_then(|()| snapshot.select(roles));
         let involved = selected.as_deref().unwrap_or_default();
         self.agree(
-            selected.as_ref().map(|_| ()).map_err(Clone::clone),
+            &selected,
             || format!("dpsync_broadcast(roles={:#x}, root={root})", roles.bits()),
             involved,
         )?;
         let tensors = selected?;
-        // The rank holding world replica `root`, and its local index there.
-        let (mut root_rank, mut local) = (0, root);
-        while local >= self.topology.replicas_per_rank[root_rank] {
-            local -= self.topology.replicas_per_rank[root_rank];
-            root_rank += 1;
-        }
+        let (root_rank, local) = self.topology.locate(root);
         // SAFETY: as in allreduce_grads.
         unsafe {
             self.executor
@@ -341,7 +337,7 @@ impl Context {
         let (snapshot, _) = self.prepare();
         let selected = snapshot.select(roles);
         self.agree(
-            selected.as_ref().map(|_| ()).map_err(Clone::clone),
+            &selected,
             || format!("dpsync_average(roles={:#x})", roles.bits()),
             selected.as_deref().unwrap_or_default(),
         )?;

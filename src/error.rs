@@ -80,6 +80,18 @@ pub struct Error {
     out_of_memory: bool,
 }
 
+impl ErrorKind {
+    /// The C status number (what crosses to other ranks).
+    pub(crate) fn code(self) -> u32 {
+        dpsync_status::from(self) as u32
+    }
+}
+
+/// The C name of status number `code` ("DPSYNC_STATUS_NOT_FOUND"), if it is one.
+pub(crate) fn status_name(code: u32) -> Option<&'static str> {
+    dpsync_status::from_code(code).map(|s| s.name().trim_end_matches('\0'))
+}
+
 impl Error {
     pub(crate) fn new(kind: ErrorKind, message: impl Into<String>) -> Error {
         Error {

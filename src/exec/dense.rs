@@ -14,7 +14,7 @@
 //!   and local replica 0's result spread to the others ([`Backend::spread`]).
 
 use super::Site;
-use crate::backend::{Backend, BucketView, Links, Members, Ranks, Slot};
+use crate::backend::{Backend, BucketView, Layout, Links, Members, Ranks, Slot};
 use crate::error::Result;
 use crate::plan::{Across, Levels, Step, StepOp, Via};
 
@@ -48,18 +48,41 @@ pub(super) unsafe fn allreduce(
         }
         (_, Some(links)) => links,
     };
-    let bytes = bucket.dtype.size() * bucket.elements();
-    let mut buffers = Vec::with_capacity(levels.groups.len());
-    let mut layouts = Vec::with_capacity(levels.groups.len());
-    for g in 0..levels.groups.len() {
-        let buffer = links.buffer(g, Slot::Fusion, bytes)?;
-        let layout = links.layout(g, bucket, Members::All)?;
+    let (buffers, layouts) = fusion_buffers(links, levels, bucket)?;
+    for (g, (&layout, &buffer)) in layouts.iter().zip(&buffers).enumerate() {
         links.pack(g, bucket, layout, buffer)?;
-        buffers.push(buffer);
-        layouts.push(layout);
     }
     combine(links, levels, bucket, &buffers)?;
-    for (g, (&layout, &buffer)) in layouts.iter().zip(&buffers).enumerate() {
+    unpack_all(links, bucket, &layouts, &buffers, avg)
+}
+
+/// Every group's fusion buffer for `bucket` and its layout over all the group's replicas, made
+/// before any transfer, so that nothing between the exchange and the unpacks allocates.
+fn fusion_buffers(
+    links: &dyn Links,
+    levels: &Levels,
+    bucket: &BucketView<'_>,
+) -> Result<(Vec<u64>, Vec<Layout>)> {
+    let bytes = bucket.dtype.size() * bucket.elements();
+    let groups = 0..levels.groups.len();
+    let buffers =
+        (groups.clone().map(|g| links.buffer(g, Slot::Fusion, bytes))).collect::<Result<_>>()?;
+    let layouts = (groups.map(|g| links.layout(g, bucket, Members::All))).collect::<Result<_>>()?;
+    Ok((buffers, layouts))
+}
+
+/// Level 1 down: every group's buffer into its replicas (divided by `avg`).
+///
+/// # Safety
+/// As for [`Links::unpack`], for every group.
+unsafe fn unpack_all(
+    links: &dyn Links,
+    bucket: &BucketView<'_>,
+    layouts: &[Layout],
+    buffers: &[u64],
+    avg: Option<usize>,
+) -> Result<()> {
+    for (g, (&layout, &buffer)) in layouts.iter().zip(buffers).enumerate() {
         links.unpack(g, bucket, layout, buffer, avg)?;
     }
     Ok(())
@@ -210,13 +233,7 @@ pub(super) unsafe fn broadcast(
     };
     let root_group = group_of[root];
     let bytes = bucket.dtype.size() * bucket.elements();
-    // Buffers and layouts first, as for the allreduce.
-    let mut buffers = Vec::with_capacity(levels.groups.len());
-    let mut layouts = Vec::with_capacity(levels.groups.len());
-    for g in 0..levels.groups.len() {
-        buffers.push(links.buffer(g, Slot::Fusion, bytes)?);
-        layouts.push(links.layout(g, bucket, Members::All)?);
-    }
+    let (buffers, layouts) = fusion_buffers(links, levels, bucket)?;
     let root_layout = links.layout(root_group, bucket, Members::One(root))?;
     links.pack(root_group, bucket, root_layout, buffers[root_group])?;
     match (&levels.across, links.collective()) {
@@ -235,8 +252,5 @@ pub(super) unsafe fn broadcast(
             }
         }
     }
-    for (g, (&layout, &buffer)) in layouts.iter().zip(&buffers).enumerate() {
-        links.unpack(g, bucket, layout, buffer, None)?;
-    }
-    Ok(())
+    unpack_all(links, bucket, &layouts, &buffers, None)
 }

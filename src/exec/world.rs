@@ -6,8 +6,7 @@
 use serde_json::{json, Value};
 
 use crate::backend::Ranks;
-use crate::error::{Error, Result};
-use crate::ffi::dpsync_status;
+use crate::error::{status_name, Error, Result};
 use crate::options::Options;
 
 /// The options every rank must share, as `(name, value)`, in the order they are compared.
@@ -86,7 +85,7 @@ fn fingerprint(lines: &[String]) -> u64 {
 pub fn agree(ranks: &dyn Ranks, verdict: Result<()>, lines: &[String]) -> Result<()> {
     let status = match &verdict {
         Ok(()) => 0u32,
-        Err(e) => dpsync_status::from(e.kind) as u32,
+        Err(e) => e.kind.code(),
     };
     let mut record = status.to_le_bytes().to_vec();
     record.extend_from_slice(&fingerprint(lines).to_le_bytes());
@@ -113,8 +112,8 @@ pub fn agree(ranks: &dyn Ranks, verdict: Result<()>, lines: &[String]) -> Result
 fn disagreement(all: &[Value]) -> String {
     if let Some((r, v)) = all.iter().enumerate().find(|(_, v)| v["status"] != 0) {
         let kind = (v["status"].as_u64())
-            .and_then(|c| dpsync_status::from_code(c as u32))
-            .map_or("an error", |s| s.name().trim_end_matches('\0'));
+            .and_then(|c| status_name(c as u32))
+            .unwrap_or("an error");
         return format!(
             "rank {r} failed its own checks ({kind}: {}); nothing was changed on any rank",
             v["error"].as_str().unwrap_or("?")
@@ -200,7 +199,7 @@ mod tests {
             &["w\tGRAD 10 x f32", "extra\tGRAD 1 x f32"],
         );
         assert!(disagreement(&[a.clone(), d]).contains("'extra' is registered on rank 1 only"));
-        let failed = json!({"status": dpsync_status::DPSYNC_STATUS_NOT_FOUND as u32,
+        let failed = json!({"status": crate::error::ErrorKind::NotFound.code(),
                             "error": "no tensor 'x'", "lines": ["c"]});
         let msg = disagreement(&[a, failed]);
         assert!(

@@ -167,6 +167,17 @@ impl Topology {
         self.replicas_per_rank.iter().sum()
     }
 
+    /// The rank holding world replica `index` (below [`Topology::world_replicas`]) and its
+    /// local index there.
+    pub fn locate(&self, index: usize) -> (usize, usize) {
+        let (mut rank, mut local) = (0, index);
+        while local >= self.replicas_per_rank[rank] {
+            local -= self.replicas_per_rank[rank];
+            rank += 1;
+        }
+        (rank, local)
+    }
+
     /// The world index of this process's replica 0 (rank offsets: rank 0's replicas first).
     pub fn world_offset(&self) -> usize {
         self.replicas_per_rank[..self.rank].iter().sum()
@@ -203,5 +214,16 @@ mod tests {
         assert_eq!(t.transport, TransportChoice::Host);
         assert_eq!(t.peer, vec![1; 16]);
         assert_eq!(t.world_replicas(), 4);
+    }
+
+    #[test]
+    fn world_indices_locate_their_rank_and_local_replica() {
+        let mut o = Options::default();
+        o.set_host_replicas(2).unwrap();
+        let mut t = Topology::from_options(&o).unwrap();
+        (t.rank, t.world_size, t.replicas_per_rank) = (1, 3, vec![3, 2, 1]);
+        assert_eq!((t.world_replicas(), t.world_offset()), (6, 3));
+        let located: Vec<(usize, usize)> = (0..6).map(|w| t.locate(w)).collect();
+        assert_eq!(located, [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0)]);
     }
 }
