@@ -353,37 +353,52 @@ impl Context {
         }
     }
 
-    /// Starts (or restarts) BMUF over the PARAM tensors. Everything is checked before replica
-    /// 0's params are broadcast, and the previous filter is kept when anything fails.
+    /// Starts (or restarts) BMUF over the PARAM tensors. Everything is checked and the state
+    /// allocated before world replica 0's params are broadcast (in a world, every rank agrees
+    /// first), and the previous filter is kept when anything fails.
     pub fn bmuf_init(&mut self, block_lr: f64, block_momentum: f64, nesterov: bool) -> Result<()> {
-        self.not_in_world("BMUF")?;
-        let filter = bmuf::filter(
+        let (snapshot, _) = self.prepare();
+        let params = bmuf::params_to_filter(&snapshot);
+        let state = bmuf::filter(
             block_lr,
             block_momentum,
             nesterov,
             self.topology.world_replicas(),
+        )
+        .and_then(|filter| {
+            let params = params.as_deref().map_err(Clone::clone)?;
+            let (generation, fusion) = (snapshot.generation, self.options.fusion_bytes);
+            self.executor
+                .bmuf_prepare(filter, params, generation, fusion)
+        });
+        self.agree(
+            &state,
+            || format!("dpsync_bmuf_init(block_lr={block_lr}, block_momentum={block_momentum}, nesterov={nesterov})"),
+            params.as_deref().unwrap_or_default(),
         )?;
-        let (snapshot, _) = self.prepare();
-        let params = bmuf::params_to_filter(&snapshot)?;
+        let state = state?;
         // SAFETY: as in allreduce_grads.
-        let state = unsafe {
-            self.executor.bmuf_init(
-                filter,
-                &params,
-                snapshot.generation,
-                self.options.fusion_bytes,
-            )?
+        unsafe {
+            self.executor
+                .bmuf_start(&state, self.options.fusion_bytes)?
         };
         self.bmuf = Some(state);
         Ok(())
     }
 
     pub fn bmuf_step(&mut self) -> Result<()> {
-        self.not_in_world("BMUF")?;
         let (snapshot, _) = self.prepare();
         let divisor = self.divisor();
-        let state = self.bmuf.as_mut().ok_or_else(bmuf::not_started)?;
-        state.check_params(&snapshot)?;
+        let verdict = match self.bmuf.as_mut() {
+            None => Err(bmuf::not_started()),
+            Some(state) => state.check_params(&snapshot),
+        };
+        let params = match self.in_world() {
+            true => snapshot.select(Role::Param.into()).unwrap_or_default(),
+            false => Vec::new(),
+        };
+        self.agree(&verdict, || "dpsync_bmuf_step()".to_owned(), &params)?;
+        let state = self.bmuf.as_ref().ok_or_else(bmuf::not_started)?;
         // SAFETY: as in allreduce_grads; check_params vouches for the state's pointers.
         unsafe { self.executor.bmuf_step(state, divisor) }
     }

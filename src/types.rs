@@ -43,6 +43,11 @@ impl DType {
         !matches!(self, DType::I32 | DType::I64)
     }
 
+    /// f16 or bf16: summed in f32 everywhere, rounded once.
+    pub fn is_half(self) -> bool {
+        matches!(self, DType::F16 | DType::Bf16)
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             DType::F32 => "f32",

@@ -23,6 +23,7 @@ use std::process::Command;
 use std::ptr;
 
 use common::{abi::*, context::*, float16::*};
+
 use dpsync::*;
 
 /// Whether this process is a rank started by mpirun (Open MPI, MPICH/Hydra).
@@ -30,27 +31,42 @@ fn under_mpirun() -> bool {
     std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() || std::env::var_os("PMI_SIZE").is_some()
 }
 
+/// Runs `body` (a test of this binary) as every rank of `mpirun -n ranks`, killed after
+/// `limit_s` seconds (`timeout`): a hang fails the test instead of stalling the suite.
+fn launch(body: &str, ranks: usize, limit_s: u64) {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let status = Command::new("timeout")
+        .args([
+            &limit_s.to_string(),
+            "mpirun",
+            "--allow-run-as-root",
+            "--oversubscribe",
+        ])
+        .args(["-n", &ranks.to_string()])
+        .arg(&exe)
+        .args([body, "--exact", "--nocapture", "--test-threads=1"])
+        .env("DPSYNC_TEST_RANKS", ranks.to_string())
+        .status()
+        .expect("mpirun (Open MPI) must be installed: scripts/common.sh ensure_mpi");
+    assert!(status.success(), "{body} on {ranks} ranks: {status}");
+}
+
 #[test]
 fn worlds_of_two_and_three_ranks() {
     if under_mpirun() {
         return; // a rank runs rank_body only
     }
-    let exe = std::env::current_exe().expect("the test binary's path");
     for n in [2, 3] {
-        let status = Command::new("mpirun")
-            .args([
-                "--allow-run-as-root",
-                "--oversubscribe",
-                "-n",
-                &n.to_string(),
-            ])
-            .arg(&exe)
-            .args(["rank_body", "--exact", "--nocapture", "--test-threads=1"])
-            .env("DPSYNC_TEST_RANKS", n.to_string())
-            .status()
-            .expect("mpirun (Open MPI) must be installed: scripts/common.sh ensure_mpi");
-        assert!(status.success(), "{n} ranks: {status}");
+        launch("rank_body", n, 300);
     }
+}
+
+#[test]
+fn a_stuck_rank_times_out_the_others() {
+    if under_mpirun() {
+        return;
+    }
+    launch("stuck_body", 2, 120);
 }
 
 /// Options for `replicas` host replicas in the MPI_COMM_WORLD world; a timeout, so that a rank
@@ -71,14 +87,14 @@ fn value(w: usize, i: usize) -> i64 {
     ((w + 1) * (i + 1)) as i64
 }
 
-#[test]
-fn rank_body() {
+/// This rank and the number of ranks, when run by [`launch`]; None (and a printed skip)
+/// otherwise.
+fn as_rank(body: &str) -> Option<(usize, usize)> {
     if !under_mpirun() {
-        // Started by worlds_of_two_and_three_ranks, as every rank.
         common::skip::skip(format_args!(
-            "rank_body: skipped: runs only as an MPI rank (worlds_of_two_and_three_ranks starts it)"
+            "{body}: skipped: runs only as an MPI rank (a launcher test of this file starts it)"
         ));
-        return;
+        return None;
     }
     let ranks: usize = std::env::var("DPSYNC_TEST_RANKS").unwrap().parse().unwrap();
     let rank: usize = std::env::var("OMPI_COMM_WORLD_RANK")
@@ -86,6 +102,14 @@ fn rank_body() {
         .unwrap()
         .parse()
         .unwrap();
+    Some((rank, ranks))
+}
+
+#[test]
+fn rank_body() {
+    let Some((rank, ranks)) = as_rank("rank_body") else {
+        return;
+    };
     let local = rank + 1;
     let total: usize = (1..=ranks).sum();
     let offset: usize = (1..=rank).sum();
@@ -295,6 +319,9 @@ fn rank_body() {
     check(ctx.allreduce("s_grad", SUM), &tag("after the failures"));
     assert_eq!(s64[0][1], sum(1) << 40);
 
+    half_sums_round_once(&ctx, rank, local, offset, total);
+    bmuf_over_the_world(&ctx, rank, local, offset, total);
+
     // Options that must agree: fusion_bytes differs on rank 1.
     let o = world_options(1);
     if rank == 1 {
@@ -310,4 +337,168 @@ fn rank_body() {
     );
     assert!(bad.is_null());
     drop(ctx);
+}
+
+/// f16 values of world replica `w`, element `i`: in [1/16, 1), so that any sum of a few of them
+/// is exact in f32 and the only rounding is the final one to f16.
+fn half_value(w: usize, i: usize) -> f32 {
+    let bits = (w * 7919 + i * 104_729) % 960; // 960 steps of 1/1024 from 64/1024
+    f16_to_f32(f32_to_f16((64 + bits) as f32 / 1024.0))
+}
+
+/// f16 and bf16 SUM and AVG across ranks with several local replicas: the f32 sum over the whole
+/// world is rounded once (a local f16 sum first would round twice, and differ on some elements).
+fn half_sums_round_once(ctx: &Context, rank: usize, local: usize, offset: usize, total: usize) {
+    let n = 4096;
+    let exact = |i: usize| (0..total).map(|w| half_value(w, i)).sum::<f32>();
+    for (op, name) in [(SUM, "sum"), (AVG, "avg")] {
+        let mut h: Vec<Vec<u16>> = (0..local)
+            .map(|k| {
+                (0..n)
+                    .map(|i| f32_to_f16(half_value(offset + k, i)))
+                    .collect()
+            })
+            .collect();
+        let mut b: Vec<Vec<u16>> = (0..local)
+            .map(|k| {
+                (0..n)
+                    .map(|i| f32_to_bf16(half_value(offset + k, i)))
+                    .collect()
+            })
+            .collect();
+        for k in 0..local {
+            ctx.reg("half_h", STATE, k, &mut h[k], F16);
+            ctx.reg("half_b", STATE, k, &mut b[k], BF16);
+        }
+        check(ctx.allreduce("half_h", op), "allreduce f16");
+        check(ctx.allreduce("half_b", op), "allreduce bf16");
+        for k in 0..local {
+            for i in 0..n {
+                let want = if op == SUM {
+                    exact(i)
+                } else {
+                    exact(i) / total as f32
+                };
+                assert_eq!(
+                    h[k][i],
+                    f32_to_f16(want),
+                    "rank {rank}: f16 {name} [{k}][{i}]: {} vs {want}",
+                    f16_to_f32(h[k][i])
+                );
+                // bf16 holds only 8 bits: the values themselves were rounded on the way in.
+                let want_b: f32 = (0..total)
+                    .map(|w| bf16_to_f32(f32_to_bf16(half_value(w, i))))
+                    .sum::<f32>()
+                    / if op == SUM { 1.0 } else { total as f32 };
+                assert_eq!(b[k][i], f32_to_bf16(want_b), "rank {rank}: bf16 {name}");
+            }
+        }
+        check(ctx.unregister("half_h"), "unregister");
+        check(ctx.unregister("half_b"), "unregister");
+    }
+}
+
+/// BMUF across the ranks: init broadcasts world replica 0's params, the default momentum counts
+/// the world's replicas, and each step averages over every replica of every rank.
+fn bmuf_over_the_world(ctx: &Context, rank: usize, local: usize, offset: usize, total: usize) {
+    let n = 5;
+    let mut p: Vec<Vec<f64>> = (0..local)
+        .map(|k| (0..n).map(|i| ((offset + k) * 10 + i) as f64).collect())
+        .collect();
+    check(ctx.unregister("p"), "unregister p");
+    for (k, buf) in p.iter_mut().enumerate() {
+        ctx.reg("bmuf_p", PARAM, k, buf, F64);
+    }
+    // Arguments that differ between ranks: INCONSISTENT everywhere, no filter started.
+    let lr = if rank == 1 { 0.5 } else { 1.0 };
+    assert_eq!(ctx.bmuf_init(lr, -1.0, false), INCONSISTENT, "rank {rank}");
+    assert!(last_error().contains("block_lr=0.5"), "{}", last_error());
+    assert_eq!(p[0][1], (offset * 10 + 1) as f64, "nothing changed");
+    assert_eq!(ctx.bmuf_step(), INVALID_STATE, "no filter yet");
+
+    check(ctx.bmuf_init(1.0, -1.0, false), "bmuf_init");
+    let mu = 1.0 - 1.0 / total as f64;
+    assert_eq!(ctx.describe_json()["bmuf"]["block_momentum"], mu);
+    for buf in &p {
+        for (i, &x) in buf.iter().enumerate() {
+            assert_eq!(
+                x, i as f64,
+                "rank {rank}: init broadcast world replica 0's params"
+            );
+        }
+    }
+    // Two steps, each replica moving its params by (w + 1): the mean move is g each time.
+    let g = (total + 1) as f64 / 2.0;
+    let (mut w, mut d) = (vec![0.0; n], vec![0.0; n]);
+    w.iter_mut().enumerate().for_each(|(i, x)| *x = i as f64);
+    for step in 0..2 {
+        for (k, buf) in p.iter_mut().enumerate() {
+            buf.iter_mut().for_each(|x| *x += (offset + k + 1) as f64);
+        }
+        check(ctx.bmuf_step(), "bmuf_step");
+        for i in 0..n {
+            let a = w[i] + g;
+            d[i] = mu * d[i] + (a - w[i]);
+            w[i] += d[i];
+        }
+        for buf in &p {
+            for i in 0..n {
+                assert!(
+                    (buf[i] - w[i]).abs() <= 1e-12 * w[i].abs().max(1.0),
+                    "rank {rank} step {step}: param[{i}] {} vs {}",
+                    buf[i],
+                    w[i]
+                );
+            }
+        }
+    }
+    check(ctx.unregister("bmuf_p"), "unregister bmuf_p");
+}
+
+/// A rank that does not come: rank 1 sleeps past the timeout while rank 0 calls
+/// dpsync_allreduce. Rank 0 gets TIMEOUT within about the timeout, naming the collective and the
+/// wait, then INVALID_STATE for further collectives while queries still answer, and destroy
+/// returns at once. Rank 1, arriving late, fails too (never a hang), and the processes exit.
+#[test]
+fn stuck_body() {
+    let Some((rank, _)) = as_rank("stuck_body") else {
+        return;
+    };
+    let o = world_options(1);
+    o.set_timeout_ms(2000);
+    let ctx = Context::new(&o);
+    let mut x = vec![1.0f32; 8];
+    ctx.reg("x", STATE, 0, &mut x, F32);
+    if rank == 1 {
+        std::thread::sleep(std::time::Duration::from_secs(6));
+        let st = ctx.allreduce("x", SUM);
+        assert!(
+            st == TIMEOUT || st == INVALID_STATE,
+            "late rank: {st:?} {}",
+            last_error()
+        );
+        drop(ctx);
+        return;
+    }
+    let start = std::time::Instant::now();
+    let st = ctx.allreduce("x", SUM);
+    let waited = start.elapsed();
+    let msg = last_error();
+    assert_eq!(st, TIMEOUT, "{msg}");
+    assert!(
+        msg.contains("dpsync_allreduce") && msg.contains("2000 ms"),
+        "the message names the collective and the wait: {msg}"
+    );
+    assert!(waited.as_secs_f64() < 10.0, "returned after {waited:?}");
+    assert_eq!(x[0], 1.0, "nothing changed");
+    assert_eq!(ctx.allreduce("x", SUM), INVALID_STATE, "{}", last_error());
+    assert!(last_error().contains("failed"), "{}", last_error());
+    assert_eq!(ctx.replica_count(), 1, "queries still answer");
+    assert!(ctx.describe_json()["world"]["failed"].is_string());
+    let start = std::time::Instant::now();
+    drop(ctx);
+    assert!(
+        start.elapsed().as_secs_f64() < 2.0,
+        "destroy waited on the lost rank"
+    );
 }

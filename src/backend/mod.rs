@@ -400,13 +400,24 @@ pub(crate) trait Ranks: Send {
     /// What `dpsync_describe` shows of the engine under "world" (engine, library).
     fn describe(&self) -> serde_json::Value;
 
-    /// Every span `(ptr, count)` := its sum over the ranks, the same bytes on every rank: the
-    /// spans are exchanged as one message (a fused bucket), in order. f16/bf16 are summed in
-    /// f32 and rounded once.
+    /// The collective the next exchanges belong to (its call, e.g.
+    /// `dpsync_allreduce(name='w', op=Sum)`): errors, timeouts above all, name it.
+    fn begin(&self, call: &str);
+
+    /// Every segment's `ptrs[0]` := the sum over the ranks of the sum of its `ptrs` (this
+    /// rank's contributions: the leader alone after a local reduction, or every local replica),
+    /// divided by `avg` if given; the same bytes on every rank. The segments travel as one
+    /// message (a fused bucket), in order. f16/bf16 are summed and divided in f32 and rounded
+    /// once, so exec hands their local replicas over unreduced.
     ///
     /// # Safety
-    /// Every span is valid for `count` aligned elements of `dtype` in host memory.
-    unsafe fn allreduce(&self, dtype: DType, spans: &[(usize, usize)]) -> Result<()>;
+    /// Every pointer is valid for `count` aligned elements of `dtype` in host memory.
+    unsafe fn allreduce(
+        &self,
+        dtype: DType,
+        segments: &[Segment<'_>],
+        avg: Option<usize>,
+    ) -> Result<()>;
 
     /// Every span `(ptr, bytes)` := rank `root`'s, as one message.
     ///

@@ -12,7 +12,7 @@ use mpi::ffi;
 use parking_lot::Mutex;
 use serde_json::json;
 
-use super::Ranks;
+use super::{Ranks, Segment};
 use crate::error::{Error, ErrorKind, Result};
 use crate::options::World;
 use crate::types::DType;
@@ -173,6 +173,8 @@ pub(crate) struct MpiRanks {
     /// call is refused.
     failed: Mutex<Option<String>>,
     library: String,
+    /// The collective under way ([`Ranks::begin`]), for messages.
+    call: Mutex<String>,
     /// Send and receive stages of every transfer, reused (8-byte words: aligned for every
     /// dtype). Staged because a timed-out MPI request stays pending and may still write its
     /// buffers: then they are leaked, never the caller's memory (and MPI_IN_PLACE's value
@@ -237,6 +239,7 @@ impl MpiRanks {
             timeout,
             failed: Mutex::new(None),
             library: library_version(),
+            call: Mutex::new("dpsync_context_create".to_owned()),
             scratch: Mutex::new([Vec::new(), Vec::new()]),
         })
     }
@@ -254,11 +257,16 @@ impl MpiRanks {
     /// Issues one non-blocking call and waits for it; a failure fails the world.
     fn run(&self, what: &str, issue: impl FnOnce(*mut ffi::MPI_Request) -> c_int) -> Result<()> {
         let mut request = MaybeUninit::<ffi::MPI_Request>::uninit();
-        let done = check(what, issue(request.as_mut_ptr())).and_then(|()| {
-            // SAFETY: the call succeeded, so it wrote the request.
-            let mut request = unsafe { request.assume_init() };
-            poll(&mut request, self.timeout, what)
-        });
+        let done = check(what, issue(request.as_mut_ptr()))
+            .and_then(|()| {
+                // SAFETY: the call succeeded, so it wrote the request.
+                let mut request = unsafe { request.assume_init() };
+                poll(&mut request, self.timeout, what)
+            })
+            .map_err(|mut e| {
+                e.message = format!("{}: {}", self.call.lock(), e.message);
+                e
+            });
         if let Err(e) = &done {
             *self.failed.lock() = Some(e.message.clone());
         }
@@ -304,28 +312,115 @@ fn stage(words: &mut Vec<u64>, bytes: usize) -> *mut u8 {
     words.as_mut_ptr().cast()
 }
 
-/// `count` elements of `T` at `src` as f32 at `dst`.
+/// `dst[..count]` := the sum of `count` elements of `T` at every pointer of `srcs`, widened to
+/// `A` (the type MPI sums).
 ///
 /// # Safety
-/// Both hold `count` aligned elements.
-unsafe fn widen<T: Copy>(src: *const u8, dst: *mut u8, count: usize, f: fn(T) -> f32) {
-    let (xs, out) = (
-        std::slice::from_raw_parts(src.cast::<T>(), count),
-        std::slice::from_raw_parts_mut(dst.cast::<f32>(), count),
-    );
-    out.iter_mut().zip(xs).for_each(|(o, &x)| *o = f(x));
+/// Every source holds `count` aligned `T`, `dst` room for `count` aligned `A`.
+unsafe fn gather_in<T: Copy, A: Copy>(
+    srcs: &[usize],
+    dst: *mut u8,
+    count: usize,
+    widen: impl Fn(T) -> A,
+    add: impl Fn(A, A) -> A,
+) {
+    let out = std::slice::from_raw_parts_mut(dst.cast::<A>(), count);
+    for (k, &src) in srcs.iter().enumerate() {
+        let xs = std::slice::from_raw_parts(src as *const T, count);
+        if k == 0 {
+            out.iter_mut().zip(xs).for_each(|(o, &x)| *o = widen(x));
+        } else {
+            out.iter_mut()
+                .zip(xs)
+                .for_each(|(o, &x)| *o = add(*o, widen(x)));
+        }
+    }
 }
 
-/// `count` f32 at `src` rounded once to `T` at `dst`.
+/// `dst[..count]` := `count` elements of `A` at `src`, divided by `avg` if given, as `T` (one
+/// rounding).
 ///
 /// # Safety
-/// As for [`widen`].
-unsafe fn narrow<T: Copy>(src: *const u8, dst: *mut u8, count: usize, f: fn(f32) -> T) {
+/// As for [`gather_in`], the other way round.
+unsafe fn scatter_out<T: Copy, A: Copy>(
+    src: *const u8,
+    dst: usize,
+    count: usize,
+    avg: Option<usize>,
+    divide: impl Fn(A, usize) -> A,
+    narrow: impl Fn(A) -> T,
+) {
     let (xs, out) = (
-        std::slice::from_raw_parts(src.cast::<f32>(), count),
-        std::slice::from_raw_parts_mut(dst.cast::<T>(), count),
+        std::slice::from_raw_parts(src.cast::<A>(), count),
+        std::slice::from_raw_parts_mut(dst as *mut T, count),
     );
-    out.iter_mut().zip(xs).for_each(|(o, &x)| *o = f(x));
+    match avg {
+        None => out.iter_mut().zip(xs).for_each(|(o, &x)| *o = narrow(x)),
+        Some(d) => (out.iter_mut().zip(xs)).for_each(|(o, &x)| *o = narrow(divide(x, d))),
+    }
+}
+
+/// Runs `$body` with `$T` (the dtype's element type) and `$A` (the type MPI sums it in), and
+/// `$widen`, `$add`, `$divide`, `$narrow` between them.
+macro_rules! by_dtype {
+    ($dtype:expr, |$widen:ident, $add:ident, $divide:ident, $narrow:ident| $body:expr) => {
+        match $dtype {
+            DType::F32 => {
+                let ($widen, $add, $divide, $narrow) = (
+                    |x: f32| x,
+                    |a: f32, b: f32| a + b,
+                    |a: f32, d: usize| a / d as f32,
+                    |a: f32| a,
+                );
+                $body
+            }
+            DType::F64 => {
+                let ($widen, $add, $divide, $narrow) = (
+                    |x: f64| x,
+                    |a: f64, b: f64| a + b,
+                    |a: f64, d: usize| a / d as f64,
+                    |a: f64| a,
+                );
+                $body
+            }
+            DType::I32 => {
+                let ($widen, $add, $divide, $narrow) = (
+                    |x: i32| x,
+                    |a: i32, b: i32| a.wrapping_add(b),
+                    |a: i32, d: usize| a / d as i32,
+                    |a: i32| a,
+                );
+                $body
+            }
+            DType::I64 => {
+                let ($widen, $add, $divide, $narrow) = (
+                    |x: i64| x,
+                    |a: i64, b: i64| a.wrapping_add(b),
+                    |a: i64, d: usize| a / d as i64,
+                    |a: i64| a,
+                );
+                $body
+            }
+            DType::F16 => {
+                let ($widen, $add, $divide, $narrow) = (
+                    f16::to_f32,
+                    |a: f32, b: f32| a + b,
+                    |a: f32, d: usize| a / d as f32,
+                    f16::from_f32,
+                );
+                $body
+            }
+            DType::Bf16 => {
+                let ($widen, $add, $divide, $narrow) = (
+                    bf16::to_f32,
+                    |a: f32, b: f32| a + b,
+                    |a: f32, d: usize| a / d as f32,
+                    bf16::from_f32,
+                );
+                $body
+            }
+        }
+    };
 }
 
 /// How long [`poll`] yields between tests before it sleeps.
@@ -350,7 +445,7 @@ fn poll(request: &mut ffi::MPI_Request, timeout: Option<Duration>, what: &str) -
                 return Err(Error::new(
                     ErrorKind::Timeout,
                     format!(
-                        "{what}: not every rank took part within the timeout ({} ms)",
+                        "waited {} ms (the context's timeout) in {what}: not every rank took                          part; this world is failed (a rank is dead or stuck outside dpsync)",
                         limit.as_millis()
                     ),
                 ));
@@ -378,7 +473,16 @@ impl Ranks for MpiRanks {
                "failed": *self.failed.lock()})
     }
 
-    unsafe fn allreduce(&self, dtype: DType, spans: &[(usize, usize)]) -> Result<()> {
+    fn begin(&self, call: &str) {
+        call.clone_into(&mut self.call.lock());
+    }
+
+    unsafe fn allreduce(
+        &self,
+        dtype: DType,
+        segments: &[Segment<'_>],
+        avg: Option<usize>,
+    ) -> Result<()> {
         self.refuse_if_failed()?;
         let (datatype, size) = match dtype {
             DType::F32 => (ffi::RSMPI_FLOAT, 4),
@@ -388,33 +492,29 @@ impl Ranks for MpiRanks {
             // No half-precision MPI type: summed in f32, rounded once.
             DType::F16 | DType::Bf16 => (ffi::RSMPI_FLOAT, 4),
         };
-        let count: usize = spans.iter().map(|&(_, n)| n).sum();
+        let count: usize = segments.iter().map(|s| s.count).sum();
         let mut scratch = self.scratch.lock();
         let [send, recv] = &mut *scratch;
         let (send, recv) = (stage(send, count * size), stage(recv, count * size));
         let mut at = 0;
-        for &(ptr, n) in spans {
-            let (src, dst) = (ptr as *const u8, send.add(at * size));
-            match dtype {
-                DType::F16 => widen::<f16>(src, dst, n, f16::to_f32),
-                DType::Bf16 => widen::<bf16>(src, dst, n, bf16::to_f32),
-                _ => std::ptr::copy_nonoverlapping(src, dst, n * size),
-            }
-            at += n;
+        for s in segments {
+            let dst = send.add(at * size);
+            by_dtype!(dtype, |widen, add, _divide, _narrow| gather_in(
+                s.ptrs, dst, s.count, widen, add
+            ));
+            at += s.count;
         }
         if let Err(e) = self.allreduce_raw(datatype, size, send, recv, count) {
             std::mem::forget(std::mem::take(&mut *scratch));
             return Err(e);
         }
         let mut at = 0;
-        for &(ptr, n) in spans {
-            let (src, dst) = (recv.add(at * size), ptr as *mut u8);
-            match dtype {
-                DType::F16 => narrow::<f16>(src, dst, n, f16::from_f32),
-                DType::Bf16 => narrow::<bf16>(src, dst, n, bf16::from_f32),
-                _ => std::ptr::copy_nonoverlapping(src, dst, n * size),
-            }
-            at += n;
+        for s in segments {
+            let src = recv.add(at * size);
+            by_dtype!(dtype, |_widen, _add, divide, narrow| scatter_out(
+                src, s.ptrs[0], s.count, avg, divide, narrow
+            ));
+            at += s.count;
         }
         Ok(())
     }

@@ -186,12 +186,10 @@ impl BmufState {
 // ------------------------------------------------------------------ the algorithm
 
 impl Executor {
-    /// Starts a filter over `params` (checked by [`params_to_filter`]): state on every replica,
-    /// replica 0's params broadcast, `W = params`, `D = 0`.
-    ///
-    /// # Safety
-    /// Every registered pointer is valid (the C contract).
-    pub unsafe fn bmuf_init(
+    /// A filter over `params` (checked by [`params_to_filter`]): its state allocated on every
+    /// replica, nothing loaded yet ([`Executor::bmuf_start`]). Allocating first lets a world
+    /// agree on every rank's outcome before any PARAM byte changes.
+    pub fn bmuf_prepare(
         &self,
         filter: BmufFilter,
         params: &[&TensorView],
@@ -216,25 +214,36 @@ impl Executor {
                 .collect::<Result<Vec<_>>>()?;
             state.push(per_replica);
         }
-        let bmuf = BmufState {
+        Ok(BmufState {
             filter,
             params: params.iter().map(|t| (*t).clone()).collect(),
             checked_generation: generation,
             buckets,
             state,
-        };
-        // One collective in stream order. Replica 0 first: the broadcast does not change its
-        // params, and a backend without the BMUF primitives fails here, before any PARAM byte
-        // has changed.
+        })
+    }
+
+    /// Starts `bmuf`: world replica 0's params broadcast, `W = params`, `D = 0` everywhere.
+    ///
+    /// # Safety
+    /// Every registered pointer is valid (the C contract).
+    pub unsafe fn bmuf_start(&self, bmuf: &BmufState, fusion_bytes: usize) -> Result<()> {
+        let params: Vec<&TensorView> = bmuf.params.iter().collect();
+        // One collective in stream order. Replica 0 of rank 0 first: the broadcast does not
+        // change its params, and a backend without the BMUF primitives fails here, before any
+        // PARAM byte has changed. Other ranks' replica 0 loads after the broadcast.
+        let root_here = self.ranks().is_none_or(|r| r.rank() == 0);
         self.bracket(|| {
-            self.bmuf_load(&bmuf, 0)?;
-            self.broadcast(params, 0, 0, fusion_bytes)?;
-            for r in 1..replicas {
-                self.bmuf_load(&bmuf, r)?;
+            if root_here {
+                self.bmuf_load(bmuf, 0)?;
+            }
+            self.broadcast(&params, 0, 0, fusion_bytes)?;
+            let first = if root_here { 1 } else { 0 };
+            for r in first..bmuf.replicas() {
+                self.bmuf_load(bmuf, r)?;
             }
             Ok(())
-        })?;
-        Ok(bmuf)
+        })
     }
 
     unsafe fn bmuf_load(&self, bmuf: &BmufState, replica: usize) -> Result<()> {
@@ -249,7 +258,7 @@ impl Executor {
     }
 
     /// One filter step: per bucket, average the params over all replicas (`divisor` = replicas
-    /// in the world) by the plan's `steps`, then update every replica's params and state.
+    /// in the world; across ranks too), then update every replica's params and state.
     ///
     /// # Safety
     /// As for [`Executor::bmuf_init`]; `bmuf` matches the registry

@@ -10,11 +10,12 @@
 //!   division). Buffers and layouts are made first, so that nothing between the exchange and
 //!   the unpacks allocates.
 //! - A world of processes (host replicas): level 1 in place without the AVG division, then the
-//!   ranks' sum of local replica 0's bucket ([`Ranks::allreduce`], one message), the division,
-//!   and local replica 0's result spread to the others ([`Backend::spread`]).
+//!   ranks' sum of local replica 0's bucket with the division ([`Ranks::allreduce`], one
+//!   message), and local replica 0's result spread to the others ([`Backend::spread`]). Half
+//!   types go to the engine unreduced, so their f32 sum is rounded once.
 
 use super::Site;
-use crate::backend::{Backend, BucketView, Layout, Links, Members, Ranks, Slot};
+use crate::backend::{Backend, BucketView, Layout, Links, Members, Ranks, Segment, Slot};
 use crate::error::Result;
 use crate::plan::{Across, Levels, Step, StepOp, Via};
 
@@ -89,7 +90,9 @@ unsafe fn unpack_all(
 }
 
 /// The walk with level 3, host memory (one group): local sum, the ranks' sum of the leader's
-/// bucket, the AVG division, the leader's result spread to the other local replicas.
+/// bucket with the AVG division, the leader's result spread to the other local replicas. Half
+/// types skip the local sum: the engine sums every local replica with the ranks' in f32 and
+/// rounds once.
 ///
 /// # Safety
 /// As for [`allreduce`].
@@ -105,18 +108,24 @@ unsafe fn allreduce_ranks(
     }
     let members = &levels.groups[0];
     let leader = members[0];
-    if members.len() > 1 {
-        backend.reduce(0, members, bucket, None)?;
-    }
-    let spans: Vec<(usize, usize)> = (bucket.segments.iter())
-        .map(|s| (s.ptrs[leader], s.count))
-        .collect();
-    ranks.allreduce(bucket.dtype, &spans)?;
-    if let Some(divisor) = avg {
-        for &(ptr, count) in &spans {
-            backend.divide(leader, bucket.dtype, ptr, count, divisor)?;
+    let contributors: &[usize] = if bucket.dtype.is_half() {
+        members
+    } else {
+        if members.len() > 1 {
+            backend.reduce(0, members, bucket, None)?;
         }
-    }
+        std::slice::from_ref(&leader)
+    };
+    let ptrs: Vec<Vec<usize>> = (bucket.segments.iter())
+        .map(|s| contributors.iter().map(|&r| s.ptrs[r]).collect())
+        .collect();
+    let segments: Vec<Segment<'_>> = (bucket.segments.iter().zip(&ptrs))
+        .map(|(s, ptrs)| Segment {
+            ptrs,
+            count: s.count,
+        })
+        .collect();
+    ranks.allreduce(bucket.dtype, &segments, avg)?;
     if members.len() > 1 {
         backend.spread(0, bucket, leader)?;
     }

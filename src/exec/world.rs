@@ -87,6 +87,9 @@ pub fn agree(ranks: &dyn Ranks, verdict: Result<()>, lines: &[String]) -> Result
         Ok(()) => 0u32,
         Err(e) => e.kind.code(),
     };
+    if let Some(call) = lines.first() {
+        ranks.begin(call);
+    }
     let mut record = status.to_le_bytes().to_vec();
     record.extend_from_slice(&fingerprint(lines).to_le_bytes());
     let records = ranks.allgather(&record)?;
