@@ -208,6 +208,18 @@ impl Context {
         call: impl FnOnce() -> String,
         tensors: &[&TensorView],
     ) -> Result<()> {
+        self.agree_with(verdict, call, tensors, Vec::new())
+    }
+
+    /// [`Context::agree`], with more lines of registrations (sparse gradients) after the
+    /// tensors'.
+    fn agree_with<T>(
+        &self,
+        verdict: &Result<T>,
+        call: impl FnOnce() -> String,
+        tensors: &[&TensorView],
+        more: Vec<String>,
+    ) -> Result<()> {
         let verdict = verdict.as_ref().map(|_| ()).map_err(Clone::clone);
         let Some(ranks) = self.executor.ranks() else {
             return verdict;
@@ -218,18 +230,8 @@ impl Context {
                 .iter()
                 .map(|t| format!("{}\t{} {} x {}", t.name, t.role, t.count, t.dtype)),
         );
+        lines.extend(more);
         world::agree(ranks, verdict, &lines)
-    }
-
-    /// What a world does not do yet: refused alike on every rank, before any exchange.
-    fn not_in_world(&self, what: &str) -> Result<()> {
-        if self.in_world() {
-            return Err(Error::new(
-                ErrorKind::Unavailable,
-                format!("{what} is not supported across the ranks of a world in this version"),
-            ));
-        }
-        Ok(())
     }
 
     fn divisor(&self) -> usize {
@@ -238,23 +240,24 @@ impl Context {
 
     pub fn allreduce_grads(&mut self, op: ReduceOp) -> Result<()> {
         let (snapshot, plan) = self.prepare();
-        let verdict = snapshot
-            .grads_to_reduce()
-            .and_then(|()| match self.sparse.is_empty() {
-                true => Ok(()),
-                false => self.not_in_world("dpsync_allreduce_grads with sparse gradients"),
-            });
-        let grads: Vec<&TensorView> = match self.in_world() {
-            true => (snapshot.tensors.iter())
-                .filter(|t| t.role == Role::Grad)
-                .collect(),
-            false => Vec::new(),
+        // Everything checked before any byte moves (in a world, before the agreement): the
+        // dense GRADs, then this step's sparse slices (set everywhere, indices in range).
+        let verdict = (snapshot.grads_to_reduce()).and_then(|()| self.sparse_step());
+        let mut lines: Vec<&TensorView> = Vec::new();
+        if self.in_world() {
+            lines.extend(snapshot.tensors.iter().filter(|t| t.role == Role::Grad));
+        }
+        let sparse_lines = match &verdict {
+            Ok(step) if self.in_world() => Self::sparse_lines(step),
+            _ => Vec::new(),
         };
-        self.agree(
+        self.agree_with(
             &verdict,
             || format!("dpsync_allreduce_grads(op={op:?})"),
-            &grads,
+            &lines,
+            sparse_lines,
         )?;
+        let step = verdict?;
         let tensors: Vec<&TensorView> = snapshot.tensors.iter().collect();
         // Buckets dpsync_grad_ready reduced this step are not reduced again (context/overlap.rs).
         let (left, summed) = self.split_buckets(&plan, &tensors, op)?;
@@ -267,7 +270,7 @@ impl Context {
         // slice then fails the call before any dense gradient is written.
         // On CUDA replicas both run as one collective, in stream order.
         let sparse = self.executor.bracket(|| {
-            let sparse = self.gather_sparse(op)?;
+            let sparse = self.gather_sparse(&step, op)?;
             // SAFETY: registered memory stays valid while registered (the C contract).
             let dense = unsafe {
                 (self.executor)

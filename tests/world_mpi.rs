@@ -17,6 +17,7 @@ mod common {
     pub mod context;
     pub mod float16;
     pub mod skip;
+    pub mod sparse;
 }
 
 use std::process::Command;
@@ -320,6 +321,9 @@ fn rank_body() {
     assert_eq!(s64[0][1], sum(1) << 40);
 
     half_sums_round_once(&ctx, rank, local, offset, total);
+    for coalesce in [false, true] {
+        sparse_over_the_world(rank, local, offset, total, coalesce);
+    }
     bmuf_over_the_world(&ctx, rank, local, offset, total);
 
     // Options that must agree: fusion_bytes differs on rank 1.
@@ -500,5 +504,122 @@ fn stuck_body() {
     assert!(
         start.elapsed().as_secs_f64() < 2.0,
         "destroy waited on the lost rank"
+    );
+}
+
+/// Rows of world replica `w` (some replicas have none), and their indices (shared between the
+/// two gradients; they repeat across replicas, so coalescing has rows to merge).
+fn sparse_rows(w: usize) -> Vec<i64> {
+    let rows = [2, 0, 3, 1, 4, 2][w % 6];
+    (0..rows).map(|j| ((w * 3 + j * 7) % 10) as i64).collect()
+}
+
+/// Sparse gradients across the ranks give exactly the bytes one process with every replica of
+/// the world gives (world order; coalescing: each replica's rows, then the world's, summed in
+/// world order), for SUM and AVG, two gradients sharing one indices buffer. Then an index out
+/// of range on rank 0 fails the step on every rank, nothing changed.
+fn sparse_over_the_world(rank: usize, local: usize, offset: usize, total: usize, coalesce: bool) {
+    let o = world_options(local);
+    o.set_sparse_coalesce(coalesce);
+    let ctx = Context::new(&o);
+    let r = Options::host(total);
+    r.set_sparse_coalesce(coalesce);
+    let reference = Context::new(&r);
+    let (len32, len64) = (3, 2);
+    for c in [&ctx, &reference] {
+        c.reg_sparse_all("emb", len32, F32, I64, 10);
+        c.reg_sparse_all("emb64", len64, F64, I64, 10);
+    }
+    let tag = format!("rank {rank}, coalesce {coalesce}");
+    let indices: Vec<Vec<i64>> = (0..total).map(sparse_rows).collect();
+    let v32: Vec<Vec<f32>> = (0..total)
+        .map(|w| {
+            (0..indices[w].len() * len32)
+                .map(|c| (w * 100 + c) as f32 + 0.25)
+                .collect()
+        })
+        .collect();
+    let v64: Vec<Vec<f64>> = (0..total)
+        .map(|w| {
+            (0..indices[w].len() * len64)
+                .map(|c| (w * 1000 + c) as f64 / 3.0)
+                .collect()
+        })
+        .collect();
+    for op in [SUM, AVG] {
+        for w in 0..total {
+            check(reference.sparse_set("emb", w, &indices[w], &v32[w]), "set");
+            check(
+                reference.sparse_set("emb64", w, &indices[w], &v64[w]),
+                "set",
+            );
+        }
+        for k in 0..local {
+            let w = offset + k;
+            check(ctx.sparse_set("emb", k, &indices[w], &v32[w]), "set");
+            check(ctx.sparse_set("emb64", k, &indices[w], &v64[w]), "set");
+        }
+        check(reference.allreduce_grads(op), "reference step");
+        check(ctx.allreduce_grads(op), &format!("{tag}: world step"));
+        let (want32, want64) = (reference.gathered("emb", 0), reference.gathered("emb64", 0));
+        assert!(want32.rows > 0);
+        for k in 0..local {
+            let (got32, got64) = (ctx.gathered("emb", k), ctx.gathered("emb64", k));
+            assert_eq!(got32.rows, want32.rows, "{tag}: rows");
+            assert_eq!(
+                got32.indices::<i64>(),
+                want32.indices::<i64>(),
+                "{tag}: indices"
+            );
+            assert_eq!(
+                got64.indices::<i64>(),
+                want32.indices::<i64>(),
+                "{tag}: shared"
+            );
+            let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(got32.values::<f32>(len32)),
+                bits(want32.values::<f32>(len32)),
+                "{tag}: f32 values on replica {k}"
+            );
+            assert_eq!(
+                got64.values::<f64>(len64),
+                want64.values::<f64>(len64),
+                "{tag}: f64 values on replica {k}"
+            );
+        }
+    }
+    // Rank 0's index 10 is out of [0, 10): its own error there, INCONSISTENT elsewhere.
+    let before = ctx.gathered("emb", 0).indices::<i64>();
+    let bad: Vec<Vec<i64>> = (0..local)
+        .map(|k| {
+            let mut b = indices[offset + k].clone();
+            if rank == 0 && !b.is_empty() {
+                b[0] = 10;
+            }
+            b
+        })
+        .collect();
+    for k in 0..local {
+        let w = offset + k;
+        check(ctx.sparse_set("emb", k, &bad[k], &v32[w]), "set");
+        check(ctx.sparse_set("emb64", k, &bad[k], &v64[w]), "set");
+    }
+    let st = ctx.allreduce_grads(SUM);
+    let msg = last_error();
+    if rank == 0 {
+        assert_eq!(st, INCONSISTENT, "{tag}: {msg}");
+        assert!(
+            msg.contains("index 10") && !msg.contains("rank 0"),
+            "{tag}: {msg}"
+        );
+    } else {
+        assert_eq!(st, INCONSISTENT, "{tag}: {msg}");
+        assert!(msg.contains("rank 0"), "{msg}");
+    }
+    assert_eq!(
+        ctx.gathered("emb", 0).indices::<i64>(),
+        before,
+        "{tag}: nothing changed"
     );
 }

@@ -427,6 +427,19 @@ pub(crate) trait Ranks: Send {
 
     /// Every rank's `bytes` (of any length), in rank order.
     fn allgather(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>>;
+
+    /// Every rank's spans `(ptr, bytes)`, each rank's concatenated, in rank order (one
+    /// message: a sparse gather's rows).
+    ///
+    /// # Safety
+    /// Every span is valid for `bytes` bytes in host memory.
+    unsafe fn allgather_spans(&self, spans: &[(usize, usize)]) -> Result<Vec<Vec<u8>>> {
+        let mut mine = Vec::with_capacity(spans.iter().map(|s| s.1).sum());
+        for &(ptr, bytes) in spans.iter().filter(|s| s.1 > 0) {
+            mine.extend_from_slice(std::slice::from_raw_parts(ptr as *const u8, bytes));
+        }
+        self.allgather(&mine)
+    }
 }
 
 /// The world the caller's `mpi_comm` names (NULL: `MPI_COMM_WORLD`), its value copied now.

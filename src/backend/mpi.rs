@@ -445,7 +445,8 @@ fn poll(request: &mut ffi::MPI_Request, timeout: Option<Duration>, what: &str) -
                 return Err(Error::new(
                     ErrorKind::Timeout,
                     format!(
-                        "waited {} ms (the context's timeout) in {what}: not every rank took                          part; this world is failed (a rank is dead or stuck outside dpsync)",
+                        "waited {} ms (the context's timeout) in {what}: not every rank took \
+                         part; this world is failed (a rank is dead or stuck outside dpsync)",
                         limit.as_millis()
                     ),
                 ));

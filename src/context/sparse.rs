@@ -8,9 +8,16 @@ use super::Context;
 use crate::error::{Error, ErrorKind, Result};
 use crate::exec::{SparseOutputs, SparseStats};
 use crate::options::Options;
-use crate::plan::sparse::{describe_gather, describe_sparse, index_groups};
-use crate::registry::sparse::{SparseRegistry, SparseSlice, SparseSpec};
+use crate::plan::sparse::{describe_gather, describe_sparse, index_groups, IndexGroup};
+use crate::registry::sparse::{SparseInput, SparseRegistry, SparseSlice, SparseSpec};
 use crate::types::{Device, Memory, ReduceOp};
+
+/// One step's checked sparse slices ([`Context::sparse_step`]).
+#[derive(Default)]
+pub(super) struct SparseStep {
+    inputs: Vec<SparseInput>,
+    groups: Vec<IndexGroup>,
+}
 
 impl Context {
     /// A dense registration may not take a sparse gradient's name (unregister would not know
@@ -106,20 +113,43 @@ impl Context {
         found
     }
 
-    /// Checks this step's slices (all set, registrations consistent, indices in range) and
-    /// gathers them into new outputs; nothing visible changes until [`Self::install_sparse`].
-    pub(super) fn gather_sparse(&self, op: ReduceOp) -> Result<SparseOutputs> {
+    /// This step's slices, checked (all set, registrations consistent, indices in range), with
+    /// their index groups; reads only.
+    pub(super) fn sparse_step(&self) -> Result<SparseStep> {
         if self.sparse.is_empty() {
-            return Ok(SparseOutputs::default());
+            return Ok(SparseStep::default());
         }
         let inputs = self.sparse.step()?;
         let groups = index_groups(&inputs);
         // SAFETY: slice memory stays valid until dpsync_allreduce_grads returns (the C contract).
+        unsafe { self.executor.check_sparse_indices(&inputs, &groups)? };
+        Ok(SparseStep { inputs, groups })
+    }
+
+    /// The agreement's lines for the sparse gradients of `step` (a world's ranks must register
+    /// the same ones; their rows may differ).
+    pub(super) fn sparse_lines(step: &SparseStep) -> Vec<String> {
+        (step.inputs.iter())
+            .map(|i| {
+                format!(
+                    "{}	sparse rows of {} x {}, indices {}",
+                    i.name, i.spec.row_len, i.spec.value_dtype, i.spec.index_dtype
+                )
+            })
+            .collect()
+    }
+
+    /// Gathers `step`'s slices into new outputs; nothing visible changes until
+    /// [`Self::install_sparse`].
+    pub(super) fn gather_sparse(&self, step: &SparseStep, op: ReduceOp) -> Result<SparseOutputs> {
+        if step.inputs.is_empty() {
+            return Ok(SparseOutputs::default());
+        }
+        // SAFETY: as in sparse_step.
         unsafe {
-            self.executor.check_sparse_indices(&inputs, &groups)?;
             self.executor.gather_sparse(
-                &inputs,
-                &groups,
+                &step.inputs,
+                &step.groups,
                 self.options.sparse_coalesce,
                 op,
                 self.divisor(),

@@ -215,6 +215,8 @@ impl Executor {
             let members: Vec<&SparseInput> = group.members.iter().map(|&m| &inputs[m]).collect();
             let (gathered, rows_sent) = if coalesce {
                 self.gather_coalesced(&members, &mut out.stats.bytes_copied, avg, &mut out.scratch)?
+            } else if self.ranks().is_some() {
+                self.gather_plain_world(&members, &mut out.stats.bytes_copied, avg)?
             } else {
                 let sent = members[0].slices.iter().map(|s| s.rows).collect();
                 (
@@ -222,8 +224,9 @@ impl Executor {
                     sent,
                 )
             };
-            // Coalesced results were divided once on the root, before being copied out.
-            if let (Some(divisor), false) = (avg, coalesce) {
+            // Coalesced results (and a world's) were divided once on the root, before being
+            // copied out.
+            if let (Some(divisor), false, false) = (avg, coalesce, self.ranks().is_some()) {
                 for (input, values) in members.iter().zip(&gathered.values) {
                     let count = gathered.rows * input.spec.row_len;
                     for (replica, a) in values.iter().enumerate() {
@@ -350,34 +353,23 @@ impl Executor {
             .iter()
             .map(|c| c.as_ref().map_or(0, |c| c.rows))
             .collect();
-        let (offsets, total) = world_offsets(sent.iter().copied());
-        // One replica: its coalesced slice is the result. Otherwise gather onto the root.
-        let result: Option<Coalesced> = if replicas == 1 || total == 0 {
+        let total: usize = sent.iter().sum();
+        // One replica (and no other rank): its coalesced slice is the result. Otherwise gather
+        // onto the root.
+        let result: Option<Coalesced> = if self.ranks().is_none() && (replicas == 1 || total == 0) {
             local.swap_remove(ROOT)
         } else {
-            let index_bytes = index_dtype.size();
-            let indices = self.alloc_output(ROOT, total * index_bytes)?;
-            let mut values = Vec::with_capacity(members.len());
-            for m in members {
-                values.push(self.alloc_output(ROOT, total * m.spec.row_bytes())?);
-            }
-            let mut batch = Vec::new();
-            for (r, part) in local.iter().enumerate() {
-                let Some(part) = part else { continue };
-                let at = offsets[r];
-                let to_root = |src: &Allocation, dst: &Allocation, row_bytes: usize| Transfer {
-                    src_replica: r,
-                    src: src.ptr(),
-                    dst_replica: ROOT,
-                    dst: dst.ptr() + at * row_bytes,
-                    bytes: part.rows * row_bytes,
-                };
-                batch.push(to_root(&part.indices, &indices, index_bytes));
-                for ((m, src), dst) in members.iter().zip(&part.values).zip(&values) {
-                    batch.push(to_root(src, dst, m.spec.row_bytes()));
-                }
-            }
-            self.transfer_counted(moved, &batch)?;
+            let parts: Vec<Part> = (local.iter())
+                .map(|c| match c {
+                    Some(c) => Part {
+                        rows: c.rows,
+                        indices: c.indices.ptr(),
+                        values: c.values.iter().map(Allocation::ptr).collect(),
+                    },
+                    None => Part::empty(members.len()),
+                })
+                .collect();
+            let gathered = self.gather_to_root(members, &parts, moved)?;
             // Copies to the root may still be reading the local slices (stream order): reused
             // from the next step on.
             for (r, part) in local.into_iter().enumerate() {
@@ -386,22 +378,27 @@ impl Executor {
                     scratch.extend(part.values.into_iter().map(|v| (r, v)));
                 }
             }
-            let refs = values_refs(members, values.iter().map(Allocation::ptr));
-            let gathered = SliceRef {
-                index_dtype,
-                indices: indices.ptr(),
-                rows: total,
-                values: &refs,
-            };
-            let result = (self.backend)
-                .coalesce(&[(ROOT, gathered)], &mut |r, bytes| {
-                    self.alloc_output(r, bytes)
-                })?
-                .pop()
-                .ok_or_else(|| short_result(self.backend.name(), 0, 1))?;
-            scratch.push((ROOT, indices));
-            scratch.extend(values.into_iter().map(|v| (ROOT, v)));
-            Some(result)
+            match gathered {
+                None => None,
+                Some((indices, values, total)) => {
+                    let refs = values_refs(members, values.iter().map(Allocation::ptr));
+                    let gathered = SliceRef {
+                        index_dtype,
+                        indices: indices.ptr(),
+                        rows: total,
+                        values: &refs,
+                    };
+                    let result = (self.backend)
+                        .coalesce(&[(ROOT, gathered)], &mut |r, bytes| {
+                            self.alloc_output(r, bytes)
+                        })?
+                        .pop()
+                        .ok_or_else(|| short_result(self.backend.name(), 0, 1))?;
+                    scratch.push((ROOT, indices));
+                    scratch.extend(values.into_iter().map(|v| (ROOT, v)));
+                    Some(result)
+                }
+            }
         };
         let Some(result) = result.filter(|c| c.rows > 0) else {
             let none = || (0..replicas).map(|_| None).collect::<PerReplica>();
@@ -413,14 +410,36 @@ impl Executor {
             return Ok((gathered, sent));
         };
         let rows = result.rows;
+        let (indices, values) =
+            self.copies_from_root(members, rows, result.indices, result.values, avg, moved)?;
+        Ok((
+            Gathered {
+                rows,
+                indices,
+                values,
+            },
+            sent,
+        ))
+    }
+    /// The root's gathered `rows` (`indices`, `values` per member), divided by `avg` there,
+    /// and a copy on every other replica, in one batch.
+    unsafe fn copies_from_root(
+        &self,
+        members: &[&SparseInput],
+        rows: usize,
+        indices: Allocation,
+        values: Vec<Allocation>,
+        avg: Option<usize>,
+        moved: &mut usize,
+    ) -> Result<(PerReplica, Vec<PerReplica>)> {
+        let replicas = members[0].slices.len();
         if let Some(divisor) = avg {
-            for (m, a) in members.iter().zip(&result.values) {
+            for (m, a) in members.iter().zip(&values) {
                 let count = rows * m.spec.row_len;
                 self.backend
                     .divide(ROOT, m.spec.value_dtype, a.ptr(), count, divisor)?;
             }
         }
-        // Copies of the root's result on every other replica, in one batch.
         let mut batch = Vec::new();
         let mut broadcast = |a: Allocation, bytes: usize| -> Result<PerReplica> {
             let mut outs = Vec::with_capacity(replicas);
@@ -442,19 +461,183 @@ impl Executor {
             outs[ROOT] = Some(a);
             Ok(outs)
         };
-        let indices = broadcast(result.indices, rows * index_dtype.size())?;
-        let mut values = Vec::with_capacity(members.len());
-        for (m, a) in members.iter().zip(result.values) {
-            values.push(broadcast(a, rows * m.spec.row_bytes())?);
+        let indices = broadcast(indices, rows * members[0].spec.index_dtype.size())?;
+        let mut out = Vec::with_capacity(members.len());
+        for (m, a) in members.iter().zip(values) {
+            out.push(broadcast(a, rows * m.spec.row_bytes())?);
         }
         self.transfer_counted(moved, &batch)?;
-        Ok((
-            Gathered {
+        Ok((indices, out))
+    }
+
+    /// Every part (one per local replica, in order) gathered onto local replica [`ROOT`] in
+    /// world order, in new allocations: `(indices, values per member, rows)`, or `None` when
+    /// there are no rows at all. In a world every rank's parts come too, in rank order, over
+    /// the engine ([`Ranks::allgather_spans`]: host memory); each message starts with its
+    /// parts' row counts.
+    unsafe fn gather_to_root(
+        &self,
+        members: &[&SparseInput],
+        parts: &[Part],
+        moved: &mut usize,
+    ) -> Result<Option<(Allocation, Vec<Allocation>, usize)>> {
+        let index_bytes = members[0].spec.index_dtype.size();
+        let row_bytes: Vec<usize> = members.iter().map(|m| m.spec.row_bytes()).collect();
+        // Where each part's rows come from, per rank: (source replica, indices, values) —
+        // local parts from their replicas' memory, other ranks' from their messages (on ROOT).
+        let mut sources: Vec<(usize, Part)> = Vec::new();
+        let messages: Vec<Vec<u8>>;
+        match self.ranks() {
+            None => sources.extend(parts.iter().enumerate().map(|(r, p)| (r, p.clone()))),
+            Some(ranks) => {
+                let header: Vec<u8> = std::iter::once(parts.len())
+                    .chain(parts.iter().map(|p| p.rows))
+                    .flat_map(|n| (n as u64).to_le_bytes())
+                    .collect();
+                let mut spans = vec![(header.as_ptr() as usize, header.len())];
+                for p in parts {
+                    spans.push((p.indices, p.rows * index_bytes));
+                    for (v, b) in p.values.iter().zip(&row_bytes) {
+                        spans.push((*v, p.rows * b));
+                    }
+                }
+                messages = ranks.allgather_spans(&spans)?;
+                for message in &messages {
+                    sources.extend(parse_parts(message, index_bytes, &row_bytes)?);
+                }
+            }
+        }
+        let total: usize = sources.iter().map(|(_, p)| p.rows).sum();
+        if total == 0 {
+            return Ok(None);
+        }
+        let indices = self.alloc_output(ROOT, total * index_bytes)?;
+        let values = (row_bytes.iter())
+            .map(|b| self.alloc_output(ROOT, total * b))
+            .collect::<Result<Vec<_>>>()?;
+        let mut batch = Vec::new();
+        let mut at = 0;
+        for (r, part) in sources.iter().filter(|(_, p)| p.rows > 0) {
+            let to_root = |src: usize, dst: &Allocation, row_bytes: usize| Transfer {
+                src_replica: *r,
+                src,
+                dst_replica: ROOT,
+                dst: dst.ptr() + at * row_bytes,
+                bytes: part.rows * row_bytes,
+            };
+            batch.push(to_root(part.indices, &indices, index_bytes));
+            for ((&src, dst), &b) in part.values.iter().zip(&values).zip(&row_bytes) {
+                batch.push(to_root(src, dst, b));
+            }
+            at += part.rows;
+        }
+        self.transfer_counted(moved, &batch)?;
+        Ok(Some((indices, values, total)))
+    }
+
+    /// A world's plain gather: every replica's rows onto each rank's root in world order, then
+    /// (divided by `avg` there) copied to the other local replicas.
+    unsafe fn gather_plain_world(
+        &self,
+        members: &[&SparseInput],
+        moved: &mut usize,
+        avg: Option<usize>,
+    ) -> Result<(Gathered, Vec<usize>)> {
+        let first = members[0];
+        let sent: Vec<usize> = first.slices.iter().map(|s| s.rows).collect();
+        let parts: Vec<Part> = (0..first.slices.len())
+            .map(|r| Part {
+                rows: first.slices[r].rows,
+                indices: first.slices[r].indices,
+                values: members.iter().map(|m| m.slices[r].values).collect(),
+            })
+            .collect();
+        let gathered = match self.gather_to_root(members, &parts, moved)? {
+            None => Gathered::empty(first.slices.len(), members.len()),
+            Some((indices, values, rows)) => {
+                let (indices, values) =
+                    self.copies_from_root(members, rows, indices, values, avg, moved)?;
+                Gathered {
+                    rows,
+                    indices,
+                    values,
+                }
+            }
+        };
+        Ok((gathered, sent))
+    }
+}
+
+/// One replica's rows in a gather onto the root: its indices and each member's values.
+#[derive(Clone)]
+struct Part {
+    rows: usize,
+    indices: usize,
+    values: Vec<usize>,
+}
+
+impl Part {
+    fn empty(members: usize) -> Part {
+        Part {
+            rows: 0,
+            indices: 0,
+            values: vec![0; members],
+        }
+    }
+}
+
+impl Gathered {
+    fn empty(replicas: usize, members: usize) -> Gathered {
+        let none = || (0..replicas).map(|_| None).collect::<PerReplica>();
+        Gathered {
+            rows: 0,
+            indices: none(),
+            values: (0..members).map(|_| none()).collect(),
+        }
+    }
+}
+
+/// A rank's message ([`Executor::gather_to_root`]) as parts pointing into it, read on the
+/// root: its number of parts and their row counts, then per part its indices and each
+/// member's values.
+fn parse_parts(
+    message: &[u8],
+    index_bytes: usize,
+    row_bytes: &[usize],
+) -> Result<Vec<(usize, Part)>> {
+    let bad = || Error::new(ErrorKind::Backend, "a rank's sparse rows arrived truncated");
+    let word = |i: usize| -> Result<usize> {
+        let bytes = message.get(8 * i..8 * i + 8).ok_or_else(bad)?;
+        Ok(u64::from_le_bytes(bytes.try_into().map_err(|_| bad())?) as usize)
+    };
+    let n = word(0)?;
+    let counts = (1..=n).map(word).collect::<Result<Vec<usize>>>()?;
+    let mut at = 8 * (n + 1);
+    let size: usize = counts
+        .iter()
+        .map(|&c| c * (index_bytes + row_bytes.iter().sum::<usize>()))
+        .sum();
+    if at + size != message.len() {
+        return Err(bad());
+    }
+    let base = message.as_ptr() as usize;
+    let mut parts = Vec::with_capacity(counts.len());
+    for rows in counts {
+        let indices = base + at;
+        at += rows * index_bytes;
+        let mut values = Vec::with_capacity(row_bytes.len());
+        for b in row_bytes {
+            values.push(base + at);
+            at += rows * b;
+        }
+        parts.push((
+            ROOT,
+            Part {
                 rows,
                 indices,
                 values,
             },
-            sent,
-        ))
+        ));
     }
+    Ok(parts)
 }
