@@ -259,6 +259,8 @@ fn main() {
             two_by_two(&world, rank0, quick);
         }
         "four" => four_ranks_raw(&world, rank0, quick),
+        // Alone, for A/B runs of the call overhead: mpirun -n 2 <bench binary> --part one
+        "one" => one_float(&world, rank0, quick),
         other => panic!("unknown part {other:?}"),
     }
 }

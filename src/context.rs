@@ -187,7 +187,11 @@ impl Context {
             world["rank"] = self.topology.rank.into();
             world["ranks"] = self.topology.world_size.into();
             world["replicas_per_rank"] = self.topology.replicas_per_rank.clone().into();
-            world["cross_rank"] = "mpi".into();
+            world["cross_rank"] = match self.options.has_cuda_replicas() {
+                true => "mpi_staged",
+                false => "mpi",
+            }
+            .into();
             json["world"] = world;
         }
         json.to_string()
@@ -225,11 +229,21 @@ impl Context {
             return verdict;
         };
         let mut lines = vec![call()];
-        lines.extend(
-            tensors
-                .iter()
-                .map(|t| format!("{}\t{} {} x {}", t.name, t.role, t.count, t.dtype)),
-        );
+        // The memory kind too: it splits buckets, and the ranks' buckets must match.
+        let memory = |m: Memory| match m {
+            Memory::Host => "",
+            Memory::Device => " (device)",
+        };
+        lines.extend(tensors.iter().map(|t| {
+            format!(
+                "{}\t{} {} x {}{}",
+                t.name,
+                t.role,
+                t.count,
+                t.dtype,
+                memory(t.memory)
+            )
+        }));
         lines.extend(more);
         world::agree(ranks, verdict, &lines)
     }
@@ -242,7 +256,18 @@ impl Context {
         let (snapshot, plan) = self.prepare();
         // Everything checked before any byte moves (in a world, before the agreement): the
         // dense GRADs, then this step's sparse slices (set everywhere, indices in range).
-        let verdict = (snapshot.grads_to_reduce()).and_then(|()| self.sparse_step());
+        let verdict = (snapshot.grads_to_reduce())
+            .and_then(|()| self.sparse_step())
+            .and_then(
+                |step| match self.in_world() && self.options.has_cuda_replicas() {
+                    true if !step.is_empty() => Err(Error::new(
+                        ErrorKind::Unavailable,
+                        "sparse gradients on CUDA replicas do not cross the ranks of a world in \
+                     this version (host replicas do)",
+                    )),
+                    _ => Ok(step),
+                },
+            );
         let mut lines: Vec<&TensorView> = Vec::new();
         if self.in_world() {
             lines.extend(snapshot.tensors.iter().filter(|t| t.role == Role::Grad));

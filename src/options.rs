@@ -1,7 +1,7 @@
 //! Context options, checked when they are set (what can be checked alone) and again as a whole
 //! when a context or a dry-run plan is made from them.
 
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, Result};
 use crate::types::{Device, Transport};
 
 /// Upper bound on replicas per process: far above any real node, low enough that a garbage
@@ -162,13 +162,6 @@ impl Options {
                 )))
             }
             _ => {}
-        }
-        if self.world.is_some() && cuda {
-            return Err(Error::new(
-                ErrorKind::Unavailable,
-                "a world of processes spans host replicas only in this version; these options \
-                 have CUDA replicas",
-            ));
         }
         if let Some(matrix) = &self.peer_access {
             let n = self.replicas.len();

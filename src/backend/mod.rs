@@ -295,6 +295,23 @@ pub(crate) trait Streams {
     /// as its work follows this one on the backend's own streams.
     fn end(&self, join: bool) -> Result<()>;
 
+    /// A world's level 3 through host memory: page-locked host memory of at least `bytes`
+    /// (contents undefined), the same buffer for every bucket until a larger one is needed.
+    fn host_stage(&self, bytes: usize) -> Result<usize>;
+
+    /// Queues a copy of `bytes` from `src` to `dst` on `replica`'s stream: one range in
+    /// [`Streams::host_stage`], the other `replica`'s device memory. Nothing waits for it until
+    /// [`Streams::wait_all`].
+    ///
+    /// # Safety
+    /// Both ranges are valid for `bytes` and do not overlap.
+    unsafe fn stage_copy(&self, replica: usize, dst: usize, src: usize, bytes: usize)
+        -> Result<()>;
+
+    /// Blocks the host until the backend's streams have run everything queued so far (within
+    /// the timeout): before the host reads the stage, and before it is written again.
+    fn wait_all(&self) -> Result<()>;
+
     /// A collective opened by [`Streams::begin`] failed with `err`. Part of it may be queued
     /// (events recorded, waits queued, an NCCL group half launched), so on a device or transport
     /// failure the backend records the failure and refuses every later collective, as after a
@@ -427,6 +444,10 @@ pub(crate) trait Ranks: Send {
 
     /// Every rank's `bytes` (of any length), in rank order.
     fn allgather(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>>;
+
+    /// Every rank's `bytes`, the same length on every rank, concatenated in rank order: one
+    /// exchange where [`Ranks::allgather`] needs two (the lengths first).
+    fn allgather_fixed(&self, bytes: &[u8]) -> Result<Vec<u8>>;
 
     /// Every rank's spans `(ptr, bytes)`, each rank's concatenated, in rank order (one
     /// message: a sparse gather's rows).

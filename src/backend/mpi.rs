@@ -556,6 +556,31 @@ impl Ranks for MpiRanks {
         Ok(())
     }
 
+    fn allgather_fixed(&self, bytes: &[u8]) -> Result<Vec<u8>> {
+        self.refuse_if_failed()?;
+        // Leaked on failure, as in `allgather`.
+        let send = bytes.to_vec();
+        let mut all = vec![0u8; bytes.len() * self.size];
+        // SAFETY: `bytes.len()` bytes sent, as many received per rank.
+        let done = self.run("MPI_Iallgather", |request| unsafe {
+            ffi::MPI_Iallgather(
+                send.as_ptr().cast(),
+                count_of(bytes.len()),
+                ffi::RSMPI_UINT8_T,
+                all.as_mut_ptr().cast(),
+                count_of(bytes.len()),
+                ffi::RSMPI_UINT8_T,
+                self.comm.0,
+                request,
+            )
+        });
+        if let Err(e) = done {
+            std::mem::forget((send, all));
+            return Err(e);
+        }
+        Ok(all)
+    }
+
     fn allgather(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
         self.refuse_if_failed()?;
         // The lengths first, then the bytes at their offsets.

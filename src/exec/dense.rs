@@ -13,9 +13,12 @@
 //!   ranks' sum of local replica 0's bucket with the division ([`Ranks::allreduce`], one
 //!   message), and local replica 0's result spread to the others ([`Backend::spread`]). Half
 //!   types go to the engine unreduced, so their f32 sum is rounded once.
+//! - A world of processes on device replicas: levels 1 and 2 as in one process, then local
+//!   replica 0's bucket through page-locked host memory ([`Streams::host_stage`]) to the ranks'
+//!   sum, and back into every local replica.
 
 use super::Site;
-use crate::backend::{Backend, BucketView, Layout, Links, Members, Ranks, Segment, Slot};
+use crate::backend::{Backend, BucketView, Layout, Links, Members, Ranks, Segment, Slot, Streams};
 use crate::error::Result;
 use crate::plan::{Across, Levels, Step, StepOp, Via};
 
@@ -34,7 +37,10 @@ pub(super) unsafe fn allreduce(
         ranks,
     } = site;
     if let Some(ranks) = ranks {
-        return allreduce_ranks(backend, levels, ranks, bucket, avg);
+        return match backend.streams() {
+            None => allreduce_ranks(backend, levels, ranks, bucket, avg),
+            Some(streams) => allreduce_staged(site, streams, ranks, bucket, avg),
+        };
     }
     let replicas: usize = levels.groups.iter().map(Vec::len).sum();
     if bucket.elements() == 0 || (replicas <= 1 && avg.is_none()) {
@@ -132,6 +138,85 @@ unsafe fn allreduce_ranks(
     Ok(())
 }
 
+/// The walk with level 3 on device replicas, through host memory: levels 1 and 2 as in one
+/// process (every local replica ends with the process's sum), local replica 0's bucket copied
+/// into the page-locked stage, the ranks' sum with the AVG division on the host, and the result
+/// copied into every local replica. (f16/bf16: the process's sum is rounded to the dtype before
+/// it crosses the ranks.)
+///
+/// # Safety
+/// As for [`allreduce`].
+unsafe fn allreduce_staged(
+    site: Site<'_>,
+    streams: &dyn Streams,
+    ranks: &dyn Ranks,
+    bucket: &BucketView<'_>,
+    avg: Option<usize>,
+) -> Result<()> {
+    if bucket.elements() == 0 {
+        return Ok(());
+    }
+    allreduce(
+        Site {
+            ranks: None,
+            ..site
+        },
+        bucket,
+        None,
+    )?;
+    let host = stage_out(streams, bucket, 0)?;
+    let whole = [host];
+    let segment = Segment {
+        ptrs: &whole,
+        count: bucket.elements(),
+    };
+    ranks.allreduce(bucket.dtype, &[segment], avg)?;
+    stage_in(streams, site.levels, bucket, host)
+}
+
+/// The bucket of local replica `replica`, copied into the host stage segment after segment;
+/// the stage's address once the copies are done.
+///
+/// # Safety
+/// As for [`allreduce`].
+unsafe fn stage_out(
+    streams: &dyn Streams,
+    bucket: &BucketView<'_>,
+    replica: usize,
+) -> Result<usize> {
+    let size = bucket.dtype.size();
+    let host = streams.host_stage(size * bucket.elements())?;
+    let mut at = 0;
+    for s in &bucket.segments {
+        streams.stage_copy(replica, host + at, s.ptrs[replica], s.count * size)?;
+        at += s.count * size;
+    }
+    streams.wait_all()?;
+    Ok(host)
+}
+
+/// The host stage copied into every local replica's segments; done (the stage is free again)
+/// when this returns.
+///
+/// # Safety
+/// As for [`allreduce`]; the stage holds the bucket.
+unsafe fn stage_in(
+    streams: &dyn Streams,
+    levels: &Levels,
+    bucket: &BucketView<'_>,
+    host: usize,
+) -> Result<()> {
+    let size = bucket.dtype.size();
+    for &replica in levels.groups.iter().flatten() {
+        let mut at = 0;
+        for s in &bucket.segments {
+            streams.stage_copy(replica, s.ptrs[replica], host + at, s.count * size)?;
+            at += s.count * size;
+        }
+    }
+    streams.wait_all()
+}
+
 /// Level 2 of an allreduce: every group's buffer ends with the sum of all of them.
 fn combine(
     links: &dyn Links,
@@ -209,11 +294,23 @@ pub(super) unsafe fn broadcast(
         ranks,
     } = site;
     if let Some(ranks) = ranks {
-        // Level 3 (host memory, one group): the root's rank sends its root replica's bytes to
-        // every rank's local replica 0, then each rank spreads them locally.
         if bucket.elements() == 0 {
             return Ok(());
         }
+        if let Some(streams) = backend.streams() {
+            // Device replicas: the root's bytes through the host stage to every local replica.
+            let host = match ranks.rank() == root_rank {
+                true => stage_out(streams, bucket, root)?,
+                false => streams.host_stage(bucket.dtype.size() * bucket.elements())?,
+            };
+            ranks.broadcast(
+                &[(host, bucket.dtype.size() * bucket.elements())],
+                root_rank,
+            )?;
+            return stage_in(streams, levels, bucket, host);
+        }
+        // Level 3 (host memory, one group): the root's rank sends its root replica's bytes to
+        // every rank's local replica 0, then each rank spreads them locally.
         let members = &levels.groups[0];
         let leader = if ranks.rank() == root_rank {
             root

@@ -39,6 +39,9 @@ pub struct Levels {
     /// Level 3: replicas per rank of the world, in rank order (one entry outside a world:
     /// no level 3).
     pub ranks: Vec<usize>,
+    /// How level 3 moves a bucket: `"mpi"` from host memory, `"mpi_staged"` from device memory
+    /// through page-locked host memory.
+    pub ranks_via: &'static str,
 }
 
 impl Levels {
@@ -65,6 +68,10 @@ impl Levels {
             groups,
             across,
             ranks: topology.replicas_per_rank.clone(),
+            ranks_via: match topology.transport {
+                TransportChoice::Host => "mpi",
+                _ => "mpi_staged",
+            },
         }
     }
 
@@ -89,7 +96,7 @@ impl Levels {
         let mut levels = vec![json!({"level": "replicas", "groups": self.groups}), across];
         if self.ranks.len() > 1 {
             levels.push(
-                json!({"level": "ranks", "via": "mpi", "ranks": self.ranks.len(),
+                json!({"level": "ranks", "via": self.ranks_via, "ranks": self.ranks.len(),
                                "replicas_per_rank": self.ranks}),
             );
         }

@@ -64,7 +64,7 @@ pub struct Step {
 /// The allreduce program for `topology`: every replica ends with the sum, computed in the order
 /// the `Sum` steps list (so the bytes are the same run after run).
 pub fn allreduce_steps(topology: &Topology) -> Vec<Step> {
-    if topology.replicas() <= 1 && topology.world_size <= 1 {
+    if topology.replicas() <= 1 {
         return Vec::new();
     }
     let mut b = Builder {
@@ -85,9 +85,10 @@ pub fn allreduce_steps(topology: &Topology) -> Vec<Step> {
         b.flat_sum(group, 0);
     }
     let mut round = local_rounds;
-    // One GPU in one process: the local sums are the whole reduction (a one-rank NCCL
-    // allreduce would be a no-op launch).
-    let ranks = leaders.len() * topology.world_size;
+    // One GPU: the local sums are the whole reduction within the process (a one-rank NCCL
+    // allreduce would be a no-op launch). The ranks of a world are level 3 (through host
+    // memory and MPI), not NCCL ranks here.
+    let ranks = leaders.len();
     if topology.transport == TransportChoice::Nccl && ranks > 1 {
         for (rank, &leader) in leaders.iter().enumerate() {
             b.push(

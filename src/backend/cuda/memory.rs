@@ -22,6 +22,8 @@ pub(super) struct Scratch {
     pub(super) staging: Option<DeviceMemory>,
     /// Page-locked memory the host reads device data into (coalescing), and its size.
     pub(super) host: Option<(driver::PinnedMemory, usize)>,
+    /// Page-locked memory a world's buckets cross the ranks in (`stage.rs`), and its size.
+    pub(super) stage: Option<(driver::PinnedMemory, usize)>,
     /// Segment tables by content (they only change when the registry does).
     pub(super) tables: HashMap<TableKey, DeviceMemory>,
 }

@@ -19,6 +19,7 @@
 //! | `queue.rs` | the stream protocol, the completion queue, the one polling loop, failure |
 //! | `links.rs` | level-2 primitives and NCCL's grouped calls |
 //! | `bmuf.rs`, `sparse.rs` | the BMUF and sparse primitives |
+//! | `stage.rs` | a world's buckets through page-locked host memory |
 //! | `driver.rs`, `nccl.rs`, `kernels.rs` | cudarc calls and owners, NCCL, the NVRTC kernels |
 
 mod bmuf;
@@ -32,6 +33,7 @@ mod nccl;
 mod open;
 mod queue;
 mod sparse;
+mod stage;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -353,6 +353,24 @@ impl Streams for CudaBackend {
         Ok(())
     }
 
+    fn host_stage(&self, bytes: usize) -> Result<usize> {
+        self.host_stage_of(bytes)
+    }
+
+    unsafe fn stage_copy(
+        &self,
+        replica: usize,
+        dst: usize,
+        src: usize,
+        bytes: usize,
+    ) -> Result<()> {
+        self.stage_copy_on(replica, dst, src, bytes)
+    }
+
+    fn wait_all(&self) -> Result<()> {
+        self.wait_all_groups()
+    }
+
     fn collective_failed(&self, err: Error) -> Error {
         match err.kind {
             // Running out of memory leaves the device and the communicators sound: the work

@@ -1,0 +1,80 @@
+//! A world's level 3 on CUDA replicas through host memory: the process's sum copied from the
+//! device into page-locked host memory, handed to the engine between the ranks (MPI), and the
+//! result copied back, all on the groups' streams inside the collective; the host waits for the
+//! copies (polled within the timeout) before the engine reads the buffer or it is reused.
+
+use std::time::Instant;
+
+use cudarc::driver::sys;
+
+use super::driver::{self, PinnedMemory};
+use super::queue::deadline;
+use super::CudaBackend;
+use crate::backend::size_class;
+use crate::error::Result;
+
+/// Page-locked buffers start at this size (a size class, as device scratch).
+const STAGE_FLOOR: usize = 64 << 10;
+
+impl CudaBackend {
+    /// Group 0's page-locked stage of at least `bytes`, grown by size class; its address.
+    pub(super) fn host_stage_of(&self, bytes: usize) -> Result<usize> {
+        let group = &self.groups[0];
+        let mut scratch = group.scratch.lock();
+        match &scratch.stage {
+            Some((mem, size)) if *size >= bytes => Ok(mem.ptr as usize),
+            _ => {
+                // Every copy into or out of the old buffer has been waited for (`wait_groups`
+                // after each use), so it may go now.
+                let size = size_class(bytes, STAGE_FLOOR);
+                let mem = PinnedMemory::new(&group.ctx, size)?;
+                let ptr = mem.ptr as usize;
+                scratch.stage = Some((mem, size));
+                Ok(ptr)
+            }
+        }
+    }
+
+    /// `bytes` from `src` to `dst` on `replica`'s group stream, after the work queued there.
+    ///
+    /// # Safety
+    /// One range is in the stage, the other device memory of `replica`, both `bytes` long.
+    pub(super) unsafe fn stage_copy_on(
+        &self,
+        replica: usize,
+        dst: usize,
+        src: usize,
+        bytes: usize,
+    ) -> Result<()> {
+        let group = &self.groups[self.replicas[replica].group];
+        let _bound = group.ctx.bind()?;
+        driver::check(
+            sys::cuMemcpyAsync(dst as u64, src as u64, bytes, group.stream.0),
+            "cuMemcpyAsync (a world's host stage)",
+        )
+    }
+
+    /// Blocks the host until every group's stream has run what was queued on it so far, within
+    /// one timeout for all of them.
+    pub(super) fn wait_all_groups(&self) -> Result<()> {
+        let limit = deadline(Instant::now(), self.timeout);
+        for group in &self.groups {
+            let _bound = group.ctx.bind()?;
+            group.progress.record(group.stream.0)?;
+            self.poll(
+                limit,
+                true,
+                || group.progress.query(),
+                |ms| {
+                    format!(
+                        "cuda:{}: the copies through host memory between the ranks did not \
+                         finish within the {ms} ms timeout; the context refuses further \
+                         collectives (destroy it)",
+                        group.ctx.ordinal
+                    )
+                },
+            )?;
+        }
+        Ok(())
+    }
+}

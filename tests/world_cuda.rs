@@ -1,0 +1,251 @@
+//! Worlds of processes with CUDA replicas (built with `--features mpi`): the staged path (each
+//! process's sum through page-locked host memory and MPI). scripts/test.sh runs it on the fake
+//! CUDA driver (target/fakecuda, two fake GPUs per rank), with synchronous and asynchronous
+//! streams; on a machine without a CUDA driver every rank prints that it was skipped.
+//!
+//! `cuda_worlds_of_two_and_three_ranks` starts this binary under `mpirun -n 2` and `-n 3`; as
+//! every rank, `cuda_rank_body` has a different layout of CUDA replicas: rank 0 two replicas on
+//! GPU 0 (one group), rank 1 one on GPU 0 and one on GPU 1 (two groups: level 2 first), rank 2
+//! one on GPU 1. It checks exact SUM and AVG (f32, f64, i64), a broadcast from the last world
+//! replica, BMUF over the world, describe's staged path, and sparse gradients refused alike.
+#![cfg(feature = "mpi")]
+#![allow(clippy::needless_range_loop)]
+
+mod common {
+    pub mod abi;
+    pub mod buf;
+    pub mod context;
+    pub mod cuda_context;
+    pub mod float16;
+    pub mod lcg;
+    pub mod place;
+    pub mod skip;
+    pub mod sparse;
+}
+
+use std::process::Command;
+use std::ptr;
+
+use common::place::{Mem, Place};
+use common::{abi::*, context::*, cuda_context::*};
+use dpsync::*;
+
+fn under_mpirun() -> bool {
+    std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() || std::env::var_os("PMI_SIZE").is_some()
+}
+
+#[test]
+fn cuda_worlds_of_two_and_three_ranks() {
+    if under_mpirun() {
+        return;
+    }
+    let exe = std::env::current_exe().expect("the test binary's path");
+    for n in [2, 3] {
+        let status = Command::new("timeout")
+            .args(["300", "mpirun", "--allow-run-as-root", "--oversubscribe"])
+            .args(["-n", &n.to_string()])
+            .arg(&exe)
+            .args([
+                "cuda_rank_body",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("DPSYNC_TEST_RANKS", n.to_string())
+            .status()
+            .expect("mpirun (Open MPI) must be installed: scripts/common.sh ensure_mpi");
+        assert!(status.success(), "{n} ranks: {status}");
+    }
+}
+
+/// Each rank's CUDA ordinals.
+fn layout(rank: usize) -> &'static [i32] {
+    [&[0, 0][..], &[0, 1][..], &[1][..]][rank]
+}
+
+fn value(w: usize, i: usize) -> i64 {
+    ((w + 1) * (i + 1)) as i64
+}
+
+fn bytes_of<T: Copy>(v: &[T]) -> Vec<u8> {
+    // SAFETY: plain numbers.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+        .to_vec()
+}
+
+fn from_bytes<T: Copy + Default>(b: &[u8]) -> Vec<T> {
+    let mut out = vec![T::default(); b.len() / std::mem::size_of::<T>()];
+    // SAFETY: `out` holds exactly these bytes.
+    unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), out.as_mut_ptr().cast::<u8>(), b.len()) };
+    out
+}
+
+#[test]
+fn cuda_rank_body() {
+    if !under_mpirun() {
+        common::skip::skip(format_args!(
+            "cuda_rank_body: skipped: runs only as an MPI rank (cuda_worlds_of_two_and_three_ranks \
+             starts it)"
+        ));
+        return;
+    }
+    let ranks: usize = std::env::var("DPSYNC_TEST_RANKS").unwrap().parse().unwrap();
+    let rank: usize = std::env::var("OMPI_COMM_WORLD_RANK")
+        .or_else(|_| std::env::var("PMI_RANK"))
+        .unwrap()
+        .parse()
+        .unwrap();
+    let Some(place) = Place::gpus("cuda_rank_body", 2) else {
+        return;
+    };
+    let sizes: Vec<usize> = (0..ranks).map(|r| layout(r).len()).collect();
+    let (local, total) = (sizes[rank], sizes.iter().sum::<usize>());
+    let offset: usize = sizes[..rank].iter().sum();
+    let ordinals = layout(rank);
+    let Some(ctx) = cuda_context("cuda_rank_body", ordinals, |o| {
+        o.set_timeout_ms(120_000);
+        // SAFETY: valid options; NULL is MPI_COMM_WORLD.
+        check(
+            unsafe { dpsync_options_set_world_mpi(o.0, ptr::null()) },
+            "set_world_mpi",
+        );
+    }) else {
+        return;
+    };
+    let tag = |what: &str| format!("rank {rank}/{ranks}: {what}");
+    let d = ctx.describe_json();
+    assert_eq!(d["world"]["cross_rank"], "mpi_staged", "{d}");
+    let levels = d["levels"].as_array().unwrap();
+    assert_eq!(levels.last().unwrap()["via"], "mpi_staged", "{d}");
+
+    // Dense gradients: f32 (two tensors, one bucket), i64.
+    let (n32, n64) = (1000, 5);
+    let init32 = |w: usize, sign: f32| -> Vec<u8> {
+        bytes_of(
+            &(0..n32)
+                .map(|i| sign * value(w, i) as f32)
+                .collect::<Vec<f32>>(),
+        )
+    };
+    let init64 = |w: usize| bytes_of(&(0..n64).map(|i| value(w, i) << 40).collect::<Vec<i64>>());
+    let mut w32: Vec<Mem> = (0..local)
+        .map(|k| place.mem_on(ordinals[k], &init32(offset + k, 1.0)))
+        .collect();
+    let b32: Vec<Mem> = (0..local)
+        .map(|k| place.mem_on(ordinals[k], &init32(offset + k, -1.0)))
+        .collect();
+    let mut s64: Vec<Mem> = (0..local)
+        .map(|k| place.mem_on(ordinals[k], &init64(offset + k)))
+        .collect();
+    for k in 0..local {
+        for (name, mem, count, dtype) in [
+            ("w_grad", &w32[k], n32, F32),
+            ("b_grad", &b32[k], n32, F32),
+            ("s_grad", &s64[k], n64, I64),
+        ] {
+            let st = register_raw(ctx.0, name, GRAD, k, mem.ptr() as *mut _, count, dtype);
+            check(st, &tag(name));
+        }
+    }
+    let sum = |i: usize| ((i + 1) * total * (total + 1) / 2) as i64;
+    check(ctx.allreduce_grads(SUM), &tag("allreduce_grads SUM"));
+    for k in 0..local {
+        let (w, b, s) = (
+            from_bytes::<f32>(&w32[k].read()),
+            from_bytes::<f32>(&b32[k].read()),
+            from_bytes::<i64>(&s64[k].read()),
+        );
+        for i in 0..n32 {
+            assert_eq!(w[i], sum(i) as f32, "{}", tag(&format!("w[{k}][{i}]")));
+            assert_eq!(b[i], -sum(i) as f32, "{}", tag("b"));
+        }
+        for i in 0..n64 {
+            assert_eq!(s[i], sum(i) << 40, "{}", tag("s"));
+        }
+    }
+    for k in 0..local {
+        w32[k].write(&init32(offset + k, 1.0));
+        s64[k].write(&init64(offset + k));
+    }
+    check(ctx.allreduce_grads(AVG), &tag("allreduce_grads AVG"));
+    for k in 0..local {
+        let (w, s) = (
+            from_bytes::<f32>(&w32[k].read()),
+            from_bytes::<i64>(&s64[k].read()),
+        );
+        for i in 0..n32 {
+            assert_eq!(
+                w[i],
+                (sum(i) as f64 / total as f64) as f32,
+                "{}",
+                tag("w avg")
+            );
+        }
+        for i in 0..n64 {
+            assert_eq!(s[i], (sum(i) << 40) / total as i64, "{}", tag("s avg"));
+        }
+    }
+
+    // Broadcast from the last world replica (on the last rank).
+    let p: Vec<Mem> = (0..local)
+        .map(|k| {
+            let v: Vec<f64> = (0..7).map(|i| ((offset + k) * 100 + i) as f64).collect();
+            place.mem_on(ordinals[k], &bytes_of(&v))
+        })
+        .collect();
+    for (k, mem) in p.iter().enumerate() {
+        check(
+            register_raw(ctx.0, "p", PARAM, k, mem.ptr() as *mut _, 7, F64),
+            "register p",
+        );
+    }
+    let root = total - 1;
+    check(ctx.broadcast(PARAM, root), &tag("broadcast"));
+    for mem in &p {
+        let got = from_bytes::<f64>(&mem.read());
+        for (i, &x) in got.iter().enumerate() {
+            assert_eq!(x, (root * 100 + i) as f64, "{}", tag("broadcast value"));
+        }
+    }
+
+    // BMUF over the world: init takes world replica 0's params, a step averages every rank's.
+    let mut p = p;
+    for (k, mem) in p.iter_mut().enumerate() {
+        let v: Vec<f64> = (0..7).map(|i| ((offset + k) * 10 + i) as f64).collect();
+        mem.write(&bytes_of(&v));
+    }
+    check(ctx.bmuf_init(1.0, 0.0, false), &tag("bmuf_init"));
+    for mem in &p {
+        let got = from_bytes::<f64>(&mem.read());
+        assert_eq!(got[3], 3.0, "{}", tag("bmuf_init broadcast"));
+    }
+    for (k, mem) in p.iter_mut().enumerate() {
+        let v: Vec<f64> = (0..7).map(|i| (i + offset + k + 1) as f64).collect();
+        mem.write(&bytes_of(&v));
+    }
+    check(ctx.bmuf_step(), &tag("bmuf_step"));
+    // Momentum 0, block_lr 1: the new model is the mean of the world's params.
+    let g = (total + 1) as f64 / 2.0;
+    for mem in &p {
+        let got = from_bytes::<f64>(&mem.read());
+        for (i, &x) in got.iter().enumerate() {
+            assert_eq!(x, i as f64 + g, "{}", tag("bmuf step"));
+        }
+    }
+
+    // Sparse gradients on CUDA replicas do not cross ranks yet: refused alike on every rank.
+    let idx = place.mem_on(ordinals[0], &bytes_of(&[1i64]));
+    let val = place.mem_on(ordinals[0], &bytes_of(&[1.0f32]));
+    for k in 0..local {
+        let st = ctx.register_sparse("emb", k, 1, F32, I64, 0);
+        check(st, "register_sparse");
+        let st = ctx.sparse_set_raw("emb", k, idx.ptr() as *const _, val.ptr() as *const _, 0);
+        check(st, "sparse_set");
+    }
+    let st = ctx.allreduce_grads(SUM);
+    assert_eq!(st, UNAVAILABLE, "{}", tag(&last_error()));
+    assert!(last_error().contains("sparse"), "{}", last_error());
+    check(ctx.unregister("emb"), "unregister emb");
+    check(ctx.allreduce_grads(SUM), &tag("after the refusal"));
+    check(common::place::synchronize(&ctx), &tag("synchronize"));
+}
