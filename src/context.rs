@@ -224,10 +224,28 @@ impl Context {
         tensors: &[&TensorView],
         more: Vec<String>,
     ) -> Result<()> {
+        self.agree_carrying(verdict, call, tensors, more, false)
+            .map(drop)
+    }
+
+    /// [`Context::agree_with`]; with `small`, a collective whose data rides in the agreement:
+    /// `tensors` (host memory, passed validation) when [`Context::fits_inline`] says so, on
+    /// every rank alike. Then every rank's records come back ([`world::agree`]).
+    fn agree_carrying<T>(
+        &self,
+        verdict: &Result<T>,
+        call: impl FnOnce() -> String,
+        tensors: &[&TensorView],
+        more: Vec<String>,
+        small: bool,
+    ) -> Result<Option<Vec<u64>>> {
         let verdict = verdict.as_ref().map(|_| ()).map_err(Clone::clone);
         let Some(ranks) = self.executor.ranks() else {
-            return verdict;
+            return verdict.map(|()| None);
         };
+        // SAFETY: registered memory stays valid while registered (the C contract).
+        let inline =
+            (small && verdict.is_ok()).then(|| unsafe { self.executor.inline_data(tensors) });
         let mut lines = vec![call()];
         // The memory kind too: it splits buckets, and the ranks' buckets must match.
         let memory = |m: Memory| match m {
@@ -245,7 +263,24 @@ impl Context {
             )
         }));
         lines.extend(more);
-        world::agree(ranks, verdict, &lines)
+        world::agree(ranks, verdict, &lines, inline.as_deref())
+    }
+
+    /// Whether a collective over `tensors` (that passed validation) sends its data inside its
+    /// agreement: host memory, and every rank's replicas' bytes fit the record (decided from
+    /// the replica counts every rank knows, so that every rank decides alike).
+    fn fits_inline(&self, tensors: &[&TensorView]) -> bool {
+        let most = self
+            .topology
+            .replicas_per_rank
+            .iter()
+            .max()
+            .copied()
+            .unwrap_or(0);
+        self.in_world()
+            && !self.options.has_cuda_replicas()
+            && tensors.iter().all(|t| t.memory == Memory::Host)
+            && crate::exec::inline_bytes(tensors) * most <= world::INLINE
     }
 
     fn divisor(&self) -> usize {
@@ -328,15 +363,32 @@ impl Context {
             snapshot.lookup(name)
         };
         let involved: Vec<&TensorView> = tensor.iter().copied().collect();
-        self.agree(
+        let small = tensor.is_ok() && self.fits_inline(&involved);
+        let records = self.agree_carrying(
             &tensor,
             || format!("dpsync_allreduce(name='{name}', op={op:?})"),
             &involved,
+            Vec::new(),
+            small,
         )?;
         let tensor = tensor?;
         // SAFETY: as in allreduce_grads.
         unsafe {
-            (self.executor).allreduce(&[tensor], op, self.divisor(), self.options.fusion_bytes)
+            match records {
+                Some(records) => self.executor.allreduce_inline(
+                    &[tensor],
+                    op,
+                    self.divisor(),
+                    records,
+                    &self.topology.replicas_per_rank,
+                ),
+                None => (self.executor).allreduce(
+                    &[tensor],
+                    op,
+                    self.divisor(),
+                    self.options.fusion_bytes,
+                ),
+            }
         }
     }
 

@@ -423,13 +423,16 @@ macro_rules! by_dtype {
     };
 }
 
-/// How long [`poll`] yields between tests before it sleeps.
+/// How long [`poll`] tests back to back, then yields between tests, before it sleeps.
+const BUSY: Duration = Duration::from_micros(20);
 const SPIN: Duration = Duration::from_millis(2);
 
-/// Waits for `request` within `timeout` (None: forever), yielding the CPU between tests for the
-/// first [`SPIN`] (a small collective completes within microseconds, and a sleep's wake-up would
-/// cost more than the whole call), then sleeping 50 µs between tests: ranks oversubscribe cores
-/// in tests and small clusters, and a rank spinning for long slows the one it waits for.
+/// Waits for `request` within `timeout` (None: forever): testing back to back for the first
+/// [`BUSY`] (a small collective completes within a microsecond or two, and a yield is a system
+/// call that costs a good part of that), then yielding the CPU between tests until [`SPIN`] (a
+/// sleep's wake-up would cost more than the whole call), then sleeping 50 µs between tests:
+/// ranks oversubscribe cores in tests and small clusters, and a rank spinning for long slows
+/// the one it waits for.
 fn poll(request: &mut ffi::MPI_Request, timeout: Option<Duration>, what: &str) -> Result<()> {
     let start = Instant::now();
     loop {
@@ -452,7 +455,10 @@ fn poll(request: &mut ffi::MPI_Request, timeout: Option<Duration>, what: &str) -
                 ));
             }
         }
-        if start.elapsed() < SPIN {
+        let waited = start.elapsed();
+        if waited < BUSY {
+            std::hint::spin_loop();
+        } else if waited < SPIN {
             std::thread::yield_now();
         } else {
             std::thread::sleep(Duration::from_micros(50));

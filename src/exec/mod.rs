@@ -343,6 +343,92 @@ impl Executor {
     pub fn synchronize(&self) -> Result<()> {
         self.backend.synchronize()
     }
+
+    /// A small collective's data for its agreement ([`world::agree`]): every local replica's
+    /// `tensors`, replica after replica, each tensor at an 8-byte aligned offset
+    /// ([`inline_bytes`] per replica).
+    ///
+    /// # Safety
+    /// Every tensor is registered host memory (the caller checked: `Context::fits_inline`).
+    pub unsafe fn inline_data(&self, tensors: &[&TensorView]) -> Vec<u8> {
+        let block = inline_bytes(tensors);
+        let replicas = tensors.first().map_or(0, |t| t.ptrs.len());
+        let mut out = vec![0u8; block * replicas];
+        for k in 0..replicas {
+            let mut at = k * block;
+            for t in tensors {
+                let bytes = t.count * t.dtype.size();
+                std::ptr::copy_nonoverlapping(
+                    t.ptrs[k] as *const u8,
+                    out[at..].as_mut_ptr(),
+                    bytes,
+                );
+                at += bytes.next_multiple_of(8);
+            }
+        }
+        out
+    }
+
+    /// Finishes a small allreduce whose data came with its agreement: `records` hold every
+    /// rank's local replicas' bytes ([`Executor::inline_data`]; `per_rank` replicas each). The
+    /// host sums them in world order (the summation order of one process holding every
+    /// replica), divides for AVG, and writes the result into every local replica.
+    ///
+    /// # Safety
+    /// As for [`Executor::allreduce_buckets`]; `records` came from [`world::agree`] with the
+    /// inline data of these `tensors` on every rank.
+    pub unsafe fn allreduce_inline(
+        &self,
+        tensors: &[&TensorView],
+        op: ReduceOp,
+        divisor: usize,
+        mut records: Vec<u64>,
+        per_rank: &[usize],
+    ) -> Result<()> {
+        let block = inline_bytes(tensors);
+        let mut world_blocks = Vec::new();
+        for (r, &n) in per_rank.iter().enumerate() {
+            let base = world::inline_of(&mut records, r);
+            world_blocks.extend((0..n).map(|k| base + k * block));
+        }
+        let members: Vec<usize> = (0..world_blocks.len()).collect();
+        let avg = (op == ReduceOp::Avg && divisor > 1).then_some(divisor);
+        let backend = self.backend_for(Memory::Host);
+        let mut offset = 0;
+        for t in tensors {
+            let ptrs: Vec<usize> = world_blocks.iter().map(|p| p + offset).collect();
+            let sum = BucketView {
+                dtype: t.dtype,
+                segments: vec![Segment {
+                    ptrs: &ptrs,
+                    count: t.count,
+                }],
+            };
+            // Every block of the records ends with the result; the first is copied out.
+            backend.reduce(0, &members, &sum, avg)?;
+            let out: Vec<usize> = std::iter::once(ptrs[0])
+                .chain(t.ptrs.iter().copied())
+                .collect();
+            let spread = BucketView {
+                dtype: t.dtype,
+                segments: vec![Segment {
+                    ptrs: &out,
+                    count: t.count,
+                }],
+            };
+            backend.spread(0, &spread, 0)?;
+            offset += (t.count * t.dtype.size()).next_multiple_of(8);
+        }
+        Ok(())
+    }
+}
+
+/// Bytes of one replica's `tensors` in a small collective's inline data, each tensor 8-byte
+/// aligned.
+pub fn inline_bytes(tensors: &[&TensorView]) -> usize {
+    (tensors.iter())
+        .map(|t| (t.count * t.dtype.size()).next_multiple_of(8))
+        .sum()
 }
 
 #[cfg(test)]

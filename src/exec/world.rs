@@ -76,25 +76,58 @@ fn fingerprint(lines: &[String]) -> u64 {
     h
 }
 
+/// Bytes of a call's data that ride in its agreement record ([`agree`]): a small collective
+/// then costs one exchange instead of two.
+pub const INLINE: usize = 240;
+
+/// The agreement record: status (4 bytes, 4 of padding), fingerprint (8), inline data.
+const RECORD: usize = 16 + INLINE;
+
 /// Agreement before mutation: `verdict` is this rank's validation, `lines` its call (first line)
 /// and the registrations the call involves (one line per tensor, `name\tdescription`, in
-/// order). One small allgather of (status, fingerprint) when everything agrees; otherwise a
-/// second one of the verdicts' messages and the lines, so that every rank can say what differs,
-/// and every rank fails: with its own error where its own input failed, else INCONSISTENT
-/// naming the ranks and the first difference.
-pub fn agree(ranks: &dyn Ranks, verdict: Result<()>, lines: &[String]) -> Result<()> {
+/// order). One fixed-size allgather of (status, fingerprint, `inline`) when everything agrees;
+/// otherwise a second one of the verdicts' messages and the lines, so that every rank can say
+/// what differs, and every rank fails: with its own error where its own input failed, else
+/// INCONSISTENT naming the ranks and the first difference.
+///
+/// `inline` (at most [`INLINE`] bytes) is this rank's data of a small collective; every rank
+/// must decide alike whether it sends some (from what they agree on), since the fingerprints
+/// do not cover it. On agreement the records come back, [`RECORD`] bytes per rank in rank
+/// order, in 8-byte words; [`inline_of`] finds a rank's data in them.
+pub fn agree(
+    ranks: &dyn Ranks,
+    verdict: Result<()>,
+    lines: &[String],
+    inline: Option<&[u8]>,
+) -> Result<Option<Vec<u64>>> {
+    if let Some(call) = lines.first() {
+        ranks.begin(call);
+    }
     let status = match &verdict {
         Ok(()) => 0u32,
         Err(e) => e.kind.code(),
     };
-    if let Some(call) = lines.first() {
-        ranks.begin(call);
+    let mut record = vec![0u8; RECORD];
+    record[..4].copy_from_slice(&status.to_le_bytes());
+    record[8..16].copy_from_slice(&fingerprint(lines).to_le_bytes());
+    if let Some(data) = inline {
+        record[16..16 + data.len()].copy_from_slice(data);
     }
-    let mut record = status.to_le_bytes().to_vec();
-    record.extend_from_slice(&fingerprint(lines).to_le_bytes());
     let records = ranks.allgather_fixed(&record)?;
-    if records.chunks(record.len()).all(|r| *r == record) && status == 0 {
-        return Ok(());
+    let agreed = records.chunks(RECORD).all(|r| r[..16] == record[..16]);
+    if agreed && status == 0 {
+        return Ok(inline.map(|_| {
+            let mut words = vec![0u64; records.len() / 8];
+            // SAFETY: `words` holds exactly the records' bytes (RECORD is a multiple of 8).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    records.as_ptr(),
+                    words.as_mut_ptr().cast::<u8>(),
+                    records.len(),
+                )
+            };
+            words
+        }));
     }
     // Every rank saw the same records, so every rank takes this second exchange.
     let mine = json!({
@@ -109,6 +142,11 @@ pub fn agree(ranks: &dyn Ranks, verdict: Result<()>, lines: &[String]) -> Result
         .collect();
     verdict?;
     Err(Error::inconsistent(disagreement(&all)))
+}
+
+/// Where rank `rank`'s inline data starts in the records [`agree`] returned (8-byte aligned).
+pub fn inline_of(records: &mut [u64], rank: usize) -> usize {
+    records.as_mut_ptr() as usize + rank * RECORD + 16
 }
 
 /// What the first disagreeing rank does differently, in words.
