@@ -23,6 +23,24 @@
 #include <stdint.h>
 
 /**
+ * Major version of the library this header came with (Cargo.toml's). A program can compare
+ * the three DPSYNC_VERSION_* macros with dpsync_version() to catch a header and a library that
+ * do not belong together.
+ */
+#define DPSYNC_VERSION_MAJOR 0
+
+/**
+ * Minor version of the library this header came with. While the major version is 0, a new
+ * minor version may break the ABI (the shared library's soname carries it).
+ */
+#define DPSYNC_VERSION_MINOR 1
+
+/**
+ * Patch version of the library this header came with.
+ */
+#define DPSYNC_VERSION_PATCH 0
+
+/**
  * Result of every fallible call. `DPSYNC_STATUS_OK` (0) is success; on failure
  * `dpsync_last_error()` says what was wrong. Numbers are never reused.
  */
@@ -440,7 +458,8 @@ enum dpsync_status dpsync_sparse_get(struct dpsync_context *context,
                                      size_t *rows);
 
 /**
- * Library version, e.g. "0.1.0". Static string.
+ * Library version, e.g. "0.1.0": DPSYNC_VERSION_MAJOR.MINOR.PATCH of the library loaded, which
+ * may differ from the header's macros when they do not belong together. Static string.
  */
 const char *dpsync_version(void);
 

@@ -16,27 +16,6 @@
 # fake driver.
 source "$(dirname "$0")/common.sh"
 
-build_fake_cuda() {
-  local out=target/fakecuda
-  mkdir -p "$out"
-  {
-    cat src/backend/cuda/kernels/emulate.hpp
-    cat src/backend/cuda/kernels/{prelude,dense,bmuf,sparse}.cu
-    # The tests' own kernels (tests/fakecuda/spin.cu, which names them for the emulator) and
-    # their clock.
-    cat tests/fakecuda/clock64.hpp tests/fakecuda/spin.cu
-    cat tests/fakecuda/fake_cuda.cpp
-  } >"$out/fake_cuda_all.cpp"
-  # ITEMS_PER_THREAD: prelude.cu's default, which a unit test keeps equal to the Rust side's.
-  c++ -std=c++20 -O2 -ffp-contract=off -fPIC -shared -pthread \
-    -Wl,-soname,libcuda.so.1 -o "$out/libcuda.so.1" "$out/fake_cuda_all.cpp"
-  ln -sf libcuda.so.1 "$out/libcuda.so"
-  # The NCCL stand-in; it finds the fake driver's fake_cuda_* helpers at run time (dlsym).
-  c++ -std=c++20 -O2 -fPIC -shared -pthread -Wl,-soname,libnccl.so.2 \
-    -o "$out/libnccl.so.2" tests/fakecuda/fake_nccl.cpp -ldl
-  ln -sf libnccl.so.2 "$out/libnccl.so"
-}
-
 ensure_tools
 cuda_tools
 step "fake CUDA driver: target/fakecuda/libcuda.so.1"

@@ -32,6 +32,9 @@ build_examples
 step "ctest: C examples"
 (cd build/examples && ctest --output-on-failure)
 
+step "install into a temporary prefix; a C program built against it three ways (scripts/check-install.sh)"
+bash scripts/check-install.sh
+
 step "GPU tests and cuda_train on the fake CUDA driver (CPU emulation; scripts/fake-cuda.sh)"
 bash scripts/fake-cuda.sh
 

@@ -1,7 +1,11 @@
 //! include/dpsync.h must be exactly what the pinned cbindgen generates from the sources.
 //! `DPSYNC_BLESS=1 cargo test --release --test header` (or scripts/gen-header.sh) rewrites it.
+//! Its version macros must be Cargo.toml's version, which `dpsync_version()` returns.
 
+use std::ffi::CStr;
 use std::path::Path;
+
+use dpsync::{dpsync_version, DPSYNC_VERSION_MAJOR, DPSYNC_VERSION_MINOR, DPSYNC_VERSION_PATCH};
 
 #[test]
 fn committed_header_is_up_to_date() {
@@ -34,5 +38,36 @@ fn committed_header_is_up_to_date() {
     assert!(
         committed == generated,
         "include/dpsync.h is stale: run scripts/gen-header.sh and commit the result"
+    );
+}
+
+#[test]
+fn version_macros_are_cargo_tomls_version() {
+    let cargo = |part: &str| part.parse::<u32>().expect("a numeric version part");
+    assert_eq!(
+        [
+            DPSYNC_VERSION_MAJOR,
+            DPSYNC_VERSION_MINOR,
+            DPSYNC_VERSION_PATCH
+        ],
+        [
+            cargo(env!("CARGO_PKG_VERSION_MAJOR")),
+            cargo(env!("CARGO_PKG_VERSION_MINOR")),
+            cargo(env!("CARGO_PKG_VERSION_PATCH")),
+        ],
+        "DPSYNC_VERSION_* in src/ffi/status.rs differ from Cargo.toml's version: update them and \
+         run scripts/gen-header.sh"
+    );
+    // SAFETY: a static NUL-terminated string.
+    let version = unsafe { CStr::from_ptr(dpsync_version()) }
+        .to_str()
+        .unwrap();
+    assert_eq!(version, env!("CARGO_PKG_VERSION"));
+    let macros = format!("{DPSYNC_VERSION_MAJOR}.{DPSYNC_VERSION_MINOR}.{DPSYNC_VERSION_PATCH}");
+    // Cargo.toml's version may carry a pre-release or build suffix ("0.2.0-rc.1").
+    let rest = version.strip_prefix(&macros);
+    assert!(
+        matches!(rest, Some(r) if r.is_empty() || r.starts_with(['-', '+'])),
+        "dpsync_version() is {version}, the macros say {macros}"
     );
 }

@@ -90,7 +90,19 @@ pub enum dpsync_transport {
     DPSYNC_TRANSPORT_HOST = 3,
 }
 
-/// Library version, e.g. "0.1.0". Static string.
+/// Major version of the library this header came with (Cargo.toml's). A program can compare
+/// the three DPSYNC_VERSION_* macros with dpsync_version() to catch a header and a library that
+/// do not belong together.
+pub const DPSYNC_VERSION_MAJOR: u32 = 0;
+/// Minor version of the library this header came with. While the major version is 0, a new
+/// minor version may break the ABI (the shared library's soname carries it).
+pub const DPSYNC_VERSION_MINOR: u32 = 1;
+/// Patch version of the library this header came with.
+pub const DPSYNC_VERSION_PATCH: u32 = 0;
+// tests/header.rs checks these against Cargo.toml's version: cbindgen copies literals only.
+
+/// Library version, e.g. "0.1.0": DPSYNC_VERSION_MAJOR.MINOR.PATCH of the library loaded, which
+/// may differ from the header's macros when they do not belong together. Static string.
 #[no_mangle]
 pub extern "C" fn dpsync_version() -> *const c_char {
     concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
