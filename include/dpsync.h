@@ -165,6 +165,14 @@ typedef struct dpsync_context dpsync_context;
  */
 typedef struct dpsync_options dpsync_options;
 
+/**
+ * Receives one log line: its level (a dpsync_log_level), the text (NUL-terminated, valid only
+ * during the call, no trailing newline) and the user_data given to dpsync_set_log_callback.
+ * Called from whichever thread logs, possibly several at once; it must not call back into
+ * dpsync.
+ */
+typedef void (*dpsync_log_callback)(uint32_t level, const char *message, void *user_data);
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -312,6 +320,19 @@ enum dpsync_status dpsync_plan_describe(const struct dpsync_options *options,
                                         char *buffer,
                                         size_t capacity,
                                         size_t *length);
+
+/**
+ * Routes dpsync's log lines at `level` and more severe (DPSYNC_LOG_OFF: none) to `callback`
+ * instead of stderr. What is logged: context creation (replicas, devices, the transport and
+ * why, the world), plan rebuilds (buckets), fallbacks (NCCL not used, pairs without peer
+ * access staged through the host), timeouts, agreement failures between ranks, and (at DEBUG)
+ * every failed call with its status. A NULL `callback` goes back to the default: nothing, or
+ * stderr at the level the environment variable DPSYNC_LOG names (error, warn, info, debug).
+ * INVALID_ARGUMENT for an unknown `level`. Process-wide; callable at any time.
+ */
+enum dpsync_status dpsync_set_log_callback(dpsync_log_callback callback,
+                                           void *user_data,
+                                           uint32_t level);
 
 /**
  * Creates options with the defaults: 1 host replica, transport AUTO, fusion buckets of 25 MiB,

@@ -11,11 +11,12 @@ use crate::backend;
 use crate::error::{Error, ErrorKind, Result};
 use crate::exec::bmuf::{self, BmufState};
 use crate::exec::{world, Executor, SparseOutputs};
+use crate::log;
 use crate::options::Options;
-use crate::plan::{self, Bucket, Plan, Topology};
+use crate::plan::{self, Bucket, Plan, Topology, TransportChoice};
 use crate::registry::sparse::SparseRegistry;
 use crate::registry::{self, Registration, Registry, Snapshot, TensorView};
-use crate::types::{DType, Device, Memory, ReduceOp, Role, RoleMask};
+use crate::types::{DType, Device, Memory, ReduceOp, Role, RoleMask, Transport};
 
 pub struct Context {
     options: Options,
@@ -66,6 +67,7 @@ impl Context {
                 Some(ranks)
             }
         };
+        log_creation(options, &topology);
         Ok(Context {
             options: options.clone(),
             registry: Registry::new(topology.replicas()),
@@ -166,6 +168,16 @@ impl Context {
                     &snapshot,
                     self.options.fusion_bytes,
                 ));
+                log::debug(|| {
+                    format!(
+                        "plan rebuilt (registry generation {}): {} tensors, {} gradient \
+                         buckets of at most {} bytes",
+                        snapshot.generation,
+                        snapshot.tensors.len(),
+                        plan.buckets.len(),
+                        self.options.fusion_bytes
+                    )
+                });
                 self.prepared = Some((snapshot.clone(), plan.clone()));
                 (snapshot, plan)
             }
@@ -263,7 +275,13 @@ impl Context {
             )
         }));
         lines.extend(more);
-        world::agree(ranks, verdict, &lines, inline.as_deref())
+        let agreed = world::agree(ranks, verdict, &lines, inline.as_deref());
+        if let Err(e) = &agreed {
+            if e.kind == ErrorKind::Inconsistent {
+                log::warn(|| format!("rank {}: {}: {}", self.topology.rank, lines[0], e.message));
+            }
+        }
+        agreed
     }
 
     /// Whether a collective over `tensors` (that passed validation) sends its data inside its
@@ -481,5 +499,56 @@ impl Context {
         let state = self.bmuf.as_ref().ok_or_else(bmuf::not_started)?;
         // SAFETY: as in allreduce_grads; check_params vouches for the state's pointers.
         unsafe { self.executor.bmuf_step(state, divisor) }
+    }
+}
+
+/// What context creation logs: the replicas, the transport and why, the world (info); the
+/// fallbacks a user may not expect (warn).
+fn log_creation(options: &Options, topology: &Topology) {
+    log::info(|| {
+        let devices: Vec<String> = topology.devices.iter().map(ToString::to_string).collect();
+        let world = match topology.world_size {
+            1 => String::new(),
+            n => format!(
+                "; world: rank {} of {n}, replicas per rank {:?}",
+                topology.rank, topology.replicas_per_rank
+            ),
+        };
+        format!(
+            "context created: {} replicas [{}], transport {} ({}){world}",
+            devices.len(),
+            devices.join(", "),
+            topology.transport.name(),
+            topology.transport_reason
+        )
+    });
+    if !options.has_cuda_replicas() {
+        return;
+    }
+    if options.transport == Transport::Auto && topology.transport != TransportChoice::Nccl {
+        log::warn(|| format!("NCCL is not used: {}", topology.transport_reason));
+    }
+    if topology.transport == TransportChoice::PeerCopy {
+        // Distinct GPU pairs without peer access: their sums go through host memory.
+        let n = topology.devices.len();
+        let mut pairs: Vec<(String, String)> = Vec::new();
+        for a in 0..n {
+            for b in 0..n {
+                let (da, db) = (topology.devices[a], topology.devices[b]);
+                let pair = (da.to_string(), db.to_string());
+                if da != db && topology.peer[a * n + b] == 0 && !pairs.contains(&pair) {
+                    pairs.push(pair);
+                }
+            }
+        }
+        if !pairs.is_empty() {
+            log::warn(|| {
+                let list: Vec<String> = pairs.iter().map(|(a, b)| format!("{a}->{b}")).collect();
+                format!(
+                    "no peer access between {}: those transfers are staged through host memory",
+                    list.join(", ")
+                )
+            });
+        }
     }
 }

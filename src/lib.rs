@@ -13,6 +13,7 @@ mod context;
 mod error;
 mod exec;
 mod ffi;
+mod log;
 mod options;
 mod plan;
 mod registry;

@@ -78,7 +78,7 @@ fn fingerprint(lines: &[String]) -> u64 {
 
 /// Bytes of a call's data that ride in its agreement record ([`agree`]): a small collective
 /// then costs one exchange instead of two.
-pub const INLINE: usize = 240;
+pub(crate) const INLINE: usize = 240;
 
 /// The agreement record: status (4 bytes, 4 of padding), fingerprint (8), inline data.
 const RECORD: usize = 16 + INLINE;

@@ -13,6 +13,7 @@ use parking_lot::Mutex;
 use super::status::dpsync_status;
 use crate::context::Context;
 use crate::error::{Error, ErrorKind, Result};
+use crate::log;
 
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
@@ -41,7 +42,15 @@ fn report(result: Result<()>) -> dpsync_status {
         Ok(()) => dpsync_status::DPSYNC_STATUS_OK,
         Err(err) => {
             set_last_error(&err.message);
-            err.kind.into()
+            let status: dpsync_status = err.kind.into();
+            // Timeouts and panics are what a framework must see even when it does not check
+            // every status; the rest is the caller's to report.
+            let level = match err.kind {
+                ErrorKind::Timeout | ErrorKind::Panic => log::Level::Error,
+                _ => log::Level::Debug,
+            };
+            log::log(level, || format!("{status:?}: {}", err.message));
+            status
         }
     }
 }
