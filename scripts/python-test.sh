@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The Python package (python/) on a fresh Debian machine as root: installs it with pip into two
 # virtual environments, runs its pytest suite, the examples and the call benchmark's smoke run.
-#   - target/python/venv: the machine's python3 (pyenv's CPython here) with numpy, pytest and
-#     ml_dtypes from PyPI; torch is not installed there (PyPI's torch wheel pulls about 2 GB of
+#   - target/python/venv: the machine's python3 (pyenv's CPython here) with numpy, pytest,
+#     ml_dtypes and mypy from PyPI; torch is not installed there (PyPI's torch wheel pulls about 2 GB of
 #     CUDA libraries), so its torch tests print "skipped".
 #   - target/python/venv-debian: Debian's /usr/bin/python3 with --system-site-packages, for
 #     Debian's python3-torch (1.13), python3-numpy, python3-pytest and python3-mpi4py; the MPI
@@ -45,9 +45,11 @@ run_suite() {
 }
 
 venv target/python/venv python3
-step "PyPI packages for target/python/venv: numpy, pytest, ml_dtypes"
-target/python/venv/bin/python -m pip install -q numpy pytest ml_dtypes
+step "PyPI packages for target/python/venv: numpy, pytest, ml_dtypes, mypy"
+target/python/venv/bin/python -m pip install -q numpy pytest ml_dtypes mypy
 run_suite target/python/venv
+step "mypy python/dpsync (the package's type hints)"
+(cd python && ../target/python/venv/bin/python -m mypy --ignore-missing-imports dpsync)
 step "call benchmark smoke run (figures: python3 python/benchmarks/bench_call.py)"
 target/python/venv/bin/python python/benchmarks/bench_call.py --calls 2000 --repeats 1
 

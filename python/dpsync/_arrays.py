@@ -30,7 +30,7 @@ SUPPORTED = "float32, float64, float16, bfloat16, int32 or int64"
 
 class ArrayRef(NamedTuple):
     ptr: int
-    count: int
+    elements: int
     dtype: int  # a DPSYNC_DTYPE_* value
     device: str  # "cpu" or "cuda"
     device_index: Optional[int]

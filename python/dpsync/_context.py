@@ -326,7 +326,7 @@ class Context:
         replica = _size(replica, "replica")
         code = _role(role)
         ref = self._array(array, what, writable=True)
-        st = self._lib.dpsync_register(self._h, data, code, replica, ref.ptr, ref.count, ref.dtype)
+        st = self._lib.dpsync_register(self._h, data, code, replica, ref.ptr, ref.elements, ref.dtype)
         if st:
             raise self._error(st, "dpsync_register")
         self._dense.setdefault(name, {})[replica] = ref.keep
@@ -469,7 +469,7 @@ class Context:
         what = "sparse gradient %r on replica %d" % (name, replica)
         i = self._array(indices, what + ": indices", writable=False)
         v = self._array(values, what + ": values", writable=False)
-        rows = i.count
+        rows = i.elements
         spec = self._sparse.get((name, replica))
         if spec is not None:
             row_len, vd, idt = spec
@@ -481,9 +481,9 @@ class Context:
                 raise InvalidArgument(
                     "%s: values are %s, registered as %s" % (what, DTYPE_NAMES[v.dtype], DTYPE_NAMES[vd])
                 )
-            if v.count != rows * row_len:
+            if v.elements != rows * row_len:
                 raise InvalidArgument(
-                    "%s: values hold %d elements, %d rows x row_len %d need %d" % (what, v.count, rows, row_len, rows * row_len)
+                    "%s: values hold %d elements, %d rows x row_len %d need %d" % (what, v.elements, rows, row_len, rows * row_len)
                 )
         # Without a spec the name is not registered on this replica: the call fails before any
         # read (NOT_FOUND or INCONSISTENT).
@@ -540,10 +540,11 @@ def _host_copy(ptr: Optional[int], shape: Tuple[int, ...], code: int, kind: str)
         out = torch.empty(shape, dtype=getattr(torch, DTYPE_NAMES[code]))
         address = out.data_ptr()
     else:
+        assert np is not None
         out = np.empty(shape, dtype=_numpy_dtype(np, code))
         address = out.ctypes.data
     if nbytes:
-        ctypes.memmove(address, ptr, nbytes)
+        ctypes.memmove(address, ptr or 0, nbytes)
     return out
 
 
