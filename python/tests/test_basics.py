@@ -130,3 +130,15 @@ def test_python_m_dpsync_runs_dpsync_info(tmp_path):
     out = run_python("import runpy; runpy.run_module('dpsync', run_name='__main__')", env={"PATH": str(tmp_path)})
     assert out.returncode == 0, out.stderr
     assert "summary from dpsync-info" in out.stdout
+    assert dpsync.library_path() in out.stdout, "which library Python loads, before dpsync-info's"
+    assert '"transport"' not in out.stdout, "dpsync-info's summary replaces the plan"
+
+
+def test_python_m_dpsync_when_dpsync_info_fails(tmp_path):
+    tool = tmp_path / "dpsync-info"
+    tool.write_text("#!/bin/sh\necho 'cannot load'\nexit 1\n")
+    tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    out = run_python("import runpy; runpy.run_module('dpsync', run_name='__main__')", env={"PATH": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    assert "failed (exit 1)" in out.stdout and "cannot load" in out.stdout
+    assert '"transport": "host"' in out.stdout
