@@ -18,6 +18,9 @@ cargo test --release
 step "Python ctypes smoke test"
 python3 tests/python/smoke_test.py target/release/libdpsync.so
 
+step "Python package: pip install ./python into two venvs, pytest, examples (scripts/python-test.sh)"
+bash scripts/python-test.sh
+
 step "contract check: include/dpsync.h against ../shared/api/dpsync.h"
 python3 tests/contract/check_contract.py
 

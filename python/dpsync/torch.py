@@ -1,0 +1,270 @@
+"""dpsync.torch: registers the PyTorch modules (and optimizer state) of every replica.
+
+Names: a parameter is registered as its ``named_parameters()`` name (``"conv1.weight"``), its
+gradient as ``"conv1.weight:grad"``, a buffer as its ``named_buffers()`` name, optimizer state
+as ``"conv1.weight:momentum_buffer"`` (``prefix`` goes in front of each).
+
+Roles: parameters PARAM; gradients GRAD; floating-point buffers (batch-norm running statistics)
+COMPUTED; integer buffers (``num_batches_tracked``) STATE, like the optimizer state: a counter
+that every replica advances alike, which a broadcast sets and which an integer average would
+truncate.
+
+Gradients and ``zero_grad``: dpsync reduces the gradient tensors it registered. PyTorch >= 2.0's
+``zero_grad()`` sets ``p.grad = None``, and backward then allocates a new tensor. The
+registration keeps the registered tensors alive (the library never sees freed memory) and puts
+them back: before every ``ctx.allreduce_grads`` (and, with ``overlap=True``, as each gradient is
+accumulated) a gradient that is None is replaced by the registered tensor zeroed, and a new
+gradient tensor is copied into the registered one, which becomes ``p.grad`` again.
+``zero_grad(set_to_none=False)`` avoids that copy. See docs/API.md, "Python".
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ._context import Context, HookHandle
+from ._errors import Error, InvalidArgument, NotFound
+
+# torch >= 2.1 calls this hook after the gradient is accumulated into p.grad; older versions
+# get the same moment from a hook on the parameter's AccumulateGrad node (as DDP did). A hook
+# on the parameter itself (Tensor.register_hook) runs before accumulation, too early.
+HAS_POST_ACCUMULATE_GRAD_HOOK = hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
+
+_SYNCED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
+
+
+class ModuleRegistration:
+    """What register_modules registered: ``names`` by role, ``skipped`` (buffers and state
+    of dtypes dpsync has no type for, left out), and the hooks. ``remove()`` undoes it."""
+
+    def __init__(self, ctx: Context, modules: List[torch.nn.Module], optimizers: Optional[List[Any]], prefix: str) -> None:
+        self.ctx = ctx
+        self.modules = modules
+        self.optimizers = optimizers
+        self.prefix = prefix
+        self.names: Dict[str, List[str]] = {"param": [], "grad": [], "computed": [], "state": []}
+        self.skipped: List[str] = []
+        self._grads: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, registered gradient)
+        self._param_names: List[Dict[int, str]] = []  # per replica: id(parameter) -> name
+        self._state: Dict[str, List[torch.Tensor]] = {}  # optimizer state name -> per replica tensor
+        self._hooks: List[Any] = []
+        self._grad_accs: List[Any] = []  # AccumulateGrad nodes whose hooks must stay alive
+        self._pre_step: Optional[HookHandle] = None
+
+    def restore_grads(self) -> None:
+        """Make every registered gradient ``p.grad`` again (module docstring). Runs before
+        each ``ctx.allreduce_grads``; call it yourself before calling the C library directly."""
+        for p, owned in self._grads:
+            if p.grad is not owned:
+                _put_back(p, owned)
+
+    def register_optimizer_state(self) -> List[str]:
+        """Register the optimizers' state tensors that exist now as STATE (optimizers create
+        theirs at the first step: call this after it, and after ``load_state_dict``, which
+        replaces them). Returns the names registered by this call."""
+        if not self.optimizers:
+            return []
+        per_replica = [self._optimizer_state(r, opt) for r, opt in enumerate(self.optimizers)]
+        names = [name for name, _ in per_replica[0]]
+        for r, entries in enumerate(per_replica[1:], 1):
+            other = [name for name, _ in entries]
+            if other != names:
+                missing = sorted(set(names) ^ set(other))
+                raise InvalidArgument(
+                    "optimizer state differs between replica 0 and replica %d (%s): step every "
+                    "replica's optimizer before registering its state" % (r, ", ".join(missing[:5]))
+                )
+        new: List[str] = []
+        for i, name in enumerate(names):
+            tensors = [entries[i][1] for entries in per_replica]
+            old = self._state.get(name)
+            if old is not None and all(a is b for a, b in zip(old, tensors)):
+                continue
+            if old is not None:  # replaced (load_state_dict): register the new tensors instead
+                self.ctx.unregister(name)
+                del self._state[name]
+            _register_all(self.ctx, [(name, tensors, "state")])
+            self._state[name] = tensors
+            if name not in self.names["state"]:
+                self.names["state"].append(name)
+            new.append(name)
+        return new
+
+    def _optimizer_state(self, replica: int, optimizer: Any) -> List[Tuple[str, torch.Tensor]]:
+        out = []
+        names = self._param_names[replica]
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                pname = names.get(id(p))
+                state = optimizer.state.get(p)
+                if pname is None or not state:
+                    continue
+                for key in sorted(state):
+                    value = state[key]
+                    if not isinstance(value, torch.Tensor):
+                        continue
+                    name = "%s%s:%s" % (self.prefix, pname, key)
+                    if value.dtype not in _SYNCED_DTYPES or value.numel() == 0:
+                        if replica == 0 and name not in self.skipped:
+                            self.skipped.append(name)
+                        continue
+                    out.append((name, value))
+        return out
+
+    def remove(self) -> None:
+        """Remove the hooks and unregister every name registered here."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self._grad_accs.clear()
+        if self._pre_step is not None:
+            self._pre_step.remove()
+            self._pre_step = None
+        if not self.ctx.closed:
+            for names in self.names.values():
+                for name in names:
+                    try:
+                        self.ctx.unregister(name)
+                    except NotFound:
+                        pass
+        self._grads.clear()
+        self._state.clear()
+
+
+def _put_back(p: torch.Tensor, owned: torch.Tensor) -> None:
+    """p.grad := the registered tensor, holding p.grad's values (zeros if there is none)."""
+    g = p.grad
+    with torch.no_grad():
+        if g is None:
+            owned.zero_()
+        elif g.data_ptr() != owned.data_ptr():
+            owned.copy_(g)
+    p.grad = owned
+
+
+def _register_all(ctx: Context, entries: Sequence[Tuple[str, Sequence[torch.Tensor], str]]) -> None:
+    """Register (name, per-replica tensors, role) entries; every tensor is checked before the
+    first registration, and a failure unregisters the names this call added."""
+    for name, tensors, _ in entries:
+        for r, t in enumerate(tensors):
+            ctx._array(t, "tensor %r on replica %d" % (name, r), writable=True)
+    before = set(ctx._dense)
+    try:
+        for name, tensors, role in entries:
+            for r, t in enumerate(tensors):
+                ctx.register(name, t, role, r)
+    except Error:
+        for name, _, _ in entries:
+            if name not in before and name in ctx._dense:
+                ctx.unregister(name)
+        raise
+
+
+def register_modules(
+    ctx: Context,
+    modules: Sequence[torch.nn.Module],
+    *,
+    optimizers: Optional[Sequence[Any]] = None,
+    overlap: bool = False,
+    prefix: str = "",
+) -> ModuleRegistration:
+    """Register one module per replica (same architecture, e.g. ``copy.deepcopy``): parameters,
+    their gradients (allocated as zeros where ``p.grad`` is None), buffers and, with
+    ``optimizers`` (one per replica), the optimizer state that exists now, in the modules'
+    parameter order (their forward order for sequential models: gradients are reduced last
+    first). ``overlap=True`` calls ``ctx.grad_ready`` as each parameter's gradient is
+    accumulated during backward (one backward per replica per step). Nothing is registered or
+    changed if any tensor is refused.
+    """
+    modules = list(modules)
+    n = ctx.replica_count
+    if len(modules) != n:
+        raise InvalidArgument("%d modules for %d replicas: pass one module per replica" % (len(modules), n))
+    if optimizers is not None:
+        optimizers = list(optimizers)
+        if len(optimizers) != n:
+            raise InvalidArgument("%d optimizers for %d replicas: pass one optimizer per replica" % (len(optimizers), n))
+    reg = ModuleRegistration(ctx, modules, optimizers, prefix)
+    params = [list(m.named_parameters()) for m in modules]
+    buffers = [list(m.named_buffers()) for m in modules]
+    for r in range(1, n):
+        _same_layout(params[0], params[r], r, "parameters")
+        _same_layout(buffers[0], buffers[r], r, "buffers")
+    reg._param_names = [{id(p): name for name, p in replica} for replica in params]
+
+    entries: List[Tuple[str, Sequence[torch.Tensor], str]] = []
+    new_grads: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    grads: List[Tuple[str, List[Tuple[torch.Tensor, torch.Tensor]]]] = []
+    for i, (name, _) in enumerate(params[0]):
+        ps = [params[r][i][1] for r in range(n)]
+        entries.append((prefix + name, ps, "param"))
+        if not ps[0].requires_grad:
+            continue
+        pairs = []
+        for p in ps:
+            owned = p.grad
+            if owned is None:
+                owned = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                new_grads.append((p, owned))
+            pairs.append((p, owned))
+        gname = "%s%s:grad" % (prefix, name)
+        entries.append((gname, [g for _, g in pairs], "grad"))
+        grads.append((gname, pairs))
+    for i, (name, b) in enumerate(buffers[0]):
+        if b.dtype not in _SYNCED_DTYPES or b.numel() == 0:
+            reg.skipped.append(prefix + name)
+            continue
+        role = "computed" if b.is_floating_point() else "state"
+        entries.append((prefix + name, [buffers[r][i][1] for r in range(n)], role))
+
+    _register_all(ctx, entries)
+    for name, _, role in entries:
+        reg.names[role].append(name)
+    for p, owned in new_grads:
+        p.grad = owned
+    reg._grads = [pair for _, pairs in grads for pair in pairs]
+    reg._pre_step = ctx.add_pre_allreduce_grads_hook(reg.restore_grads)
+    if overlap:
+        for gname, pairs in grads:
+            for r, (p, owned) in enumerate(pairs):
+                _add_ready_hook(reg, p, owned, gname, r)
+    if optimizers is not None:
+        try:
+            reg.register_optimizer_state()
+        except Error:
+            reg.remove()
+            raise
+    return reg
+
+
+def _same_layout(first: List[Tuple[str, torch.Tensor]], other: List[Tuple[str, torch.Tensor]], r: int, what: str) -> None:
+    a = [(name, tuple(t.shape), t.dtype) for name, t in first]
+    b = [(name, tuple(t.shape), t.dtype) for name, t in other]
+    if a != b:
+        diff = next(((x, y) for x, y in zip(a, b) if x != y), None) or ("%d %s" % (len(a), what), "%d %s" % (len(b), what))
+        raise InvalidArgument(
+            "replica %d's module differs from replica 0's in its %s: %s on replica 0, %s on replica %d"
+            % (r, what, diff[0], diff[1], r)
+        )
+
+
+def _add_ready_hook(reg: ModuleRegistration, p: torch.Tensor, owned: torch.Tensor, gname: str, replica: int) -> None:
+    ctx = reg.ctx
+
+    def ready(*_: Any) -> None:
+        if p.grad is not owned:
+            _put_back(p, owned)
+        ctx.grad_ready(gname, replica)
+
+    if HAS_POST_ACCUMULATE_GRAD_HOOK:
+        reg._hooks.append(p.register_post_accumulate_grad_hook(ready))
+    else:
+        with torch.enable_grad():
+            acc = p.expand_as(p).grad_fn.next_functions[0][0]  # the parameter's AccumulateGrad node
+        reg._grad_accs.append(acc)
+        reg._hooks.append(acc.register_hook(ready))
+
+
+__all__ = ["HAS_POST_ACCUMULATE_GRAD_HOOK", "ModuleRegistration", "register_modules"]
