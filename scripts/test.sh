@@ -35,6 +35,14 @@ build_examples
 step "ctest: C examples"
 (cd build/examples && ctest --output-on-failure)
 
+step "timeline: the demo's steps traced (DPSYNC_TIMELINE) and rendered to a PNG (scripts/timeline-png.py)"
+python3 -c "import matplotlib" 2>/dev/null || python3 -m pip install -q matplotlib
+trace_dir=$(mktemp -d)
+DPSYNC_TIMELINE="$trace_dir/trace.json" build/examples/train_dense --steps 20 | tail -1
+python3 scripts/timeline-png.py "$trace_dir/trace.json" "$trace_dir/trace.png" --last-ms 0.5
+test -s "$trace_dir/trace.png"
+rm -rf "$trace_dir"
+
 step "install into a temporary prefix; a C program built against it three ways (scripts/check-install.sh)"
 bash scripts/check-install.sh
 

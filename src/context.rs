@@ -16,7 +16,9 @@ use crate::options::Options;
 use crate::plan::{self, Bucket, Plan, Topology, TransportChoice};
 use crate::registry::sparse::SparseRegistry;
 use crate::registry::{self, Registration, Registry, Snapshot, TensorView};
+use crate::timeline::{self, Tracer};
 use crate::types::{DType, Device, Memory, ReduceOp, Role, RoleMask, Transport};
+use serde_json::json;
 
 pub struct Context {
     options: Options,
@@ -33,6 +35,16 @@ pub struct Context {
     sparse_out: SparseOutputs,
     /// This step's `dpsync_grad_ready` marks and the buckets they reduced (context/overlap.rs).
     overlap: overlap::Overlap,
+    /// The timeline (`DPSYNC_TIMELINE`), or `None`.
+    trace: Option<Tracer>,
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        if let Some(t) = &self.trace {
+            t.flush();
+        }
+    }
 }
 
 /// The description of the options' topology with no tensors and no device: a dry run.
@@ -68,12 +80,27 @@ impl Context {
             }
         };
         log_creation(options, &topology);
+        let trace = Tracer::for_context(
+            topology.rank,
+            &match topology.world_size {
+                1 => format!("dpsync (process {})", std::process::id()),
+                n => format!("dpsync rank {} of {n}", topology.rank),
+            },
+            &format!(
+                "{} replicas, transport {}",
+                topology.replicas(),
+                topology.transport.name()
+            ),
+        );
+        let mut executor = Executor::new(backend, &topology, ranks);
+        executor.set_tracer(trace.clone());
         Ok(Context {
             options: options.clone(),
             registry: Registry::new(topology.replicas()),
             sparse: SparseRegistry::new(topology.replicas()),
             sparse_out: SparseOutputs::default(),
-            executor: Executor::new(backend, &topology, ranks),
+            executor,
+            trace,
             topology,
             prepared: None,
             bmuf: None,
@@ -258,6 +285,11 @@ impl Context {
         // SAFETY: registered memory stays valid while registered (the C contract).
         let inline =
             (small && verdict.is_ok()).then(|| unsafe { self.executor.inline_data(tensors) });
+        let _span = timeline::span(
+            self.trace.as_ref(),
+            "agree",
+            || json!({"tensors": tensors.len(), "inline": inline.is_some()}),
+        );
         let mut lines = vec![call()];
         // The memory kind too: it splits buckets, and the ranks' buckets must match.
         let memory = |m: Memory| match m {
@@ -306,6 +338,11 @@ impl Context {
     }
 
     pub fn allreduce_grads(&mut self, op: ReduceOp) -> Result<()> {
+        let _call = timeline::span(
+            self.trace.as_ref(),
+            "dpsync_allreduce_grads",
+            || json!({"op": format!("{op:?}")}),
+        );
         let (snapshot, plan) = self.prepare();
         // Everything checked before any byte moves (in a world, before the agreement): the
         // dense GRADs, then this step's sparse slices (set everywhere, indices in range).
@@ -368,6 +405,11 @@ impl Context {
     }
 
     pub fn allreduce(&mut self, name: &str, op: ReduceOp) -> Result<()> {
+        let _call = timeline::span(
+            self.trace.as_ref(),
+            "dpsync_allreduce",
+            || json!({"name": name, "op": format!("{op:?}")}),
+        );
         let (snapshot, _) = self.prepare();
         let tensor = if self.sparse.contains(name) {
             Err(Error::new(
@@ -412,6 +454,11 @@ impl Context {
 
     /// `root` is a world replica index (rank offsets first; the local index outside a world).
     pub fn broadcast(&mut self, roles: RoleMask, root: usize) -> Result<()> {
+        let _call = timeline::span(
+            self.trace.as_ref(),
+            "dpsync_broadcast",
+            || json!({"roles": roles.bits(), "root": root}),
+        );
         let (snapshot, _) = self.prepare();
         let world_replicas = self.topology.world_replicas();
         let selected = registry::check_replica(root, world_replicas, "root_replica")
@@ -432,6 +479,11 @@ impl Context {
     }
 
     pub fn average(&mut self, roles: RoleMask) -> Result<()> {
+        let _call = timeline::span(
+            self.trace.as_ref(),
+            "dpsync_average",
+            || json!({"roles": roles.bits()}),
+        );
         let (snapshot, _) = self.prepare();
         let selected = snapshot.select(roles);
         self.agree(
@@ -455,6 +507,7 @@ impl Context {
     /// allocated before world replica 0's params are broadcast (in a world, every rank agrees
     /// first), and the previous filter is kept when anything fails.
     pub fn bmuf_init(&mut self, block_lr: f64, block_momentum: f64, nesterov: bool) -> Result<()> {
+        let _call = timeline::span(self.trace.as_ref(), "dpsync_bmuf_init", || json!({}));
         let (snapshot, _) = self.prepare();
         let params = bmuf::params_to_filter(&snapshot);
         let state = bmuf::filter(
@@ -485,6 +538,7 @@ impl Context {
     }
 
     pub fn bmuf_step(&mut self) -> Result<()> {
+        let _call = timeline::span(self.trace.as_ref(), "dpsync_bmuf_step", || json!({}));
         let (snapshot, _) = self.prepare();
         let divisor = self.divisor();
         let verdict = match self.bmuf.as_mut() {

@@ -17,6 +17,7 @@ mod log;
 mod options;
 mod plan;
 mod registry;
+mod timeline;
 mod types;
 
 #[doc(hidden)]

@@ -106,6 +106,9 @@ impl Context {
 
     pub fn grad_ready(&mut self, name: &str, replica: usize) -> Result<()> {
         self.check_replica(replica, "replica")?;
+        if let Some(t) = &self.trace {
+            t.instant("grad_ready", json!({"tensor": name, "replica": replica}));
+        }
         if self.sparse.contains(name) {
             return Err(Error::invalid(format!(
                 "tensor '{name}' is a sparse gradient: dpsync_allreduce_grads gathers it; \

@@ -21,6 +21,8 @@ use super::Site;
 use crate::backend::{Backend, BucketView, Layout, Links, Members, Ranks, Segment, Slot, Streams};
 use crate::error::Result;
 use crate::plan::{Across, Levels, Step, StepOp, Via};
+use crate::timeline::{self, Tracer};
+use serde_json::json;
 
 /// Every replica of `site` ends with the sum of `bucket` over all replicas (divided by `avg`).
 ///
@@ -35,10 +37,11 @@ pub(super) unsafe fn allreduce(
         backend,
         levels,
         ranks,
+        trace,
     } = site;
     if let Some(ranks) = ranks {
         return match backend.streams() {
-            None => allreduce_ranks(backend, levels, ranks, bucket, avg),
+            None => allreduce_ranks(backend, levels, ranks, bucket, avg, trace),
             Some(streams) => allreduce_staged(site, streams, ranks, bucket, avg),
         };
     }
@@ -108,6 +111,7 @@ unsafe fn allreduce_ranks(
     ranks: &dyn Ranks,
     bucket: &BucketView<'_>,
     avg: Option<usize>,
+    trace: Option<&Tracer>,
 ) -> Result<()> {
     if bucket.elements() == 0 {
         return Ok(());
@@ -118,6 +122,7 @@ unsafe fn allreduce_ranks(
         members
     } else {
         if members.len() > 1 {
+            let _span = timeline::span(trace, "local sum", || json!({"replicas": members.len()}));
             backend.reduce(0, members, bucket, None)?;
         }
         std::slice::from_ref(&leader)
@@ -131,8 +136,12 @@ unsafe fn allreduce_ranks(
             count: s.count,
         })
         .collect();
-    ranks.allreduce(bucket.dtype, &segments, avg)?;
+    {
+        let _span = timeline::span(trace, "across ranks", || json!({"ranks": ranks.ranks()}));
+        ranks.allreduce(bucket.dtype, &segments, avg)?;
+    }
     if members.len() > 1 {
+        let _span = timeline::span(trace, "spread", || json!({"replicas": members.len()}));
         backend.spread(0, bucket, leader)?;
     }
     Ok(())
@@ -156,21 +165,32 @@ unsafe fn allreduce_staged(
     if bucket.elements() == 0 {
         return Ok(());
     }
-    allreduce(
-        Site {
-            ranks: None,
-            ..site
-        },
-        bucket,
-        None,
-    )?;
-    let host = stage_out(streams, bucket, 0)?;
+    let trace = site.trace;
+    {
+        let _span = timeline::span(trace, "local levels", || json!({}));
+        allreduce(
+            Site {
+                ranks: None,
+                ..site
+            },
+            bucket,
+            None,
+        )?;
+    }
+    let host = {
+        let _span = timeline::span(trace, "to host", || json!({}));
+        stage_out(streams, bucket, 0)?
+    };
     let whole = [host];
     let segment = Segment {
         ptrs: &whole,
         count: bucket.elements(),
     };
-    ranks.allreduce(bucket.dtype, &[segment], avg)?;
+    {
+        let _span = timeline::span(trace, "across ranks", || json!({"ranks": ranks.ranks()}));
+        ranks.allreduce(bucket.dtype, &[segment], avg)?;
+    }
+    let _span = timeline::span(trace, "from host", || json!({}));
     stage_in(streams, site.levels, bucket, host)
 }
 
@@ -292,8 +312,10 @@ pub(super) unsafe fn broadcast(
         backend,
         levels,
         ranks,
+        trace,
     } = site;
     if let Some(ranks) = ranks {
+        let _span = timeline::span(trace, "across ranks (broadcast)", || json!({}));
         if bucket.elements() == 0 {
             return Ok(());
         }

@@ -23,7 +23,9 @@ use crate::backend::{Backend, BucketView, Ranks, Segment, Streams};
 use crate::error::{Error, Result};
 use crate::plan::{plan_buckets, Bucket, Levels, Topology};
 use crate::registry::TensorView;
+use crate::timeline::{self, Span, Tracer};
 use crate::types::{Memory, ReduceOp};
+use serde_json::json;
 
 pub struct Executor {
     /// The backend of the replicas' own memory.
@@ -35,8 +37,10 @@ pub struct Executor {
     host: Option<(HostBackend, Levels)>,
     /// A `begin`/`end` bracket is open: work inside it needs no bracket of its own.
     in_bracket: AtomicBool,
-    /// Level 3, the other processes of a world (host replicas only, for now).
+    /// Level 3, the other processes of a world.
     ranks: Option<Box<dyn Ranks>>,
+    /// The timeline, when `DPSYNC_TIMELINE` is set.
+    trace: Option<Tracer>,
 }
 
 /// Marks the bracket closed even if its work unwinds.
@@ -92,12 +96,14 @@ fn merge_device_buckets(buckets: &[Bucket]) -> Vec<Bucket> {
     out
 }
 
-/// The backend of one kind of memory, its levels, and the ranks of a world above them.
+/// The backend of one kind of memory, its levels, the ranks of a world above them, and the
+/// timeline.
 #[derive(Clone, Copy)]
 struct Site<'a> {
     backend: &'a dyn Backend,
     levels: &'a Levels,
     ranks: Option<&'a dyn Ranks>,
+    trace: Option<&'a Tracer>,
 }
 
 impl Executor {
@@ -118,7 +124,13 @@ impl Executor {
             host,
             in_bracket: AtomicBool::new(false),
             ranks,
+            trace: None,
         }
+    }
+
+    /// Traces this executor's buckets and levels on the timeline.
+    pub(crate) fn set_tracer(&mut self, trace: Option<Tracer>) {
+        self.trace = trace;
     }
 
     /// The world's engine, in a world.
@@ -200,11 +212,13 @@ impl Executor {
                 backend: host,
                 levels,
                 ranks: self.ranks(),
+                trace: self.trace.as_ref(),
             },
             _ => Site {
                 backend: self.backend.as_ref(),
                 levels: &self.levels,
                 ranks: self.ranks(),
+                trace: self.trace.as_ref(),
             },
         }
     }
@@ -258,7 +272,8 @@ impl Executor {
         };
         let avg = (op == ReduceOp::Avg && divisor > 1).then_some(divisor);
         self.collective(buckets, || {
-            for bucket in buckets {
+            for (b, bucket) in buckets.iter().enumerate() {
+                let _span = self.bucket_span("allreduce bucket", b, bucket, tensors);
                 let site = self.site_to_touch(bucket.memory)?;
                 dense::allreduce(site, &view(bucket, tensors), avg)?;
             }
@@ -332,7 +347,8 @@ impl Executor {
     ) -> Result<()> {
         let buckets = buckets_for(tensors, fusion_bytes);
         self.collective(&buckets, || {
-            for bucket in &buckets {
+            for (b, bucket) in buckets.iter().enumerate() {
+                let _span = self.bucket_span("broadcast bucket", b, &bucket, tensors);
                 let site = self.site_to_touch(bucket.memory)?;
                 dense::broadcast(site, &view(bucket, tensors), root_rank, root)?;
             }
@@ -342,6 +358,24 @@ impl Executor {
 
     pub fn synchronize(&self) -> Result<()> {
         self.backend.synchronize()
+    }
+
+    /// A timeline span for bucket `b`: its tensors' names, dtype, memory and bytes.
+    fn bucket_span(
+        &self,
+        name: &str,
+        b: usize,
+        bucket: &Bucket,
+        tensors: &[&TensorView],
+    ) -> Option<Span> {
+        timeline::span(self.trace.as_ref(), name, || {
+            let names: Vec<&str> = (bucket.tensors.iter())
+                .map(|&t| tensors[t].name.as_str())
+                .collect();
+            json!({"bucket": b, "dtype": bucket.dtype.to_string(),
+                   "memory": format!("{:?}", bucket.memory), "tensors": names,
+                   "bytes": bucket.elements * bucket.dtype.size()})
+        })
     }
 
     /// A small collective's data for its agreement ([`world::agree`]): every local replica's
