@@ -348,7 +348,7 @@ impl Executor {
         let buckets = buckets_for(tensors, fusion_bytes);
         self.collective(&buckets, || {
             for (b, bucket) in buckets.iter().enumerate() {
-                let _span = self.bucket_span("broadcast bucket", b, &bucket, tensors);
+                let _span = self.bucket_span("broadcast bucket", b, bucket, tensors);
                 let site = self.site_to_touch(bucket.memory)?;
                 dense::broadcast(site, &view(bucket, tensors), root_rank, root)?;
             }
