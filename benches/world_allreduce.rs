@@ -239,6 +239,7 @@ fn main() {
                 .expect("mpirun (Open MPI): scripts/common.sh ensure_mpi");
             assert!(status.success(), "{ranks} ranks: {status}");
         }
+        gloo(quick);
         return;
     }
     let part = args
@@ -263,4 +264,35 @@ fn main() {
         "one" => one_float(&world, rank0, quick),
         other => panic!("unknown part {other:?}"),
     }
+}
+
+/// torch.distributed's Gloo on the same sizes, when Debian's PyTorch is installed: the figure a
+/// user would otherwise get (benches/gloo_allreduce.py, 2 ranks).
+fn gloo(quick: bool) {
+    let python = "/usr/bin/python3";
+    let has_torch = Command::new(python)
+        .args(["-c", "import torch.distributed"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_torch {
+        println!(
+            "Gloo: skipped: PyTorch is not installed for {python} (apt-get install python3-torch)"
+        );
+        return;
+    }
+    let script = common::data_file("../gloo_allreduce.py");
+    let mut cmd = Command::new("mpirun");
+    cmd.args([
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-n",
+        "2",
+        python,
+        &script,
+    ]);
+    if quick {
+        cmd.arg("--quick");
+    }
+    let status = cmd.status().expect("mpirun (Open MPI)");
+    assert!(status.success(), "Gloo benchmark: {status}");
 }
