@@ -10,22 +10,20 @@
 mod common {
     pub mod abi;
     pub mod context;
+    pub mod mpi;
     pub mod skip;
 }
 
 use std::ffi::c_void;
 use std::process::Command;
 
+use common::mpi::under_mpirun;
 use common::{abi::*, context::*};
 use dpsync::*;
 use mpi::collective::SystemOperation;
 use mpi::raw::AsRaw;
 use mpi::topology::Color;
 use mpi::traits::*;
-
-fn under_mpirun() -> bool {
-    std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() || std::env::var_os("PMI_SIZE").is_some()
-}
 
 #[test]
 fn three_ranks_split_in_two() {

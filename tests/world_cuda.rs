@@ -18,43 +18,26 @@ mod common {
     pub mod cuda_context;
     pub mod float16;
     pub mod lcg;
+    pub mod mpi;
     pub mod place;
     pub mod skip;
     pub mod sparse;
 }
 
-use std::process::Command;
 use std::ptr;
 
+use common::mpi::{as_rank, launch, under_mpirun};
 use common::place::{Mem, Place};
 use common::{abi::*, context::*, cuda_context::*};
 use dpsync::*;
-
-fn under_mpirun() -> bool {
-    std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() || std::env::var_os("PMI_SIZE").is_some()
-}
 
 #[test]
 fn cuda_worlds_of_two_and_three_ranks() {
     if under_mpirun() {
         return;
     }
-    let exe = std::env::current_exe().expect("the test binary's path");
     for n in [2, 3] {
-        let status = Command::new("timeout")
-            .args(["300", "mpirun", "--allow-run-as-root", "--oversubscribe"])
-            .args(["-n", &n.to_string()])
-            .arg(&exe)
-            .args([
-                "cuda_rank_body",
-                "--exact",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env("DPSYNC_TEST_RANKS", n.to_string())
-            .status()
-            .expect("mpirun (Open MPI) must be installed: scripts/common.sh ensure_mpi");
-        assert!(status.success(), "{n} ranks: {status}");
+        launch("cuda_rank_body", n, 300, None);
     }
 }
 
@@ -82,19 +65,9 @@ fn from_bytes<T: Copy + Default>(b: &[u8]) -> Vec<T> {
 
 #[test]
 fn cuda_rank_body() {
-    if !under_mpirun() {
-        common::skip::skip(format_args!(
-            "cuda_rank_body: skipped: runs only as an MPI rank (cuda_worlds_of_two_and_three_ranks \
-             starts it)"
-        ));
+    let Some((rank, ranks)) = as_rank("cuda_rank_body") else {
         return;
-    }
-    let ranks: usize = std::env::var("DPSYNC_TEST_RANKS").unwrap().parse().unwrap();
-    let rank: usize = std::env::var("OMPI_COMM_WORLD_RANK")
-        .or_else(|_| std::env::var("PMI_RANK"))
-        .unwrap()
-        .parse()
-        .unwrap();
+    };
     let Some(place) = Place::gpus("cuda_rank_body", 2) else {
         return;
     };

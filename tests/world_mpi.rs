@@ -16,50 +16,17 @@ mod common {
     pub mod abi;
     pub mod context;
     pub mod float16;
+    pub mod mpi;
     pub mod skip;
     pub mod sparse;
 }
 
-use std::process::Command;
 use std::ptr;
 
+use common::mpi::{as_rank, launch, under_mpirun};
 use common::{abi::*, context::*, float16::*};
 
 use dpsync::*;
-
-/// Whether this process is a rank started by mpirun (Open MPI, MPICH/Hydra).
-fn under_mpirun() -> bool {
-    std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() || std::env::var_os("PMI_SIZE").is_some()
-}
-
-/// Runs `body` (a test of this binary) as every rank of `mpirun -n ranks`, killed after
-/// `limit_s` seconds (`timeout`): a hang fails the test instead of stalling the suite.
-fn launch(body: &str, ranks: usize, limit_s: u64) {
-    launch_with(body, ranks, limit_s, None)
-}
-
-/// [`launch`], with one more environment variable for the ranks.
-fn launch_with(body: &str, ranks: usize, limit_s: u64, env: Option<(&str, &std::path::Path)>) {
-    let exe = std::env::current_exe().expect("the test binary's path");
-    let mut command = Command::new("timeout");
-    if let Some((key, value)) = env {
-        command.env(key, value);
-    }
-    let status = command
-        .args([
-            &limit_s.to_string(),
-            "mpirun",
-            "--allow-run-as-root",
-            "--oversubscribe",
-        ])
-        .args(["-n", &ranks.to_string()])
-        .arg(&exe)
-        .args([body, "--exact", "--nocapture", "--test-threads=1"])
-        .env("DPSYNC_TEST_RANKS", ranks.to_string())
-        .status()
-        .expect("mpirun (Open MPI) must be installed: scripts/common.sh ensure_mpi");
-    assert!(status.success(), "{body} on {ranks} ranks: {status}");
-}
 
 #[test]
 fn worlds_of_two_and_three_ranks() {
@@ -67,7 +34,7 @@ fn worlds_of_two_and_three_ranks() {
         return; // a rank runs rank_body only
     }
     for n in [2, 3] {
-        launch("rank_body", n, 300);
+        launch("rank_body", n, 300, None);
     }
 }
 
@@ -79,7 +46,7 @@ fn every_rank_writes_its_own_timeline() {
     let dir = std::env::temp_dir().join(format!("dpsync-world-timeline-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let pattern = dir.join("trace-%r.json");
-    launch_with("timeline_body", 2, 120, Some(("DPSYNC_TIMELINE", &pattern)));
+    launch("timeline_body", 2, 120, Some(("DPSYNC_TIMELINE", &pattern)));
     for rank in 0..2 {
         let path = dir.join(format!("trace-{rank}.json"));
         let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
@@ -116,7 +83,7 @@ fn a_stuck_rank_times_out_the_others() {
     if under_mpirun() {
         return;
     }
-    launch("stuck_body", 2, 120);
+    launch("stuck_body", 2, 120, None);
 }
 
 /// Options for `replicas` host replicas in the MPI_COMM_WORLD world; a timeout, so that a rank
@@ -135,24 +102,6 @@ fn world_options(replicas: usize) -> Options {
 /// World replica `w`'s value of element `i`.
 fn value(w: usize, i: usize) -> i64 {
     ((w + 1) * (i + 1)) as i64
-}
-
-/// This rank and the number of ranks, when run by [`launch`]; None (and a printed skip)
-/// otherwise.
-fn as_rank(body: &str) -> Option<(usize, usize)> {
-    if !under_mpirun() {
-        common::skip::skip(format_args!(
-            "{body}: skipped: runs only as an MPI rank (a launcher test of this file starts it)"
-        ));
-        return None;
-    }
-    let ranks: usize = std::env::var("DPSYNC_TEST_RANKS").unwrap().parse().unwrap();
-    let rank: usize = std::env::var("OMPI_COMM_WORLD_RANK")
-        .or_else(|_| std::env::var("PMI_RANK"))
-        .unwrap()
-        .parse()
-        .unwrap();
-    Some((rank, ranks))
 }
 
 #[test]
