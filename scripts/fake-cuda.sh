@@ -65,6 +65,9 @@ for streams in synchronous asynchronous; do
   done
 done
 unset FAKE_CUDA_ASYNC
+step "timeline: device spans of CUDA collectives (tests/timeline.rs), synchronous and asynchronous streams"
+cargo test --release --test timeline "$@"
+FAKE_CUDA_ASYNC=1 cargo test --release --test timeline "$@"
 step "examples_c/cuda_train on the fake CUDA driver"
 build_library
 build_examples

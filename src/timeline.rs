@@ -185,6 +185,31 @@ impl Tracer {
     pub fn flush(&self) {
         self.timeline.flush();
     }
+
+    /// Microseconds since the timeline began: where device spans are placed from.
+    pub fn now_us(&self) -> f64 {
+        self.timeline.now_us()
+    }
+
+    /// A new row of this process named `name` (a device's spans); its id.
+    pub fn row(&self, name: &str) -> usize {
+        let tid = NEXT_TID.fetch_add(1, Ordering::Relaxed);
+        let t = &self.timeline;
+        t.push(
+            json!({"ph": "M", "name": "thread_name", "pid": t.pid, "tid": tid,
+                      "args": {"name": name}}),
+        );
+        tid
+    }
+
+    /// A span measured elsewhere (on a device), on row `tid`.
+    pub fn complete(&self, tid: usize, name: &str, ts_us: f64, dur_us: f64, args: Value) {
+        let t = &self.timeline;
+        t.push(
+            json!({"ph": "X", "name": name, "pid": t.pid, "tid": tid, "ts": ts_us,
+                      "dur": dur_us, "args": args}),
+        );
+    }
 }
 
 /// A span in progress: written as a complete event when dropped (also on an error's way out).

@@ -3,7 +3,14 @@
 
 mod common {
     pub mod abi;
+    pub mod buf;
     pub mod context;
+    pub mod cuda_context;
+    pub mod float16;
+    pub mod lcg;
+    // Only device memory here.
+    #[allow(dead_code)]
+    pub mod place;
     pub mod skip;
 }
 
@@ -42,27 +49,87 @@ fn timeline_child() {
     }
 }
 
+/// Run as a child by `cuda_collectives_get_device_spans`: two steps on two CUDA replicas.
+#[test]
+fn timeline_cuda_child() {
+    if std::env::var_os("DPSYNC_TIMELINE_CHILD").is_none() {
+        common::skip::skip(format_args!(
+            "timeline_cuda_child: skipped: runs only as the child of the timeline tests"
+        ));
+        return;
+    }
+    let Some(place) = common::place::Place::gpu("timeline_cuda_child") else {
+        return;
+    };
+    let Some(ctx) = common::cuda_context::cuda_context("timeline_cuda_child", &[0, 0], |_| {})
+    else {
+        return;
+    };
+    let bytes: Vec<u8> = (0..64u32).flat_map(|x| (x as f32).to_le_bytes()).collect();
+    let g: Vec<common::place::Mem> = (0..2).map(|_| place.mem(&bytes)).collect();
+    for (r, mem) in g.iter().enumerate() {
+        let st = register_raw(ctx.0, "g", GRAD, r, mem.ptr() as *mut _, 64, F32);
+        check(st, "register");
+    }
+    check(ctx.allreduce_grads(SUM), "step");
+    check(ctx.allreduce_grads(SUM), "step");
+    check(common::place::synchronize(&ctx), "synchronize");
+}
+
+#[test]
+fn cuda_collectives_get_device_spans() {
+    let Some(events) = traced_as("timeline_cuda_child", "cuda") else {
+        return;
+    };
+    let rows: Vec<&Value> = (events.iter())
+        .filter(|e| e["name"] == "thread_name" && e["args"]["name"] == "cuda:0 (device time)")
+        .collect();
+    // The child's probe context (Place::gpu) has its row too; the step's context is the last.
+    let row = &rows.last().expect("a device row")["tid"];
+    let device = named(&events, "X", "collective on device");
+    assert_eq!(device.len(), 2, "{events:?}");
+    assert!(device
+        .iter()
+        .all(|e| e["tid"] == *row && e["dur"].as_f64().unwrap() >= 0.0));
+    // Placed on the host's clock: not before the first call began (1 ms of slack).
+    let first_call = named(&events, "X", "dpsync_allreduce_grads")[0]["ts"]
+        .as_f64()
+        .unwrap();
+    assert!(
+        device[0]["ts"].as_f64().unwrap() >= first_call - 1000.0,
+        "{device:?}"
+    );
+}
+
 fn traced(mode: &str) -> Vec<Value> {
+    traced_as("timeline_child", mode).expect("the host child always traces")
+}
+
+/// The events `child` (a test of this binary) traced, or None when it printed that it was
+/// skipped (no CUDA device).
+fn traced_as(child: &str, mode: &str) -> Option<Vec<Value>> {
     let path = std::env::temp_dir().join(format!(
-        "dpsync-timeline-{}-{mode}.json",
+        "dpsync-timeline-{}-{child}-{mode}.json",
         std::process::id()
     ));
     let out = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "timeline_child",
-            "--exact",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+        .args([child, "--exact", "--nocapture", "--test-threads=1"])
         .env("DPSYNC_TIMELINE_CHILD", mode)
         .env("DPSYNC_TIMELINE", &path)
         .output()
         .expect("the test binary runs");
     assert!(out.status.success(), "{out:?}");
+    let printed =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    if let Some(line) = printed.lines().find(|l| l.contains(": skipped: ")) {
+        println!("{line}");
+        let _ = std::fs::remove_file(&path);
+        return None;
+    }
     let text = std::fs::read_to_string(&path).expect("the trace file");
     let _ = std::fs::remove_file(&path);
     match serde_json::from_str::<Value>(&text) {
-        Ok(Value::Array(events)) => events,
+        Ok(Value::Array(events)) => Some(events),
         other => panic!("not a JSON array of events: {other:?}\n{text}"),
     }
 }

@@ -295,6 +295,10 @@ pub(crate) trait Streams {
     /// as its work follows this one on the backend's own streams.
     fn end(&self, join: bool) -> Result<()>;
 
+    /// Puts the device's own spans on the timeline from now on (timed events around every
+    /// collective's work on each device).
+    fn trace(&mut self, tracer: crate::timeline::Tracer) -> Result<()>;
+
     /// A world's level 3 through host memory: page-locked host memory of at least `bytes`
     /// (contents undefined), the same buffer for every bucket until a larger one is needed.
     fn host_stage(&self, bytes: usize) -> Result<usize>;

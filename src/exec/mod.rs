@@ -130,6 +130,12 @@ impl Executor {
 
     /// Traces this executor's buckets and levels on the timeline.
     pub(crate) fn set_tracer(&mut self, trace: Option<Tracer>) {
+        if let (Some(t), Some(streams)) = (&trace, self.backend.streams_mut()) {
+            // Without the device's spans the host's still come.
+            if let Err(e) = streams.trace(t.clone()) {
+                crate::log::warn(|| format!("timeline: no device spans: {}", e.message));
+            }
+        }
         self.trace = trace;
     }
 

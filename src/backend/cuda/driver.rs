@@ -240,6 +240,30 @@ impl Event {
         Ok(Event(e))
     }
 
+    /// An event that keeps time (for the timeline's device spans). Needs the owning context
+    /// current.
+    pub fn timed() -> Result<Event> {
+        let mut e = std::ptr::null_mut();
+        check(
+            // SAFETY: plain driver call.
+            unsafe { sys::cuEventCreate(&mut e, sys::CUevent_flags::CU_EVENT_DEFAULT as u32) },
+            "cuEventCreate (timed)",
+        )?;
+        Ok(Event(e))
+    }
+
+    /// Milliseconds from this event to `later` (both timed, recorded and complete, on one
+    /// device).
+    pub fn elapsed_ms(&self, later: &Event) -> Result<f32> {
+        let mut ms = 0f32;
+        // SAFETY: live events.
+        check(
+            unsafe { sys::cuEventElapsedTime_v2(&mut ms, self.0, later.0) },
+            "cuEventElapsedTime",
+        )?;
+        Ok(ms)
+    }
+
     /// Needs the stream's context current (the legacy stream 0 is per context).
     pub fn record(&self, stream: sys::CUstream) -> Result<()> {
         // SAFETY: both handles are live.

@@ -20,6 +20,7 @@
 //! | `links.rs` | level-2 primitives and NCCL's grouped calls |
 //! | `bmuf.rs`, `sparse.rs` | the BMUF and sparse primitives |
 //! | `stage.rs` | a world's buckets through page-locked host memory |
+//! | `trace.rs` | the timeline's device spans (timed events around each collective) |
 //! | `driver.rs`, `nccl.rs`, `kernels.rs` | cudarc calls and owners, NCCL, the NVRTC kernels |
 
 mod bmuf;
@@ -34,6 +35,7 @@ mod open;
 mod queue;
 mod sparse;
 mod stage;
+mod trace;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -89,6 +91,8 @@ pub(crate) struct CudaBackend {
     dropped: Arc<Mutex<Dropped>>,
     timeout: Option<Duration>,
     driver_version: i32,
+    /// The timeline's device spans, when tracing.
+    trace: Mutex<Option<trace::DeviceTrace>>,
 }
 
 impl Backend for CudaBackend {

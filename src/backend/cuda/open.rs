@@ -117,6 +117,7 @@ impl CudaBackend {
             dropped: Arc::default(),
             timeout,
             driver_version: driver::driver_version(),
+            trace: Mutex::new(None),
         };
         let (transport, reason) = backend.settle_auto(options.transport, transport, reason);
         backend.transport = transport;

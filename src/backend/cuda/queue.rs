@@ -13,6 +13,7 @@ use cudarc::driver::sys;
 use super::driver::{self, DeviceMemory, Event};
 use super::nccl;
 use super::sparse::{CheckSlot, DeferredCheck};
+use super::trace::Timing;
 use super::{distinct_callers, CudaBackend, Group};
 use crate::backend::spares::Spares;
 use crate::backend::Streams;
@@ -24,6 +25,8 @@ use crate::types::Memory;
 pub(super) struct Leftovers {
     /// Device index checks whose answers arrive with the collective.
     pub(super) checks: Vec<DeferredCheck>,
+    /// The timeline's start events of the collective being issued (`trace.rs`).
+    pub(super) timing_starts: Option<Vec<Event>>,
     /// Memory its queued work, or work issued before it, may still use: coalescing maps, and
     /// [`Allocation`]s dropped meanwhile ([`Dropped`]). Spares once it completes.
     pub(super) keep: Vec<DeviceMemory>,
@@ -38,6 +41,8 @@ pub(super) struct Pending {
     /// One completion event per group.
     done: Vec<Event>,
     leftovers: Leftovers,
+    /// Its device span's events, when tracing.
+    timing: Option<Timing>,
 }
 
 #[derive(Default)]
@@ -176,9 +181,15 @@ impl CudaBackend {
                 return Ok(());
             }
             let Pending {
-                done, leftovers, ..
+                done,
+                leftovers,
+                timing,
+                ..
             } = state.pending.pop_front().expect("front exists");
             state.spare.push(done);
+            if let Some(timing) = timing {
+                self.emit(timing);
+            }
             for check in leftovers.checks {
                 let (slot, error) = check.finish();
                 match (&mut state.index_error, error) {
@@ -326,6 +337,8 @@ impl Streams for CudaBackend {
                 r.start.wait_on(g.stream.0)?;
             }
         }
+        let starts = self.timing_starts()?;
+        self.state.lock().issuing.timing_starts = starts;
         Ok(())
     }
 
@@ -351,6 +364,10 @@ impl Streams for CudaBackend {
             )?;
         }
         Ok(())
+    }
+
+    fn trace(&mut self, tracer: crate::timeline::Tracer) -> Result<()> {
+        self.start_tracing(tracer)
     }
 
     fn host_stage(&self, bytes: usize) -> Result<usize> {
@@ -409,10 +426,15 @@ impl Streams for CudaBackend {
         }
         let mut leftovers = std::mem::take(&mut state.issuing);
         leftovers.keep.append(&mut self.dropped.lock().mems);
+        let timing = match leftovers.timing_starts.take() {
+            Some(starts) => Some(self.timing_stops(starts)?),
+            None => None,
+        };
         state.pending.push_back(Pending {
             issued: Instant::now(),
             done,
             leftovers,
+            timing,
         });
         Ok(())
     }
