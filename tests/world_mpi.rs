@@ -222,6 +222,27 @@ fn rank_body() {
         assert_eq!(w32[k][0], value(offset + k, 0) as f32, "others untouched");
     }
 
+    // A bucket larger than the engine's pieces (1 MiB): several transfers in flight.
+    let big_n = 700_000;
+    let mut big: Vec<Vec<f32>> = (0..local)
+        .map(|k| {
+            (0..big_n)
+                .map(|i| ((offset + k) * 3 + i % 1000) as f32)
+                .collect()
+        })
+        .collect();
+    for (k, buf) in big.iter_mut().enumerate() {
+        ctx.reg("big", STATE, k, buf, F32);
+    }
+    check(ctx.allreduce("big", SUM), &tag("allreduce big"));
+    for buf in &big {
+        for i in [0, 262_143, 262_144, 524_288, big_n - 1] {
+            let want: usize = (0..total).map(|w| w * 3 + i % 1000).sum();
+            assert_eq!(buf[i], want as f32, "{}", tag(&format!("big[{i}]")));
+        }
+    }
+    check(ctx.unregister("big"), "unregister big");
+
     // Broadcast from the last world replica: the last rank's last local replica (not its 0).
     let mut p: Vec<Vec<f64>> = (0..local)
         .map(|k| (0..7).map(|i| ((offset + k) * 100 + i) as f64).collect())
