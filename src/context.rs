@@ -63,22 +63,28 @@ pub fn plan_describe(options: &Options) -> Result<String> {
 
 impl Context {
     pub fn new(options: &Options) -> Result<Context> {
-        options.validate()?;
-        let backend::Opened {
-            mut topology,
-            backend,
-        } = backend::open(options)?;
-        // In a world, creation is collective: the engine joins, then the ranks agree on the
-        // options and learn each other's replica counts.
-        let ranks = match &options.world {
+        let opened = options.validate().and_then(|()| backend::open(options));
+        // In a world, creation is collective: the engine joins, then the ranks learn each
+        // other's outcome (a rank whose own options or devices failed fails every rank at once,
+        // not by the others' timeout), agree on the options and learn the replica counts.
+        let world = match &options.world {
             None => None,
             Some(w) => {
                 let ranks = backend::join(w, options.timeout())?;
-                topology.replicas_per_rank = world::settle(&*ranks, options, topology.replicas())?;
-                (topology.rank, topology.world_size) = (ranks.rank(), ranks.ranks());
-                Some(ranks)
+                let local = opened.as_ref().map(|o| o.topology.replicas());
+                let per_rank = world::settle(&*ranks, options, local.map_err(Clone::clone))?;
+                Some((ranks, per_rank))
             }
         };
+        let backend::Opened {
+            mut topology,
+            backend,
+        } = opened?;
+        let ranks = world.map(|(ranks, per_rank)| {
+            topology.replicas_per_rank = per_rank;
+            (topology.rank, topology.world_size) = (ranks.rank(), ranks.ranks());
+            ranks
+        });
         log_creation(options, &topology);
         let trace = Tracer::for_context(
             topology.rank,

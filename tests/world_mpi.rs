@@ -359,6 +359,26 @@ fn rank_body() {
         "{msg}"
     );
     assert!(bad.is_null());
+    // A rank whose own options fail (NCCL for host replicas): its own status there, INCONSISTENT
+    // naming it elsewhere, at once (not after the others' timeout).
+    let o = world_options(1);
+    if rank == 1 {
+        o.set_transport(T_NCCL);
+    }
+    let start = std::time::Instant::now();
+    let st = unsafe { dpsync_context_create(o.0, &mut bad) };
+    let msg = last_error();
+    if rank == 1 {
+        assert_eq!(st, INVALID_ARGUMENT, "{}", tag(&msg));
+    } else {
+        assert_eq!(st, INCONSISTENT, "{}", tag(&msg));
+        assert!(
+            msg.contains("rank 1") && msg.contains("INVALID_ARGUMENT"),
+            "{msg}"
+        );
+    }
+    assert!(start.elapsed().as_secs() < 60, "{}", tag("failed at once"));
+    assert!(bad.is_null());
     drop(ctx);
 }
 

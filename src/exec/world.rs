@@ -28,15 +28,33 @@ fn ranks_text(ranks: &[usize]) -> String {
     }
 }
 
-/// Context creation: every rank's replica count, in rank order, once the options that must
-/// agree do (INCONSISTENT on every rank otherwise, naming the option and the ranks).
-pub fn settle(ranks: &dyn Ranks, options: &Options, local_replicas: usize) -> Result<Vec<usize>> {
-    let mine = json!({"replicas": local_replicas, "options": shared_options(options)});
+/// Context creation: every rank's replica count, in rank order, once every rank made its own
+/// part (`local`: its replica count, or why it failed) and the options that must agree do.
+/// Otherwise every rank fails: a failed rank with its own error, the others INCONSISTENT naming
+/// it; disagreeing options INCONSISTENT naming the option and the ranks.
+pub fn settle(ranks: &dyn Ranks, options: &Options, local: Result<usize>) -> Result<Vec<usize>> {
+    let mine = json!({
+        "replicas": local.as_ref().ok(),
+        "status": local.as_ref().err().map(|e| e.kind.code()),
+        "error": local.as_ref().err().map(|e| e.message.clone()),
+        "options": shared_options(options),
+    });
     let all: Vec<Value> = ranks
         .allgather(mine.to_string().as_bytes())?
         .iter()
         .map(|b| serde_json::from_slice(b).unwrap_or(Value::Null))
         .collect();
+    local?;
+    if let Some((r, v)) = all.iter().enumerate().find(|(_, v)| !v["status"].is_null()) {
+        let kind = (v["status"].as_u64())
+            .and_then(|c| status_name(c as u32))
+            .unwrap_or("an error");
+        return Err(Error::inconsistent(format!(
+            "dpsync_context_create: rank {r} could not create its part of the world ({kind}: \
+             {}); no context was created on any rank",
+            v["error"].as_str().unwrap_or("?")
+        )));
+    }
     let options_of = |r: usize| all[r]["options"].as_array().cloned().unwrap_or_default();
     for (i, option) in options_of(0).iter().enumerate() {
         // Ranks grouped by their value of this option, in order of first appearance.
