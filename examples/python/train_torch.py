@@ -147,7 +147,7 @@ def main():
                 failures.append("replica %d's momentum differs" % r)
     reference = copy.deepcopy(initial)
     train_reference(reference, batches(args.steps, args.batch), n, args.lr)
-    worst = max(float((p - q).abs().max()) for p, q in zip(models[0].parameters(), reference.parameters()))
+    worst = max(float((p - q).detach().abs().max()) for p, q in zip(models[0].parameters(), reference.parameters()))
     tolerance = 1e-4  # float32 gradients summed in another order, through 30 steps of momentum
     if worst > tolerance:
         failures.append("replicas differ from the full-batch model by %.3g (tolerance %g)" % (worst, tolerance))
