@@ -352,18 +352,7 @@ impl Context {
         let (snapshot, plan) = self.prepare();
         // Everything checked before any byte moves (in a world, before the agreement): the
         // dense GRADs, then this step's sparse slices (set everywhere, indices in range).
-        let verdict = (snapshot.grads_to_reduce())
-            .and_then(|()| self.sparse_step())
-            .and_then(
-                |step| match self.in_world() && self.options.has_cuda_replicas() {
-                    true if !step.is_empty() => Err(Error::new(
-                        ErrorKind::Unavailable,
-                        "sparse gradients on CUDA replicas do not cross the ranks of a world in \
-                     this version (host replicas do)",
-                    )),
-                    _ => Ok(step),
-                },
-            );
+        let verdict = (snapshot.grads_to_reduce()).and_then(|()| self.sparse_step());
         let mut lines: Vec<&TensorView> = Vec::new();
         if self.in_world() {
             lines.extend(snapshot.tensors.iter().filter(|t| t.role == Role::Grad));

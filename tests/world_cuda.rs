@@ -7,7 +7,8 @@
 //! every rank, `cuda_rank_body` has a different layout of CUDA replicas: rank 0 two replicas on
 //! GPU 0 (one group), rank 1 one on GPU 0 and one on GPU 1 (two groups: level 2 first), rank 2
 //! one on GPU 1. It checks exact SUM and AVG (f32, f64, i64), a broadcast from the last world
-//! replica, BMUF over the world, describe's staged path, and sparse gradients refused alike.
+//! replica, BMUF over the world, describe's staged path, and sparse gathers (plain and
+//! coalesced) against one host process holding every replica of the world.
 #![cfg(feature = "mpi")]
 #![allow(clippy::needless_range_loop)]
 
@@ -206,19 +207,83 @@ fn cuda_rank_body() {
         }
     }
 
-    // Sparse gradients on CUDA replicas do not cross ranks yet: refused alike on every rank.
-    let idx = place.mem_on(ordinals[0], &bytes_of(&[1i64]));
-    let val = place.mem_on(ordinals[0], &bytes_of(&[1.0f32]));
-    for k in 0..local {
-        let st = ctx.register_sparse("emb", k, 1, F32, I64, 0);
-        check(st, "register_sparse");
-        let st = ctx.sparse_set_raw("emb", k, idx.ptr() as *const _, val.ptr() as *const _, 0);
-        check(st, "sparse_set");
-    }
-    let st = ctx.allreduce_grads(SUM);
-    assert_eq!(st, UNAVAILABLE, "{}", tag(&last_error()));
-    assert!(last_error().contains("sparse"), "{}", last_error());
-    check(ctx.unregister("emb"), "unregister emb");
-    check(ctx.allreduce_grads(SUM), &tag("after the refusal"));
     check(common::place::synchronize(&ctx), &tag("synchronize"));
+    drop(ctx);
+    for coalesce in [false, true] {
+        sparse_across_ranks(&place, rank, ranks, coalesce);
+    }
+}
+
+/// World replica `w`'s rows: indices that repeat across replicas, values that sum exactly.
+fn rows_of(w: usize) -> (Vec<i64>, Vec<f32>) {
+    let n = [3, 0, 2, 4][w % 4];
+    let indices: Vec<i64> = (0..n).map(|j| ((w * 5 + j * 3) % 7) as i64).collect();
+    let values: Vec<f32> = (0..n * 2).map(|c| (w * 10 + c) as f32).collect();
+    (indices, values)
+}
+
+/// Sparse gradients on CUDA replicas across the ranks give the bytes one host process with
+/// every replica of the world gives (plain and coalesced).
+fn sparse_across_ranks(place: &Place, rank: usize, ranks: usize, coalesce: bool) {
+    let sizes: Vec<usize> = (0..ranks).map(|r| layout(r).len()).collect();
+    let (local, total) = (sizes[rank], sizes.iter().sum::<usize>());
+    let offset: usize = sizes[..rank].iter().sum();
+    let ordinals = layout(rank);
+    let tag = |what: &str| format!("rank {rank}/{ranks}, coalesce {coalesce}: {what}");
+    let ctx = cuda_context("cuda_rank_body", ordinals, |o| {
+        o.set_timeout_ms(120_000);
+        o.set_sparse_coalesce(coalesce);
+        // SAFETY: valid options; NULL is MPI_COMM_WORLD.
+        check(
+            unsafe { dpsync_options_set_world_mpi(o.0, ptr::null()) },
+            "world",
+        );
+    })
+    .expect("the CUDA context of the first part");
+    let r = Options::host(total);
+    r.set_sparse_coalesce(coalesce);
+    let reference = Context::new(&r);
+    ctx.reg_sparse_all("emb", 2, F32, I64, 7);
+    reference.reg_sparse_all("emb", 2, F32, I64, 7);
+    let data: Vec<(Vec<i64>, Vec<f32>)> = (0..total).map(rows_of).collect();
+    for (w, (i, v)) in data.iter().enumerate() {
+        check(reference.sparse_set("emb", w, i, v), "reference set");
+    }
+    let mems: Vec<(Mem, Mem)> = (0..local)
+        .map(|k| {
+            let (i, v) = &data[offset + k];
+            (
+                place.mem_on(ordinals[k], &bytes_of(i)),
+                place.mem_on(ordinals[k], &bytes_of(v)),
+            )
+        })
+        .collect();
+    for (k, (i, v)) in mems.iter().enumerate() {
+        let rows = data[offset + k].0.len();
+        let st = ctx.sparse_set_raw("emb", k, i.ptr() as *const _, v.ptr() as *const _, rows);
+        check(st, &tag("sparse_set"));
+    }
+    check(reference.allreduce_grads(SUM), "reference step");
+    check(ctx.allreduce_grads(SUM), &tag("world step"));
+    check(common::place::synchronize(&ctx), &tag("synchronize"));
+    let want = reference.gathered("emb", 0);
+    for k in 0..local {
+        let got = ctx.gathered("emb", k);
+        assert_eq!(got.rows, want.rows, "{}", tag("rows"));
+        let read = |ptr: *const std::ffi::c_void, bytes: usize| {
+            common::place::read_at(place, ptr as usize, bytes)
+        };
+        assert_eq!(
+            read(got.indices, got.rows * 8),
+            bytes_of(&want.indices::<i64>()),
+            "{}",
+            tag("indices")
+        );
+        assert_eq!(
+            read(got.values, got.rows * 8),
+            bytes_of(&want.values::<f32>(2)),
+            "{}",
+            tag("values")
+        );
+    }
 }

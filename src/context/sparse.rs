@@ -19,12 +19,6 @@ pub(super) struct SparseStep {
     groups: Vec<IndexGroup>,
 }
 
-impl SparseStep {
-    pub(super) fn is_empty(&self) -> bool {
-        self.inputs.is_empty()
-    }
-}
-
 impl Context {
     /// A dense registration may not take a sparse gradient's name (unregister would not know
     /// which one is meant).

@@ -473,8 +473,8 @@ impl Executor {
     /// Every part (one per local replica, in order) gathered onto local replica [`ROOT`] in
     /// world order, in new allocations: `(indices, values per member, rows)`, or `None` when
     /// there are no rows at all. In a world every rank's parts come too, in rank order, over
-    /// the engine ([`Ranks::allgather_spans`]: host memory); each message starts with its
-    /// parts' row counts.
+    /// the engine ([`Ranks::allgather_spans`]: host memory, device rows copied through the host
+    /// stage first); each message starts with its parts' row counts.
     unsafe fn gather_to_root(
         &self,
         members: &[&SparseInput],
@@ -500,6 +500,20 @@ impl Executor {
                     for (v, b) in p.values.iter().zip(&row_bytes) {
                         spans.push((*v, p.rows * b));
                     }
+                }
+                // Device rows go through the host stage first (the engine reads host memory).
+                if let Some(streams) = self.backend.streams() {
+                    let per_part = 1 + row_bytes.len();
+                    let bytes: usize = spans[1..].iter().map(|s| s.1).sum();
+                    let mut at = streams.host_stage(bytes)?;
+                    for (i, span) in spans[1..].iter_mut().enumerate() {
+                        if span.1 > 0 {
+                            streams.stage_copy(i / per_part, at, span.0, span.1)?;
+                        }
+                        span.0 = at;
+                        at += span.1;
+                    }
+                    streams.wait_all()?;
                 }
                 messages = ranks.allgather_spans(&spans)?;
                 for message in &messages {
