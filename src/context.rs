@@ -7,7 +7,7 @@ mod sparse;
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use crate::backend;
+use crate::backend::{self, Channel};
 use crate::error::{Error, ErrorKind, Result};
 use crate::exec::bmuf::{self, BmufState};
 use crate::exec::{world, Executor, SparseOutputs};
@@ -37,6 +37,8 @@ pub struct Context {
     overlap: overlap::Overlap,
     /// The timeline (`DPSYNC_TIMELINE`), or `None`.
     trace: Option<Tracer>,
+    /// In a world: whether every rank made the same call at the last agreement.
+    same_call: std::cell::Cell<bool>,
 }
 
 impl Drop for Context {
@@ -107,6 +109,7 @@ impl Context {
             sparse_out: SparseOutputs::default(),
             executor,
             trace,
+            same_call: std::cell::Cell::new(false),
             topology,
             prepared: None,
             bmuf: None,
@@ -313,7 +316,8 @@ impl Context {
             )
         }));
         lines.extend(more);
-        let agreed = world::agree(ranks, verdict, &lines, inline.as_deref());
+        let (agreed, same_call) = world::agree(ranks, verdict, &lines, inline.as_deref());
+        self.same_call.set(same_call);
         if let Err(e) = &agreed {
             if e.kind == ErrorKind::Inconsistent {
                 log::warn(|| format!("rank {}: {}: {}", self.topology.rank, lines[0], e.message));
@@ -350,9 +354,15 @@ impl Context {
             || json!({"op": format!("{op:?}")}),
         );
         let (snapshot, plan) = self.prepare();
+        let tensors: Vec<&TensorView> = snapshot.tensors.iter().collect();
+        // Buckets dpsync_grad_ready reduced this step are not reduced again (context/overlap.rs).
+        let split = self.split_buckets(&plan, &tensors, op);
         // Everything checked before any byte moves (in a world, before the agreement): the
-        // dense GRADs, then this step's sparse slices (set everywhere, indices in range).
-        let verdict = (snapshot.grads_to_reduce()).and_then(|()| self.sparse_step());
+        // dense GRADs, the early buckets' op, then this step's sparse slices (set everywhere,
+        // indices in range).
+        let verdict = (snapshot.grads_to_reduce())
+            .and_then(|()| split.as_ref().map(drop).map_err(Clone::clone))
+            .and_then(|()| self.sparse_step());
         let mut lines: Vec<&TensorView> = Vec::new();
         if self.in_world() {
             lines.extend(snapshot.tensors.iter().filter(|t| t.role == Role::Grad));
@@ -361,16 +371,27 @@ impl Context {
             Ok(step) if self.in_world() => Self::sparse_lines(step),
             _ => Vec::new(),
         };
-        self.agree_with(
+        let agreed = self.agree_with(
             &verdict,
             || format!("dpsync_allreduce_grads(op={op:?})"),
             &lines,
             sparse_lines,
-        )?;
+        );
+        if let Err(e) = agreed {
+            // Every rank failed alike; when every rank was in this call, the buckets some
+            // started early are matched and dropped (otherwise they stay for the next step).
+            if self.in_world() && self.same_call.get() {
+                if let Err(d) = self.drain_world_buckets(&plan) {
+                    // The world failed meanwhile (the engine refuses from now on): the
+                    // agreement's error is the one to report.
+                    log::warn(|| format!("draining the early buckets: {}", d.message));
+                }
+            }
+            return Err(e);
+        }
         let step = verdict?;
-        let tensors: Vec<&TensorView> = snapshot.tensors.iter().collect();
-        // Buckets dpsync_grad_ready reduced this step are not reduced again (context/overlap.rs).
-        let (left, summed) = self.split_buckets(&plan, &tensors, op)?;
+        let (left, summed) = split?;
+        self.finish_world_buckets(&snapshot.tensors, &plan)?;
         let buckets: Cow<'_, [Bucket]> = if left.len() == plan.buckets.len() {
             Cow::Borrowed(&plan.buckets)
         } else {
@@ -384,7 +405,7 @@ impl Context {
             // SAFETY: registered memory stays valid while registered (the C contract).
             let dense = unsafe {
                 (self.executor)
-                    .allreduce_buckets(&buckets, &tensors, op, self.divisor())
+                    .allreduce_buckets(&buckets, &tensors, op, self.divisor(), Channel::Steps)
                     .and_then(|()| self.executor.divide(&summed, self.divisor()))
             };
             if let Err(e) = dense {
@@ -395,7 +416,7 @@ impl Context {
             Ok(sparse)
         })?;
         self.install_sparse(sparse);
-        self.end_overlap_step(op);
+        self.end_overlap_step(op, snapshot.generation);
         Ok(())
     }
 

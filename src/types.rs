@@ -29,6 +29,11 @@ impl DType {
         DType::ALL.get(code as usize).copied()
     }
 
+    /// This type's C code (`DPSYNC_DTYPE_*`).
+    pub fn code(self) -> u32 {
+        DType::ALL.iter().position(|&d| d == self).expect("in ALL") as u32
+    }
+
     pub fn size(self) -> usize {
         match self {
             DType::F32 | DType::I32 => 4,

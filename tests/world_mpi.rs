@@ -39,6 +39,173 @@ fn worlds_of_two_and_three_ranks() {
 }
 
 #[test]
+fn buckets_start_early_across_ranks() {
+    if under_mpirun() {
+        return;
+    }
+    launch("overlap_body", 2, 300, None);
+}
+
+/// `dpsync_grad_ready` in a world: buckets start early in bucket order while the registrations
+/// are those agreed by the last step, ranks that marked different tensors still match, an op
+/// change divides the early sums, a failed step drains what was started with nothing written,
+/// and a rank that re-registered starts nothing early while the other does.
+#[test]
+fn overlap_body() {
+    let Some((rank, ranks)) = as_rank("overlap_body") else {
+        return;
+    };
+    let local = rank + 1;
+    let total: usize = (1..=ranks).sum();
+    let offset: usize = (1..=rank).sum();
+    let o = world_options(local);
+    o.set_fusion_bytes(4000); // 1000 f32: a bucket per gradient
+    let ctx = Context::new(&o);
+    let tag = |what: &str| format!("rank {rank}/{ranks}: {what}");
+    let n = 1000;
+    let names = ["g0", "g1", "g2", "g3"];
+    let fill = |g: &mut Vec<Vec<Vec<f32>>>| {
+        for (t, per_replica) in g.iter_mut().enumerate() {
+            for (k, buf) in per_replica.iter_mut().enumerate() {
+                for (i, x) in buf.iter_mut().enumerate() {
+                    *x = (value(offset + k, i) as usize * (t + 1)) as f32;
+                }
+            }
+        }
+    };
+    let mut g: Vec<Vec<Vec<f32>>> = vec![vec![vec![0.0; n]; local]; names.len()];
+    fill(&mut g);
+    for (t, per_replica) in g.iter_mut().enumerate() {
+        for (k, buf) in per_replica.iter_mut().enumerate() {
+            ctx.reg(names[t], GRAD, k, buf, F32);
+        }
+    }
+    // Σ over the world of value(w, i) * (t + 1).
+    let sum = |t: usize, i: usize| ((i + 1) * total * (total + 1) / 2 * (t + 1)) as f32;
+    let expect = |g: &Vec<Vec<Vec<f32>>>, div: f32, what: &str| {
+        for (t, per_replica) in g.iter().enumerate() {
+            for buf in per_replica {
+                for i in [0, 1, n - 1] {
+                    assert_eq!(
+                        buf[i],
+                        sum(t, i) / div,
+                        "{}",
+                        tag(&format!("{what}: g{t}[{i}]"))
+                    );
+                }
+            }
+        }
+    };
+    let mark = |tensors: &[usize]| {
+        for &t in tensors {
+            for k in 0..local {
+                check(ctx.grad_ready(names[t], k), &tag("grad_ready"));
+            }
+        }
+    };
+    let early = || ctx.describe_json()["overlap"]["buckets_reduced_early_last_step"].clone();
+
+    // Step 1: nothing starts early before the first step.
+    mark(&[0, 1, 2, 3]);
+    check(ctx.allreduce_grads(SUM), &tag("step 1"));
+    expect(&g, 1.0, "step 1");
+    assert_eq!(early(), 0, "{}", tag("step 1 early"));
+
+    // Step 2: rank 0 marks everything (backward order), rank 1 two tensors only.
+    fill(&mut g);
+    mark(if rank == 0 { &[3, 2, 1, 0] } else { &[1, 2] });
+    check(ctx.allreduce_grads(SUM), &tag("step 2"));
+    expect(&g, 1.0, "step 2");
+    if rank == 0 {
+        assert_eq!(early(), 4, "{}", tag("step 2: every bucket started early"));
+    }
+
+    // Step 3: the op changes to AVG: the early buckets were summed, then divided.
+    fill(&mut g);
+    mark(&[0, 1, 2, 3]);
+    check(ctx.allreduce_grads(AVG), &tag("step 3"));
+    expect(&g, total as f32, "step 3");
+    assert_eq!(early(), 4, "{}", tag("step 3 early"));
+
+    // Step 4: rank 0's early buckets were averaged, so SUM is refused there: every rank fails,
+    // the started transfers are drained, nothing is written; then AVG works.
+    fill(&mut g);
+    if rank == 0 {
+        mark(&[0, 1, 2, 3]);
+    }
+    let st = ctx.allreduce_grads(SUM);
+    let msg = last_error();
+    assert_eq!(
+        st,
+        if rank == 0 {
+            INVALID_STATE
+        } else {
+            INCONSISTENT
+        },
+        "{}",
+        tag(&msg)
+    );
+    for (t, per_replica) in g.iter().enumerate() {
+        for (k, buf) in per_replica.iter().enumerate() {
+            let want = (value(offset + k, 5) as usize * (t + 1)) as f32;
+            assert_eq!(buf[5], want, "{}", tag("step 4: nothing written"));
+        }
+    }
+    check(ctx.allreduce_grads(AVG), &tag("step 4, again with AVG"));
+    expect(&g, total as f32, "step 4");
+
+    // Step 5: rank 1 registers another tensor (a STATE, outside the step): its registrations
+    // are not the agreed ones any more, so it starts nothing early; rank 0 does. They match.
+    let mut extra: Vec<Vec<f32>> = vec![vec![0.0; 3]; local];
+    if rank == 1 {
+        for (k, buf) in extra.iter_mut().enumerate() {
+            ctx.reg("extra", STATE, k, buf, F32);
+        }
+    }
+    fill(&mut g);
+    mark(&[0, 1, 2, 3]);
+    check(ctx.allreduce_grads(AVG), &tag("step 5"));
+    expect(&g, total as f32, "step 5");
+    assert_eq!(
+        early(),
+        if rank == 1 { 0 } else { 4 },
+        "{}",
+        tag("step 5 early")
+    );
+
+    // Step 6: both agreed again: both start early.
+    fill(&mut g);
+    mark(&[3, 1, 0, 2]);
+    check(ctx.allreduce_grads(AVG), &tag("step 6"));
+    expect(&g, total as f32, "step 6");
+    assert_eq!(early(), 4, "{}", tag("step 6 early"));
+
+    // Step 7: rank 0 starts every bucket early and calls dpsync_allreduce_grads while rank 1
+    // calls another collective: both fail, and rank 0 keeps its started buckets for the step
+    // both then finish.
+    fill(&mut g);
+    if rank == 0 {
+        mark(&[0, 1, 2, 3]);
+    }
+    let st = if rank == 0 {
+        ctx.allreduce_grads(AVG)
+    } else {
+        ctx.allreduce("g0", AVG)
+    };
+    assert_eq!(st, INCONSISTENT, "{}", tag(&last_error()));
+    check(ctx.allreduce_grads(AVG), &tag("step 7"));
+    expect(&g, total as f32, "step 7");
+    if rank == 0 {
+        assert_eq!(
+            early(),
+            4,
+            "{}",
+            tag("step 7: the started buckets were kept")
+        );
+    }
+}
+
+#[test]
 fn every_rank_writes_its_own_timeline() {
     if under_mpirun() {
         return;

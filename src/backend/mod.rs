@@ -435,10 +435,34 @@ pub(crate) trait Ranks: Send {
     /// Every pointer is valid for `count` aligned elements of `dtype` in host memory.
     unsafe fn allreduce(
         &self,
+        channel: Channel,
         dtype: DType,
         segments: &[Segment<'_>],
         avg: Option<usize>,
     ) -> Result<()>;
+
+    /// Starts a gradient step's bucket transfer on [`Channel::Steps`] without waiting for it
+    /// (`dpsync_grad_ready` in a world): every segment's contributions (its `ptrs`) are read
+    /// and summed into the engine's own stage now, and [`Ranks::finish`] writes the result into
+    /// every segment's `ptrs[0]`. `count` elements in all; no segments: zeros of that size (a
+    /// stand-in for a bucket another rank started, when a failed step is drained).
+    ///
+    /// # Safety
+    /// As for [`Ranks::allreduce`], until `finish` for `ptrs[0]`.
+    unsafe fn start(
+        &self,
+        dtype: DType,
+        segments: &[Segment<'_>],
+        count: usize,
+        avg: Option<usize>,
+    ) -> Result<Ticket>;
+
+    /// Waits for a started transfer within the timeout (a timeout fails the world) and, with
+    /// `write`, writes its result.
+    ///
+    /// # Safety
+    /// The outputs given to [`Ranks::start`] are still valid.
+    unsafe fn finish(&self, ticket: Ticket, write: bool) -> Result<()>;
 
     /// Every span `(ptr, bytes)` := rank `root`'s, as one message.
     ///
@@ -466,6 +490,21 @@ pub(crate) trait Ranks: Send {
         self.allgather(&mine)
     }
 }
+
+/// Which of the engine's channels a transfer goes on: the collectives', or the gradient
+/// steps' (whose buckets may start ahead of `dpsync_allreduce_grads`, so they keep an order of
+/// their own).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Channel {
+    Calls,
+    Steps,
+}
+
+/// A transfer started by [`Ranks::start`], finished by [`Ranks::finish`] (the engine's own
+/// state, opaque here). Dropped unfinished, it leaks its buffers: the transfer may still write.
+// Read by the engine only (the MPI one is built with the `mpi` feature).
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+pub(crate) struct Ticket(pub(crate) Box<dyn std::any::Any + Send>);
 
 /// The world the caller's `mpi_comm` names (NULL: `MPI_COMM_WORLD`), its value copied now.
 /// UNAVAILABLE in a build without the MPI engine.

@@ -13,7 +13,7 @@ use mpi::ffi;
 use parking_lot::Mutex;
 use serde_json::json;
 
-use super::{Ranks, Segment};
+use super::{Channel, Ranks, Segment, Ticket};
 use crate::error::{Error, ErrorKind, Result};
 use crate::options::World;
 use crate::types::DType;
@@ -170,7 +170,15 @@ struct Comm(ffi::MPI_Comm);
 unsafe impl Send for Comm {}
 
 pub(crate) struct MpiRanks {
+    /// Agreements, broadcasts, gathers and the transfers of every collective but the gradient
+    /// steps'.
     comm: Comm,
+    /// The gradient steps' bucket transfers ([`Channel::Steps`]): every rank issues a step's
+    /// buckets here in bucket order, some ahead of the step (`dpsync_grad_ready`), so they must
+    /// not interleave with the other collectives.
+    steps: Comm,
+    /// Stages of finished early transfers, for reuse.
+    spare: Mutex<Vec<Vec<u64>>>,
     rank: usize,
     size: usize,
     timeout: Option<Duration>,
@@ -185,6 +193,57 @@ pub(crate) struct MpiRanks {
     /// buffers: then they are leaked, never the caller's memory (and MPI_IN_PLACE's value
     /// differs between MPI implementations, so dpsync never passes it).
     scratch: Mutex<[Vec<u64>; 2]>,
+}
+
+/// A duplicate of `parent` (non-blocking, polled within `timeout`) whose errors are returned.
+///
+/// # Safety
+/// `parent` is a valid communicator.
+unsafe fn duplicate(parent: ffi::MPI_Comm, timeout: Option<Duration>) -> Result<ffi::MPI_Comm> {
+    let mut comm = MaybeUninit::<ffi::MPI_Comm>::uninit();
+    let mut request = MaybeUninit::<ffi::MPI_Request>::uninit();
+    check(
+        "MPI_Comm_idup",
+        ffi::MPI_Comm_idup(parent, comm.as_mut_ptr(), request.as_mut_ptr()),
+    )?;
+    let mut request = request.assume_init();
+    poll(
+        &mut request,
+        Instant::now(),
+        timeout,
+        "dpsync_context_create (MPI_Comm_idup)",
+    )?;
+    // The request completed: MPI wrote the communicator.
+    let comm = comm.assume_init();
+    ffi::MPI_Comm_set_errhandler(comm, ffi::RSMPI_ERRORS_RETURN);
+    Ok(comm)
+}
+
+/// A gradient bucket's transfer started ahead ([`Ranks::start`]): its requests, its own stages
+/// and where the result goes.
+struct Started {
+    requests: Vec<ffi::MPI_Request>,
+    send: Vec<u64>,
+    recv: Vec<u64>,
+    dtype: DType,
+    avg: Option<usize>,
+    /// `(ptr, count)` per segment: this rank's output.
+    outs: Vec<(usize, usize)>,
+    /// All requests completed: the stages may be freed.
+    done: bool,
+}
+
+// SAFETY: requests and stages are plain data; MPI_THREAD_MULTIPLE lets any thread wait.
+unsafe impl Send for Started {}
+
+impl Drop for Started {
+    fn drop(&mut self) {
+        if !self.done {
+            // Still pending (a timeout, or a context dropped mid-step): MPI may write later.
+            std::mem::forget(std::mem::take(&mut self.send));
+            std::mem::forget(std::mem::take(&mut self.recv));
+        }
+    }
 }
 
 /// One MPI call's return code as a result.
@@ -214,32 +273,19 @@ impl MpiRanks {
             }
         };
         let timeout = (timeout_ms > 0).then(|| Duration::from_millis(timeout_ms));
-        let mut comm = MaybeUninit::<ffi::MPI_Comm>::uninit();
-        let mut request = MaybeUninit::<ffi::MPI_Request>::uninit();
-        // SAFETY: outputs written by MPI_Comm_idup, read only after its request completed.
-        let comm = unsafe {
-            check(
-                "MPI_Comm_idup",
-                ffi::MPI_Comm_idup(parent, comm.as_mut_ptr(), request.as_mut_ptr()),
-            )?;
-            let mut request = request.assume_init();
-            poll(
-                &mut request,
-                Instant::now(),
-                timeout,
-                "dpsync_context_create (MPI_Comm_idup)",
-            )?;
-            comm.assume_init()
-        };
+        // SAFETY: `parent` is a valid communicator of this MPI; so is the first duplicate.
+        let comm = unsafe { duplicate(parent, timeout)? };
+        let steps = unsafe { duplicate(comm, timeout)? };
         let (mut rank, mut size) = (0, 0);
-        // SAFETY: a valid communicator; errors on it are returned, not fatal.
+        // SAFETY: a valid communicator.
         unsafe {
-            ffi::MPI_Comm_set_errhandler(comm, ffi::RSMPI_ERRORS_RETURN);
             ffi::MPI_Comm_rank(comm, &mut rank);
             ffi::MPI_Comm_size(comm, &mut size);
         }
         Ok(MpiRanks {
             comm: Comm(comm),
+            steps: Comm(steps),
+            spare: Mutex::new(Vec::new()),
             rank: rank as usize,
             size: size as usize,
             timeout,
@@ -313,6 +359,7 @@ impl MpiRanks {
     /// Both hold `count` elements of `size` bytes of `datatype`.
     unsafe fn allreduce_raw(
         &self,
+        channel: Channel,
         datatype: ffi::MPI_Datatype,
         size: usize,
         send: *const u8,
@@ -320,6 +367,7 @@ impl MpiRanks {
         count: usize,
     ) -> Result<()> {
         let piece = (PIECE / size).max(1);
+        let comm = self.comm_of(channel);
         self.run_pieces("MPI_Iallreduce", count.div_ceil(piece), |i, request| {
             let start = i * piece;
             ffi::MPI_Iallreduce(
@@ -328,10 +376,31 @@ impl MpiRanks {
                 count_of(piece.min(count - start)),
                 datatype,
                 ffi::RSMPI_SUM,
-                self.comm.0,
+                comm,
                 request,
             )
         })
+    }
+
+    fn comm_of(&self, channel: Channel) -> ffi::MPI_Comm {
+        match channel {
+            Channel::Calls => self.comm.0,
+            Channel::Steps => self.steps.0,
+        }
+    }
+
+    /// Marks the world failed (a timeout or an MPI error mid-transfer) and names the call.
+    fn failing(&self, mut e: Error) -> Error {
+        e.message = format!("{}: {}", self.call.lock(), e.message);
+        *self.failed.lock() = Some(e.message.clone());
+        e
+    }
+
+    /// A stage of at least `bytes`, from the spares if one fits.
+    fn spare_stage(&self, bytes: usize) -> Vec<u64> {
+        let mut words = self.spare.lock().pop().unwrap_or_default();
+        stage(&mut words, bytes);
+        words
     }
 }
 
@@ -455,6 +524,52 @@ macro_rules! by_dtype {
     };
 }
 
+/// The MPI type a dtype is summed in, and its size (f16/bf16: f32, rounded once at the end).
+fn mpi_type(dtype: DType) -> (ffi::MPI_Datatype, usize) {
+    // SAFETY: link-time constants of the MPI library.
+    unsafe {
+        match dtype {
+            DType::F32 => (ffi::RSMPI_FLOAT, 4),
+            DType::F64 => (ffi::RSMPI_DOUBLE, 8),
+            DType::I32 => (ffi::RSMPI_INT32_T, 4),
+            DType::I64 => (ffi::RSMPI_INT64_T, 8),
+            DType::F16 | DType::Bf16 => (ffi::RSMPI_FLOAT, 4),
+        }
+    }
+}
+
+/// Every segment's contributions summed into `send`, segment after segment, in MPI's type.
+///
+/// # Safety
+/// As for [`gather_in`]; `send` holds every segment.
+unsafe fn stage_in(dtype: DType, segments: &[Segment<'_>], send: *mut u8) {
+    let size = mpi_type(dtype).1;
+    let mut at = 0;
+    for s in segments {
+        let dst = send.add(at * size);
+        by_dtype!(dtype, |widen, add, _divide, _narrow| gather_in(
+            s.ptrs, dst, s.count, widen, add
+        ));
+        at += s.count;
+    }
+}
+
+/// `recv`, segment after segment, divided by `avg` and rounded once into each `(ptr, count)`.
+///
+/// # Safety
+/// As for [`scatter_out`]; `recv` holds every segment.
+unsafe fn stage_out(dtype: DType, recv: *const u8, outs: &[(usize, usize)], avg: Option<usize>) {
+    let size = mpi_type(dtype).1;
+    let mut at = 0;
+    for &(ptr, count) in outs {
+        let src = recv.add(at * size);
+        by_dtype!(dtype, |_widen, _add, divide, narrow| scatter_out(
+            src, ptr, count, avg, divide, narrow
+        ));
+        at += count;
+    }
+}
+
 /// How long [`poll`] tests back to back, then yields between tests, before it sleeps.
 const BUSY: Duration = Duration::from_micros(20);
 const SPIN: Duration = Duration::from_millis(2);
@@ -524,43 +639,92 @@ impl Ranks for MpiRanks {
 
     unsafe fn allreduce(
         &self,
+        channel: Channel,
         dtype: DType,
         segments: &[Segment<'_>],
         avg: Option<usize>,
     ) -> Result<()> {
         self.refuse_if_failed()?;
-        let (datatype, size) = match dtype {
-            DType::F32 => (ffi::RSMPI_FLOAT, 4),
-            DType::F64 => (ffi::RSMPI_DOUBLE, 8),
-            DType::I32 => (ffi::RSMPI_INT32_T, 4),
-            DType::I64 => (ffi::RSMPI_INT64_T, 8),
-            // No half-precision MPI type: summed in f32, rounded once.
-            DType::F16 | DType::Bf16 => (ffi::RSMPI_FLOAT, 4),
-        };
+        let (datatype, size) = mpi_type(dtype);
         let count: usize = segments.iter().map(|s| s.count).sum();
         let mut scratch = self.scratch.lock();
         let [send, recv] = &mut *scratch;
         let (send, recv) = (stage(send, count * size), stage(recv, count * size));
-        let mut at = 0;
-        for s in segments {
-            let dst = send.add(at * size);
-            by_dtype!(dtype, |widen, add, _divide, _narrow| gather_in(
-                s.ptrs, dst, s.count, widen, add
-            ));
-            at += s.count;
-        }
-        if let Err(e) = self.allreduce_raw(datatype, size, send, recv, count) {
+        stage_in(dtype, segments, send);
+        if let Err(e) = self.allreduce_raw(channel, datatype, size, send, recv, count) {
             std::mem::forget(std::mem::take(&mut *scratch));
             return Err(e);
         }
-        let mut at = 0;
-        for s in segments {
-            let src = recv.add(at * size);
-            by_dtype!(dtype, |_widen, _add, divide, narrow| scatter_out(
-                src, s.ptrs[0], s.count, avg, divide, narrow
-            ));
-            at += s.count;
+        let outs: Vec<(usize, usize)> = segments.iter().map(|s| (s.ptrs[0], s.count)).collect();
+        stage_out(dtype, recv, &outs, avg);
+        Ok(())
+    }
+
+    unsafe fn start(
+        &self,
+        dtype: DType,
+        segments: &[Segment<'_>],
+        count: usize,
+        avg: Option<usize>,
+    ) -> Result<Ticket> {
+        self.refuse_if_failed()?;
+        let (datatype, size) = mpi_type(dtype);
+        let mut started = Started {
+            requests: Vec::new(),
+            send: self.spare_stage(count * size),
+            recv: self.spare_stage(count * size),
+            dtype,
+            avg,
+            outs: segments.iter().map(|s| (s.ptrs[0], s.count)).collect(),
+            done: false,
+        };
+        let (send, recv) = (
+            started.send.as_mut_ptr().cast::<u8>(),
+            started.recv.as_mut_ptr().cast::<u8>(),
+        );
+        if segments.is_empty() {
+            // A stand-in for another rank's bucket (draining): zeros of its size.
+            std::ptr::write_bytes(send, 0, count * size);
         }
+        stage_in(dtype, segments, send);
+        let piece = (PIECE / size).max(1);
+        for start in (0..count).step_by(piece) {
+            let mut request = MaybeUninit::<ffi::MPI_Request>::uninit();
+            let rc = ffi::MPI_Iallreduce(
+                send.add(start * size).cast(),
+                recv.add(start * size).cast(),
+                count_of(piece.min(count - start)),
+                datatype,
+                ffi::RSMPI_SUM,
+                self.steps.0,
+                request.as_mut_ptr(),
+            );
+            if let Err(e) = check("MPI_Iallreduce", rc) {
+                return Err(self.failing(e)); // `started` leaks its stages on drop
+            }
+            started.requests.push(request.assume_init());
+        }
+        Ok(Ticket(Box::new(started)))
+    }
+
+    unsafe fn finish(&self, ticket: Ticket, write: bool) -> Result<()> {
+        let Ok(mut started) = ticket.0.downcast::<Started>() else {
+            unreachable!("a ticket of another engine");
+        };
+        let since = Instant::now();
+        for request in &mut started.requests {
+            if let Err(e) = poll(request, since, self.timeout, "MPI_Iallreduce") {
+                return Err(self.failing(e)); // the stages leak on drop: MPI may still write
+            }
+        }
+        started.done = true;
+        if write {
+            let recv = started.recv.as_ptr().cast::<u8>();
+            stage_out(started.dtype, recv, &started.outs, started.avg);
+        }
+        let mut spare = self.spare.lock();
+        spare.push(std::mem::take(&mut started.send));
+        spare.push(std::mem::take(&mut started.recv));
         Ok(())
     }
 
@@ -649,6 +813,10 @@ impl Ranks for MpiRanks {
             return Err(e);
         }
         let total: u64 = lengths.iter().sum();
+        if total == 0 {
+            // Nothing to move (and some MPIs refuse a gather of empty buffers).
+            return Ok(vec![Vec::new(); self.size]);
+        }
         if total > c_int::MAX as u64 {
             return Err(Error::invalid(format!(
                 "an exchange between ranks of {total} bytes is beyond MPI's int counts"
@@ -694,7 +862,10 @@ impl Drop for MpiRanks {
         // left to MPI_Finalize. After MPI_Finalize nothing may be called.
         if self.failed.lock().is_none() && !finalized() {
             // SAFETY: our own communicator, freed once.
-            unsafe { ffi::MPI_Comm_free(&mut self.comm.0) };
+            unsafe {
+                ffi::MPI_Comm_free(&mut self.comm.0);
+                ffi::MPI_Comm_free(&mut self.steps.0);
+            }
         } else {
             std::mem::forget(std::mem::take(&mut *self.scratch.lock()));
         }

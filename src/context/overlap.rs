@@ -8,6 +8,15 @@
 //! changes, SUM buckets are divided for AVG (docs/API.md, "Overlap": rounding), and AVG buckets
 //! cannot be turned back into sums: that call is refused.
 //!
+//! Worlds: a bucket crosses the ranks in bucket order on the engine's steps channel, so the
+//! buckets start (every local replica's data summed into the engine's stage, the transfer
+//! issued, nothing written) as the next ones in order become final, and only while the
+//! registrations are those the last `allreduce_grads` agreed on with every rank (so every rank
+//! that starts one has the same buckets). `allreduce_grads` agrees first, then writes the
+//! started buckets' results and reduces the rest in order; if its agreement fails, the ranks
+//! exchange what they started, issue stand-ins for what others started, drop everything and
+//! forget the marks: nothing was written. Host contexts only.
+//!
 //! Marks belong to one plan: registrations that would change the buckets are refused while a
 //! bucket of the step has been reduced early (they would reduce it twice or not at all), and
 //! merely make the next mark forget the old ones otherwise (those buckets are then reduced by
@@ -18,10 +27,11 @@ use std::sync::Arc;
 use serde_json::{json, Value};
 
 use super::Context;
+use crate::backend::Ticket;
 use crate::error::{Error, ErrorKind, Result};
 use crate::plan::{Bucket, Plan};
 use crate::registry::TensorView;
-use crate::types::{ReduceOp, Role};
+use crate::types::{DType, ReduceOp, Role};
 
 /// This step's `dpsync_grad_ready` marks.
 #[derive(Default)]
@@ -40,6 +50,13 @@ pub(super) struct Overlap {
     op: Option<ReduceOp>,
     /// Buckets reduced early in the last completed step, for `describe`.
     last_step_early: usize,
+    /// In a world: the transfers of buckets `0..started.len()` of this step, started early in
+    /// bucket order and finished by `allreduce_grads` (context/overlap.rs, "Worlds").
+    started: Vec<Ticket>,
+    /// In a world: the registry generation the last successful `allreduce_grads` agreed on
+    /// with every rank. Buckets start early only while it is current: every rank that starts
+    /// one then has the same buckets.
+    agreed: Option<u64>,
 }
 
 impl Overlap {
@@ -79,9 +96,14 @@ impl Overlap {
 
     /// Every mark forgotten (a new step, or registrations changed the buckets).
     fn forget(&mut self) {
+        debug_assert!(
+            self.started.is_empty(),
+            "started transfers are finished first"
+        );
         *self = Overlap {
             op: self.op,
             last_step_early: self.last_step_early,
+            agreed: self.agreed,
             ..Overlap::default()
         };
     }
@@ -140,7 +162,7 @@ impl Context {
         // through the context's lock, every other replica's) until all the GPUs caught up.
         // allreduce_grads reduces them instead, once.
         // In a world, buckets must cross the ranks in the same order on every rank, which the
-        // order of readiness does not give: allreduce_grads reduces them, in bucket order.
+        // order of readiness does not give: they start in bucket order (below).
         let early = !self.executor.touching_waits(planned.memory) && !self.in_world();
         if let (1, Some(op), true) = (self.overlap.missing[b], self.overlap.op, early) {
             // The bucket over its own tensors only, renumbered: a step costs O(tensors), not
@@ -161,7 +183,83 @@ impl Context {
         }
         self.overlap.ready[mark] = true;
         self.overlap.missing[b] -= 1;
+        if self.in_world() && self.overlap.agreed == Some(snapshot.generation) {
+            if let Some(op) = self.overlap.op {
+                self.start_world_buckets(&snapshot.tensors, &plan, op)?;
+            }
+        }
         Ok(())
+    }
+
+    /// Worlds: starts the transfers of the step's next buckets whose gradients are all final,
+    /// in bucket order (every rank issues them in that order on the engine's steps channel, the
+    /// rest in `allreduce_grads`). Host contexts only: CUDA replicas mark, as host tensors on
+    /// them do (their transfers go through the host stage in `allreduce_grads`).
+    fn start_world_buckets(&mut self, all: &[TensorView], plan: &Plan, op: ReduceOp) -> Result<()> {
+        if self.options.has_cuda_replicas() {
+            return Ok(());
+        }
+        let divisor = self.divisor();
+        let next = &mut self.overlap.started;
+        while let Some(planned) = plan.buckets.get(next.len()) {
+            let b = next.len();
+            if self.overlap.missing[b] > 0 {
+                break;
+            }
+            let (bucket, tensors) = own_bucket(planned, all);
+            // SAFETY: registered memory stays valid while registered (the C contract);
+            // registrations are refused until the step ends (check_not_mid_step).
+            let ticket = unsafe { self.executor.start_early(&bucket, &tensors, op, divisor)? };
+            next.push(ticket);
+            self.overlap.reduced[b] = true;
+        }
+        Ok(())
+    }
+
+    /// Worlds, `allreduce_grads` agreed: the early transfers' results written (in bucket order).
+    pub(super) fn finish_world_buckets(&mut self, all: &[TensorView], plan: &Plan) -> Result<()> {
+        for (b, ticket) in std::mem::take(&mut self.overlap.started)
+            .into_iter()
+            .enumerate()
+        {
+            let (bucket, tensors) = own_bucket(&plan.buckets[b], all);
+            // SAFETY: as in start_world_buckets.
+            unsafe { self.executor.finish_early(&bucket, &tensors, ticket)? };
+        }
+        Ok(())
+    }
+
+    /// Worlds, `allreduce_grads` failed its agreement (every rank did): the ranks' early
+    /// transfers are matched and dropped, so the steps channel is in the same place on every
+    /// rank, and the step's marks are forgotten (nothing was written: the next
+    /// `allreduce_grads` reduces every bucket).
+    pub(super) fn drain_world_buckets(&mut self, plan: &Plan) -> Result<()> {
+        let Some(ranks) = self.executor.ranks() else {
+            return Ok(());
+        };
+        let started = std::mem::take(&mut self.overlap.started);
+        // Every rank's started buckets, as (dtype code, elements); the longest list is what
+        // every rank must have issued (the others' are prefixes of it: same buckets).
+        let mine: Vec<u8> = (plan.buckets[..started.len()].iter())
+            .flat_map(|b| [b.dtype.code() as u64, b.elements as u64])
+            .flat_map(u64::to_le_bytes)
+            .collect();
+        let all = ranks.allgather(&mine)?;
+        let longest = all
+            .iter()
+            .max_by_key(|m| m.len())
+            .cloned()
+            .unwrap_or_default();
+        let words: Vec<u64> = (longest.chunks_exact(8))
+            .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
+            .collect();
+        let stand_ins: Vec<(DType, usize)> = (words.chunks_exact(2).skip(started.len()))
+            .filter_map(|p| Some((DType::from_code(p[0] as u32)?, p[1] as usize)))
+            .collect();
+        let drained = self.executor.drain_early(started, &stand_ins);
+        self.overlap.reduced.iter_mut().for_each(|r| *r = false);
+        self.overlap.forget();
+        drained
     }
 
     /// The buckets of `plan` that `allreduce_grads(op)` must still reduce, and the tensors of
@@ -207,7 +305,10 @@ impl Context {
 
     /// Called when `allreduce_grads(op)` succeeded: the step is over, and `op` is the one the
     /// next step's early buckets use.
-    pub(super) fn end_overlap_step(&mut self, op: ReduceOp) {
+    pub(super) fn end_overlap_step(&mut self, op: ReduceOp, generation: u64) {
+        if self.in_world() {
+            self.overlap.agreed = Some(generation);
+        }
         self.overlap.last_step_early = self.overlap.reduced.iter().filter(|&&r| r).count();
         self.overlap.op = Some(op);
         self.overlap.forget();
@@ -234,4 +335,15 @@ impl Context {
             }),
         })
     }
+}
+
+/// `planned` over its own tensors only, renumbered: a step costs O(tensors), not
+/// O(tensors × buckets) (backends key their caches by pointers, not indices).
+fn own_bucket<'a>(planned: &Bucket, all: &'a [TensorView]) -> (Bucket, Vec<&'a TensorView>) {
+    let tensors: Vec<&TensorView> = planned.tensors.iter().map(|&t| &all[t]).collect();
+    let bucket = Bucket {
+        tensors: (0..tensors.len()).collect(),
+        ..planned.clone()
+    };
+    (bucket, tensors)
 }

@@ -15,7 +15,7 @@
 use serde_json::json;
 
 use super::{buckets_for, Executor};
-use crate::backend::{bmuf_state_dtype, Allocation, BmufFilter, BmufSpan};
+use crate::backend::{bmuf_state_dtype, Allocation, BmufFilter, BmufSpan, Channel};
 use crate::error::{Error, ErrorKind, Result};
 use crate::plan::Bucket;
 use crate::registry::{Snapshot, TensorView};
@@ -274,6 +274,7 @@ impl Executor {
                     &tensors,
                     ReduceOp::Avg,
                     divisor,
+                    Channel::Calls,
                 )?;
                 let backend = self.backend_to_touch(bucket.memory)?;
                 for r in 0..bmuf.replicas() {

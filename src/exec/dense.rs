@@ -18,7 +18,9 @@
 //!   sum, and back into every local replica.
 
 use super::Site;
-use crate::backend::{Backend, BucketView, Layout, Links, Members, Ranks, Segment, Slot, Streams};
+use crate::backend::{
+    Backend, BucketView, Channel, Layout, Links, Members, Ranks, Segment, Slot, Streams,
+};
 use crate::error::Result;
 use crate::plan::{Across, Levels, Step, StepOp, Via};
 use crate::timeline::{self, Tracer};
@@ -38,10 +40,11 @@ pub(super) unsafe fn allreduce(
         levels,
         ranks,
         trace,
+        channel,
     } = site;
     if let Some(ranks) = ranks {
         return match backend.streams() {
-            None => allreduce_ranks(backend, levels, ranks, bucket, avg, trace),
+            None => allreduce_ranks(backend, levels, (ranks, channel), bucket, avg, trace),
             Some(streams) => allreduce_staged(site, streams, ranks, bucket, avg),
         };
     }
@@ -108,7 +111,7 @@ unsafe fn unpack_all(
 unsafe fn allreduce_ranks(
     backend: &dyn Backend,
     levels: &Levels,
-    ranks: &dyn Ranks,
+    (ranks, channel): (&dyn Ranks, Channel),
     bucket: &BucketView<'_>,
     avg: Option<usize>,
     trace: Option<&Tracer>,
@@ -138,7 +141,7 @@ unsafe fn allreduce_ranks(
         .collect();
     {
         let _span = timeline::span(trace, "across ranks", || json!({"ranks": ranks.ranks()}));
-        ranks.allreduce(bucket.dtype, &segments, avg)?;
+        ranks.allreduce(channel, bucket.dtype, &segments, avg)?;
     }
     if members.len() > 1 {
         let _span = timeline::span(trace, "spread", || json!({"replicas": members.len()}));
@@ -188,7 +191,7 @@ unsafe fn allreduce_staged(
     };
     {
         let _span = timeline::span(trace, "across ranks", || json!({"ranks": ranks.ranks()}));
-        ranks.allreduce(bucket.dtype, &[segment], avg)?;
+        ranks.allreduce(site.channel, bucket.dtype, &[segment], avg)?;
     }
     let _span = timeline::span(trace, "from host", || json!({}));
     stage_in(streams, site.levels, bucket, host)
@@ -313,6 +316,7 @@ pub(super) unsafe fn broadcast(
         levels,
         ranks,
         trace,
+        ..
     } = site;
     if let Some(ranks) = ranks {
         let _span = timeline::span(trace, "across ranks (broadcast)", || json!({}));

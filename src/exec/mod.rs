@@ -19,12 +19,12 @@ pub use sparse::{SparseOutputs, SparseStats};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::backend::host::HostBackend;
-use crate::backend::{Backend, BucketView, Ranks, Segment, Streams};
+use crate::backend::{Backend, BucketView, Channel, Ranks, Segment, Streams, Ticket};
 use crate::error::{Error, Result};
 use crate::plan::{plan_buckets, Bucket, Levels, Topology};
 use crate::registry::TensorView;
 use crate::timeline::{self, Span, Tracer};
-use crate::types::{Memory, ReduceOp};
+use crate::types::{DType, Memory, ReduceOp};
 use serde_json::json;
 
 pub struct Executor {
@@ -104,6 +104,8 @@ struct Site<'a> {
     levels: &'a Levels,
     ranks: Option<&'a dyn Ranks>,
     trace: Option<&'a Tracer>,
+    /// Which of the engine's channels level 3 uses.
+    channel: Channel,
 }
 
 impl Executor {
@@ -219,12 +221,14 @@ impl Executor {
                 levels,
                 ranks: self.ranks(),
                 trace: self.trace.as_ref(),
+                channel: Channel::Calls,
             },
             _ => Site {
                 backend: self.backend.as_ref(),
                 levels: &self.levels,
                 ranks: self.ranks(),
                 trace: self.trace.as_ref(),
+                channel: Channel::Calls,
             },
         }
     }
@@ -268,6 +272,7 @@ impl Executor {
         tensors: &[&TensorView],
         op: ReduceOp,
         divisor: usize,
+        channel: Channel,
     ) -> Result<()> {
         let merged;
         let buckets = if self.levels.in_place() {
@@ -280,7 +285,10 @@ impl Executor {
         self.collective(buckets, || {
             for (b, bucket) in buckets.iter().enumerate() {
                 let _span = self.bucket_span("allreduce bucket", b, bucket, tensors);
-                let site = self.site_to_touch(bucket.memory)?;
+                let site = Site {
+                    channel,
+                    ..self.site_to_touch(bucket.memory)?
+                };
                 dense::allreduce(site, &view(bucket, tensors), avg)?;
             }
             Ok(())
@@ -302,8 +310,81 @@ impl Executor {
     ) -> Result<()> {
         let bucket = std::slice::from_ref(bucket);
         self.bracket_joined(false, || {
-            self.allreduce_buckets(bucket, tensors, op, divisor)
+            self.allreduce_buckets(bucket, tensors, op, divisor, Channel::Calls)
         })
+    }
+
+    /// A world's gradient bucket started ahead of `dpsync_allreduce_grads` (`dpsync_grad_ready`,
+    /// host memory): every local replica's data summed into the engine's own stage and the
+    /// transfer issued on the steps' channel, in bucket order; nothing is written until
+    /// [`Executor::finish_early`].
+    ///
+    /// # Safety
+    /// As for [`Executor::allreduce_buckets`], until the bucket is finished.
+    pub unsafe fn start_early(
+        &self,
+        bucket: &Bucket,
+        tensors: &[&TensorView],
+        op: ReduceOp,
+        divisor: usize,
+    ) -> Result<Ticket> {
+        let _span = self.bucket_span("allreduce bucket started early", 0, bucket, tensors);
+        let site = self.site(bucket.memory);
+        let ranks = site.ranks.expect("early transfers only in a world");
+        let members = &site.levels.groups[0];
+        let whole = view(bucket, tensors);
+        let ptrs: Vec<Vec<usize>> = (whole.segments.iter())
+            .map(|s| members.iter().map(|&r| s.ptrs[r]).collect())
+            .collect();
+        let segments: Vec<Segment<'_>> = (whole.segments.iter().zip(&ptrs))
+            .map(|(s, ptrs)| Segment {
+                ptrs,
+                count: s.count,
+            })
+            .collect();
+        let avg = (op == ReduceOp::Avg && divisor > 1).then_some(divisor);
+        ranks.start(bucket.dtype, &segments, bucket.elements, avg)
+    }
+
+    /// Finishes a bucket [`Executor::start_early`] started: its result into local replica 0
+    /// (the engine writes it), then copied to the other local replicas.
+    ///
+    /// # Safety
+    /// As for [`Executor::start_early`], with the same bucket.
+    pub unsafe fn finish_early(
+        &self,
+        bucket: &Bucket,
+        tensors: &[&TensorView],
+        ticket: Ticket,
+    ) -> Result<()> {
+        let _span = self.bucket_span("allreduce bucket finished", 0, bucket, tensors);
+        let site = self.site(bucket.memory);
+        let ranks = site.ranks.expect("early transfers only in a world");
+        ranks.finish(ticket, true)?;
+        let members = &site.levels.groups[0];
+        if members.len() > 1 {
+            site.backend.spread(0, &view(bucket, tensors), members[0])?;
+        }
+        Ok(())
+    }
+
+    /// Drains a failed step: stand-ins of `(dtype, elements)` for the buckets other ranks
+    /// started and this one did not, then every started transfer waited for, nothing written.
+    /// The steps' channel is then in the same place on every rank.
+    pub fn drain_early(&self, tickets: Vec<Ticket>, stand_ins: &[(DType, usize)]) -> Result<()> {
+        let Some(ranks) = self.ranks() else {
+            return Ok(());
+        };
+        let mut tickets = tickets;
+        for &(dtype, elements) in stand_ins {
+            // SAFETY: no memory of the caller is read or written.
+            tickets.push(unsafe { ranks.start(dtype, &[], elements, None)? });
+        }
+        for ticket in tickets {
+            // SAFETY: nothing is written.
+            unsafe { ranks.finish(ticket, false)? };
+        }
+        Ok(())
     }
 
     /// Reduces `tensors`, fused by dtype into buckets of at most `fusion_bytes`.
@@ -318,7 +399,7 @@ impl Executor {
         fusion_bytes: usize,
     ) -> Result<()> {
         let buckets = buckets_for(tensors, fusion_bytes);
-        self.allreduce_buckets(&buckets, tensors, op, divisor)
+        self.allreduce_buckets(&buckets, tensors, op, divisor, Channel::Calls)
     }
 
     /// `x := x / divisor` for every replica's copy of `tensors` (gradients summed earlier,

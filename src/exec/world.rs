@@ -112,11 +112,26 @@ const RECORD: usize = 16 + INLINE;
 /// must decide alike whether it sends some (from what they agree on), since the fingerprints
 /// do not cover it. On agreement the records come back, [`RECORD`] bytes per rank in rank
 /// order, in 8-byte words; [`inline_of`] finds a rank's data in them.
+///
+/// Returns as well whether every rank made this same call (the first line), which a failed
+/// `allreduce_grads` needs to know: only then does every rank drain its early buckets.
 pub fn agree(
     ranks: &dyn Ranks,
     verdict: Result<()>,
     lines: &[String],
     inline: Option<&[u8]>,
+) -> (Result<Option<Vec<u64>>>, bool) {
+    let mut same_call = false;
+    let result = agree_inner(ranks, verdict, lines, inline, &mut same_call);
+    (result, same_call)
+}
+
+fn agree_inner(
+    ranks: &dyn Ranks,
+    verdict: Result<()>,
+    lines: &[String],
+    inline: Option<&[u8]>,
+    same_call: &mut bool,
 ) -> Result<Option<Vec<u64>>> {
     if let Some(call) = lines.first() {
         ranks.begin(call);
@@ -133,6 +148,7 @@ pub fn agree(
     }
     let records = ranks.allgather_fixed(&record)?;
     let agreed = records.chunks(RECORD).all(|r| r[..16] == record[..16]);
+    *same_call = agreed;
     if agreed && status == 0 {
         return Ok(inline.map(|_| {
             let mut words = vec![0u64; records.len() / 8];
@@ -158,6 +174,7 @@ pub fn agree(
         .iter()
         .map(|b| serde_json::from_slice(b).unwrap_or(Value::Null))
         .collect();
+    *same_call = all.iter().all(|v| v["lines"][0] == lines[0].as_str());
     verdict?;
     Err(Error::inconsistent(disagreement(&all)))
 }
