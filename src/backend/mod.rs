@@ -464,6 +464,11 @@ pub(crate) trait Ranks: Send {
     /// The outputs given to [`Ranks::start`] are still valid.
     unsafe fn finish(&self, ticket: Ticket, write: bool) -> Result<()>;
 
+    /// Lets started transfers advance without waiting: an MPI moves a non-blocking collective
+    /// only inside its calls, so `dpsync_grad_ready` pokes the step's transfers at every mark
+    /// (backward runs meanwhile).
+    fn poke(&self, tickets: &mut [Ticket]);
+
     /// Every span `(ptr, bytes)` := rank `root`'s, as one message.
     ///
     /// # Safety

@@ -707,6 +707,24 @@ impl Ranks for MpiRanks {
         Ok(Ticket(Box::new(started)))
     }
 
+    fn poke(&self, tickets: &mut [Ticket]) {
+        for ticket in tickets {
+            let Some(started) = ticket.0.downcast_mut::<Started>() else {
+                continue;
+            };
+            // The first unfinished request of each: testing it runs MPI's progress engine for
+            // all of them. A completed request becomes MPI_REQUEST_NULL, which tests complete.
+            for request in &mut started.requests {
+                let mut flag: c_int = 0;
+                // SAFETY: a request of this process (or MPI_REQUEST_NULL once complete).
+                unsafe { ffi::MPI_Test(request, &mut flag, ffi::RSMPI_STATUS_IGNORE) };
+                if flag == 0 {
+                    break;
+                }
+            }
+        }
+    }
+
     unsafe fn finish(&self, ticket: Ticket, write: bool) -> Result<()> {
         let Ok(mut started) = ticket.0.downcast::<Started>() else {
             unreachable!("a ticket of another engine");

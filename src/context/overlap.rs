@@ -187,6 +187,7 @@ impl Context {
             if let Some(op) = self.overlap.op {
                 self.start_world_buckets(&snapshot.tensors, &plan, op)?;
             }
+            self.executor.poke_early(&mut self.overlap.started);
         }
         Ok(())
     }

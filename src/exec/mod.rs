@@ -368,6 +368,13 @@ impl Executor {
         Ok(())
     }
 
+    /// Lets a world's started transfers advance (`Ranks::poke`).
+    pub fn poke_early(&self, tickets: &mut [Ticket]) {
+        if let Some(ranks) = self.ranks() {
+            ranks.poke(tickets);
+        }
+    }
+
     /// Drains a failed step: stand-ins of `(dtype, elements)` for the buckets other ranks
     /// started and this one did not, then every started transfer waited for, nothing written.
     /// The steps' channel is then in the same place on every rank.
