@@ -400,6 +400,12 @@ impl Streams for CudaBackend {
 
     fn end(&self, join: bool) -> Result<()> {
         let mut state = self.state.lock();
+        // The device spans' stop events before the completion events, on the same streams: a
+        // collective seen complete then has its stop events complete too.
+        let timing = match state.issuing.timing_starts.take() {
+            Some(starts) => Some(self.timing_stops(starts)?),
+            None => None,
+        };
         let mut done = match state.spare.pop() {
             Some(events) => events,
             None => {
@@ -426,10 +432,6 @@ impl Streams for CudaBackend {
         }
         let mut leftovers = std::mem::take(&mut state.issuing);
         leftovers.keep.append(&mut self.dropped.lock().mems);
-        let timing = match leftovers.timing_starts.take() {
-            Some(starts) => Some(self.timing_stops(starts)?),
-            None => None,
-        };
         state.pending.push_back(Pending {
             issued: Instant::now(),
             done,
