@@ -722,6 +722,20 @@ fn two_sums_of_ones(ctx: &Context, what: &str) {
 /// NCCL asked for explicitly is UNAVAILABLE (a bad path, at creation) or fails its collective
 /// naming NCCL's error. scripts/fake-cuda.sh runs both cases; elsewhere this prints that it was
 /// skipped.
+/// Log lines kept by `keep_line` (dpsync_set_log_callback).
+static LOGGED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+unsafe extern "C" fn keep_line(
+    _level: u32,
+    line: *const std::ffi::c_char,
+    _: *mut std::ffi::c_void,
+) {
+    let text = std::ffi::CStr::from_ptr(line)
+        .to_string_lossy()
+        .into_owned();
+    LOGGED.lock().unwrap().push(text);
+}
+
 #[test]
 fn unusable_nccl_sends_auto_to_peer_copy_and_fails_an_explicit_request() {
     let missing = std::env::var("DPSYNC_NCCL_LIBRARY")
@@ -742,7 +756,29 @@ fn unusable_nccl_sends_auto_to_peer_copy_and_fails_an_explicit_request() {
     if Place::gpus("unusable_nccl", 2).is_none() {
         return; // scripts/fake-cuda.sh gives it two fake GPUs
     }
+    // The fallback is logged (a framework's logger gets it through the callback).
+    // SAFETY: a callable function; its lines go to a static.
+    unsafe {
+        check(
+            dpsync_set_log_callback(Some(keep_line), std::ptr::null_mut(), 2),
+            "log",
+        )
+    };
     let auto = cuda_context("unusable nccl", &[0, 1], |_| {}).expect("AUTO falls back");
+    // SAFETY: NULL restores the default.
+    unsafe {
+        check(
+            dpsync_set_log_callback(None, std::ptr::null_mut(), 0),
+            "log off",
+        )
+    };
+    let warned = LOGGED.lock().unwrap().clone();
+    assert!(
+        warned
+            .iter()
+            .any(|l| l.starts_with("NCCL is not used") && l.contains(&want_reason)),
+        "{warned:?}"
+    );
     let json = auto.describe_json();
     assert_eq!(json["transport"], "peer_copy", "{json}");
     let reason = json["transport_reason"].as_str().unwrap_or_default();
