@@ -49,7 +49,7 @@ bash scripts/check-install.sh
 step "GPU tests and cuda_train on the fake CUDA driver (CPU emulation; scripts/fake-cuda.sh)"
 bash scripts/fake-cuda.sh
 
-step "worlds over MPI (--features mpi, own target dir): clippy, tests/world_mpi.rs (mpirun -n 2, -n 3) and world_comm.rs (a split communicator, shared memory and TCP)"
+step "worlds over MPI (--features mpi, own target dir): clippy, tests/world_mpi.rs (mpirun -n 2, 3, 4) and world_comm.rs (a split communicator, shared memory and TCP)"
 ensure_mpi
 # A separate target directory: target/release keeps the default library, which links no MPI.
 cargo clippy --release --all-targets --features mpi --target-dir target/mpi -- -D warnings

@@ -1,7 +1,7 @@
 //! Worlds of processes over MPI, through the C ABI (built with `--features mpi` only).
 //!
-//! `worlds_of_two_and_three_ranks` starts this same test binary under
-//! `mpirun --allow-run-as-root --oversubscribe -n N` (N = 2, then 3), where `rank_body` runs as
+//! `worlds_of_two_three_and_four_ranks` starts this same test binary under
+//! `mpirun --allow-run-as-root --oversubscribe -n N` (N = 2, 3, then 4), where `rank_body` runs as
 //! every rank: rank r has r + 1 host replicas, so the ranks differ in their local counts. It
 //! checks rank / world_replicas / loss_scale, exact allreduce SUM and AVG values (f32, i64,
 //! f16, bf16), a broadcast from a world root on the last rank (not its local replica 0), describe's
@@ -29,11 +29,11 @@ use common::{abi::*, context::*, float16::*};
 use dpsync::*;
 
 #[test]
-fn worlds_of_two_and_three_ranks() {
+fn worlds_of_two_three_and_four_ranks() {
     if under_mpirun() {
         return; // a rank runs rank_body only
     }
-    for n in [2, 3] {
+    for n in [2, 3, 4] {
         launch("rank_body", n, 300, None);
     }
 }
