@@ -37,8 +37,6 @@ pub struct Context {
     overlap: overlap::Overlap,
     /// The timeline (`DPSYNC_TIMELINE`), or `None`.
     trace: Option<Tracer>,
-    /// In a world: whether every rank made the same call at the last agreement.
-    same_call: std::cell::Cell<bool>,
 }
 
 impl Drop for Context {
@@ -109,7 +107,6 @@ impl Context {
             sparse_out: SparseOutputs::default(),
             executor,
             trace,
-            same_call: std::cell::Cell::new(false),
             topology,
             prepared: None,
             bmuf: None,
@@ -273,12 +270,14 @@ impl Context {
         more: Vec<String>,
     ) -> Result<()> {
         self.agree_carrying(verdict, call, tensors, more, false)
+            .0
             .map(drop)
     }
 
     /// [`Context::agree_with`]; with `small`, a collective whose data rides in the agreement:
     /// `tensors` (host memory, passed validation) when [`Context::fits_inline`] says so, on
-    /// every rank alike. Then every rank's records come back ([`world::agree`]).
+    /// every rank alike. Then every rank's records come back ([`world::agree`]). Returns as
+    /// well whether every rank made this same call (false outside a world).
     fn agree_carrying<T>(
         &self,
         verdict: &Result<T>,
@@ -286,10 +285,10 @@ impl Context {
         tensors: &[&TensorView],
         more: Vec<String>,
         small: bool,
-    ) -> Result<Option<Vec<u64>>> {
+    ) -> (Result<Option<Vec<u64>>>, bool) {
         let verdict = verdict.as_ref().map(|_| ()).map_err(Clone::clone);
         let Some(ranks) = self.executor.ranks() else {
-            return verdict.map(|()| None);
+            return (verdict.map(|()| None), false);
         };
         // SAFETY: registered memory stays valid while registered (the C contract).
         let inline =
@@ -317,13 +316,12 @@ impl Context {
         }));
         lines.extend(more);
         let (agreed, same_call) = world::agree(ranks, verdict, &lines, inline.as_deref());
-        self.same_call.set(same_call);
         if let Err(e) = &agreed {
             if e.kind == ErrorKind::Inconsistent {
                 log::warn(|| format!("rank {}: {}: {}", self.topology.rank, lines[0], e.message));
             }
         }
-        agreed
+        (agreed, same_call)
     }
 
     /// Whether a collective over `tensors` (that passed validation) sends its data inside its
@@ -371,16 +369,17 @@ impl Context {
             Ok(step) if self.in_world() => Self::sparse_lines(step),
             _ => Vec::new(),
         };
-        let agreed = self.agree_with(
+        let (agreed, same_call) = self.agree_carrying(
             &verdict,
             || format!("dpsync_allreduce_grads(op={op:?})"),
             &lines,
             sparse_lines,
+            false,
         );
         if let Err(e) = agreed {
             // Every rank failed alike; when every rank was in this call, the buckets some
             // started early are matched and dropped (otherwise they stay for the next step).
-            if self.in_world() && self.same_call.get() {
+            if same_call {
                 if let Err(d) = self.drain_world_buckets(&plan) {
                     // The world failed meanwhile (the engine refuses from now on): the
                     // agreement's error is the one to report.
@@ -440,13 +439,15 @@ impl Context {
         };
         let involved: Vec<&TensorView> = tensor.iter().copied().collect();
         let small = tensor.is_ok() && self.fits_inline(&involved);
-        let records = self.agree_carrying(
-            &tensor,
-            || format!("dpsync_allreduce(name='{name}', op={op:?})"),
-            &involved,
-            Vec::new(),
-            small,
-        )?;
+        let records = self
+            .agree_carrying(
+                &tensor,
+                || format!("dpsync_allreduce(name='{name}', op={op:?})"),
+                &involved,
+                Vec::new(),
+                small,
+            )
+            .0?;
         let tensor = tensor?;
         // SAFETY: as in allreduce_grads.
         unsafe {

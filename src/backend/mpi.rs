@@ -307,12 +307,8 @@ impl MpiRanks {
     }
 
     /// Issues one non-blocking call and waits for it; a failure fails the world.
-    fn run(&self, what: &str, issue: impl FnOnce(*mut ffi::MPI_Request) -> c_int) -> Result<()> {
-        let mut issue = Some(issue);
-        self.run_pieces(what, 1, |_, request| match issue.take() {
-            Some(issue) => issue(request),
-            None => unreachable!("one piece"),
-        })
+    fn run(&self, what: &str, mut issue: impl FnMut(*mut ffi::MPI_Request) -> c_int) -> Result<()> {
+        self.run_pieces(what, 1, |_, request| issue(request))
     }
 
     /// Issues `pieces` non-blocking calls in order, at most [`DEPTH`] in flight, and waits for
@@ -341,14 +337,7 @@ impl MpiRanks {
             }
             Ok(())
         };
-        let done = all().map_err(|mut e| {
-            e.message = format!("{}: {}", self.call.lock(), e.message);
-            e
-        });
-        if let Err(e) = &done {
-            *self.failed.lock() = Some(e.message.clone());
-        }
-        done
+        all().map_err(|e| self.failing(e))
     }
 
     /// `send[..count] → recv[..count]` summed over ranks, in pieces of at most [`PIECE`]
@@ -366,16 +355,14 @@ impl MpiRanks {
         recv: *mut u8,
         count: usize,
     ) -> Result<()> {
-        let piece = (PIECE / size).max(1);
+        let piece = piece_of(size);
         let comm = self.comm_of(channel);
         self.run_pieces("MPI_Iallreduce", count.div_ceil(piece), |i, request| {
-            let start = i * piece;
-            ffi::MPI_Iallreduce(
-                send.add(start * size).cast(),
-                recv.add(start * size).cast(),
-                count_of(piece.min(count - start)),
-                datatype,
-                ffi::RSMPI_SUM,
+            issue_piece(
+                i,
+                piece,
+                (datatype, size),
+                (send, recv, count),
                 comm,
                 request,
             )
@@ -402,6 +389,35 @@ impl MpiRanks {
         stage(&mut words, bytes);
         words
     }
+}
+
+/// Elements per piece of a large allreduce ([`PIECE`] bytes).
+fn piece_of(size: usize) -> usize {
+    (PIECE / size).max(1)
+}
+
+/// Issues piece `i` (of `piece` elements) of the allreduce `send → recv` of `count` elements.
+///
+/// # Safety
+/// Both buffers hold `count` elements of the datatype; `request` is writable.
+unsafe fn issue_piece(
+    i: usize,
+    piece: usize,
+    (datatype, size): (ffi::MPI_Datatype, usize),
+    (send, recv, count): (*const u8, *mut u8, usize),
+    comm: ffi::MPI_Comm,
+    request: *mut ffi::MPI_Request,
+) -> c_int {
+    let start = i * piece;
+    ffi::MPI_Iallreduce(
+        send.add(start * size).cast(),
+        recv.add(start * size).cast(),
+        count_of(piece.min(count - start)),
+        datatype,
+        ffi::RSMPI_SUM,
+        comm,
+        request,
+    )
 }
 
 /// `words` grown to at least `bytes` bytes; its first byte.
@@ -579,8 +595,8 @@ const SPIN: Duration = Duration::from_millis(2);
 /// call that costs a good part of that), then yielding the CPU between tests until [`SPIN`] (a
 /// sleep's wake-up would cost more than the whole call), then sleeping 50 µs between tests:
 /// ranks oversubscribe cores in tests and small clusters, and a rank spinning for long slows
-/// the one it waits for.
-/// The timeout counts from `since` (several requests of one call share it).
+/// the one it waits for. The timeout counts from `since` (several requests of one call share
+/// it).
 fn poll(
     request: &mut ffi::MPI_Request,
     since: Instant,
@@ -687,15 +703,14 @@ impl Ranks for MpiRanks {
             std::ptr::write_bytes(send, 0, count * size);
         }
         stage_in(dtype, segments, send);
-        let piece = (PIECE / size).max(1);
-        for start in (0..count).step_by(piece) {
+        let piece = piece_of(size);
+        for i in 0..count.div_ceil(piece) {
             let mut request = MaybeUninit::<ffi::MPI_Request>::uninit();
-            let rc = ffi::MPI_Iallreduce(
-                send.add(start * size).cast(),
-                recv.add(start * size).cast(),
-                count_of(piece.min(count - start)),
-                datatype,
-                ffi::RSMPI_SUM,
+            let rc = issue_piece(
+                i,
+                piece,
+                (datatype, size),
+                (send, recv, count),
                 self.steps.0,
                 request.as_mut_ptr(),
             );
@@ -809,27 +824,11 @@ impl Ranks for MpiRanks {
 
     fn allgather(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
         self.refuse_if_failed()?;
-        // The lengths first, then the bytes at their offsets.
-        // Boxed, so that a timed-out request's buffers can be leaked (see `scratch`).
-        let mine = Box::new(bytes.len() as u64);
-        let mut lengths = vec![0u64; self.size];
-        // SAFETY: one u64 sent, one received per rank.
-        let sent = self.run("MPI_Iallgather", |request| unsafe {
-            ffi::MPI_Iallgather(
-                (&*mine as *const u64).cast(),
-                1,
-                ffi::RSMPI_UINT64_T,
-                lengths.as_mut_ptr().cast(),
-                1,
-                ffi::RSMPI_UINT64_T,
-                self.comm.0,
-                request,
-            )
-        });
-        if let Err(e) = sent {
-            std::mem::forget((mine, lengths));
-            return Err(e);
-        }
+        // The lengths first (a fixed-size exchange), then the bytes at their offsets.
+        let lengths: Vec<u64> = (self.allgather_fixed(&(bytes.len() as u64).to_le_bytes())?)
+            .chunks_exact(8)
+            .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
+            .collect();
         let total: u64 = lengths.iter().sum();
         if total == 0 {
             // Nothing to move (and some MPIs refuse a gather of empty buffers).

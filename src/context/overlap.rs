@@ -210,7 +210,8 @@ impl Context {
             let (bucket, tensors) = own_bucket(planned, all);
             // SAFETY: registered memory stays valid while registered (the C contract);
             // registrations are refused until the step ends (check_not_mid_step).
-            let ticket = unsafe { self.executor.start_early(&bucket, &tensors, op, divisor)? };
+            let ticket =
+                unsafe { (self.executor).start_early((b, &bucket), &tensors, op, divisor)? };
             next.push(ticket);
             self.overlap.reduced[b] = true;
         }
@@ -225,7 +226,7 @@ impl Context {
         {
             let (bucket, tensors) = own_bucket(&plan.buckets[b], all);
             // SAFETY: as in start_world_buckets.
-            unsafe { self.executor.finish_early(&bucket, &tensors, ticket)? };
+            unsafe { self.executor.finish_early((b, &bucket), &tensors, ticket)? };
         }
         Ok(())
     }
@@ -258,7 +259,6 @@ impl Context {
             .filter_map(|p| Some((DType::from_code(p[0] as u32)?, p[1] as usize)))
             .collect();
         let drained = self.executor.drain_early(started, &stand_ins);
-        self.overlap.reduced.iter_mut().for_each(|r| *r = false);
         self.overlap.forget();
         drained
     }

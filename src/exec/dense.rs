@@ -130,8 +130,28 @@ unsafe fn allreduce_ranks(
         }
         std::slice::from_ref(&leader)
     };
+    {
+        let _span = timeline::span(trace, "across ranks", || json!({"ranks": ranks.ranks()}));
+        contributions(bucket, contributors, |segments| {
+            ranks.allreduce(channel, bucket.dtype, segments, avg)
+        })?;
+    }
+    if members.len() > 1 {
+        let _span = timeline::span(trace, "spread", || json!({"replicas": members.len()}));
+        backend.spread(0, bucket, leader)?;
+    }
+    Ok(())
+}
+
+/// `f` over the bucket's segments as the engine takes them: each segment's pointers on
+/// `replicas` (this rank's contributions; the first gets the result).
+pub(super) fn contributions<R>(
+    bucket: &BucketView<'_>,
+    replicas: &[usize],
+    f: impl FnOnce(&[Segment<'_>]) -> R,
+) -> R {
     let ptrs: Vec<Vec<usize>> = (bucket.segments.iter())
-        .map(|s| contributors.iter().map(|&r| s.ptrs[r]).collect())
+        .map(|s| replicas.iter().map(|&r| s.ptrs[r]).collect())
         .collect();
     let segments: Vec<Segment<'_>> = (bucket.segments.iter().zip(&ptrs))
         .map(|(s, ptrs)| Segment {
@@ -139,15 +159,7 @@ unsafe fn allreduce_ranks(
             count: s.count,
         })
         .collect();
-    {
-        let _span = timeline::span(trace, "across ranks", || json!({"ranks": ranks.ranks()}));
-        ranks.allreduce(channel, bucket.dtype, &segments, avg)?;
-    }
-    if members.len() > 1 {
-        let _span = timeline::span(trace, "spread", || json!({"replicas": members.len()}));
-        backend.spread(0, bucket, leader)?;
-    }
-    Ok(())
+    f(&segments)
 }
 
 /// The walk with level 3 on device replicas, through host memory: levels 1 and 2 as in one

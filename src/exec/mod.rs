@@ -323,27 +323,18 @@ impl Executor {
     /// As for [`Executor::allreduce_buckets`], until the bucket is finished.
     pub unsafe fn start_early(
         &self,
-        bucket: &Bucket,
+        (b, bucket): (usize, &Bucket),
         tensors: &[&TensorView],
         op: ReduceOp,
         divisor: usize,
     ) -> Result<Ticket> {
-        let _span = self.bucket_span("allreduce bucket started early", 0, bucket, tensors);
+        let _span = self.bucket_span("allreduce bucket started early", b, bucket, tensors);
         let site = self.site(bucket.memory);
         let ranks = site.ranks.expect("early transfers only in a world");
-        let members = &site.levels.groups[0];
-        let whole = view(bucket, tensors);
-        let ptrs: Vec<Vec<usize>> = (whole.segments.iter())
-            .map(|s| members.iter().map(|&r| s.ptrs[r]).collect())
-            .collect();
-        let segments: Vec<Segment<'_>> = (whole.segments.iter().zip(&ptrs))
-            .map(|(s, ptrs)| Segment {
-                ptrs,
-                count: s.count,
-            })
-            .collect();
         let avg = (op == ReduceOp::Avg && divisor > 1).then_some(divisor);
-        ranks.start(bucket.dtype, &segments, bucket.elements, avg)
+        dense::contributions(&view(bucket, tensors), &site.levels.groups[0], |segments| {
+            ranks.start(bucket.dtype, segments, bucket.elements, avg)
+        })
     }
 
     /// Finishes a bucket [`Executor::start_early`] started: its result into local replica 0
@@ -353,11 +344,11 @@ impl Executor {
     /// As for [`Executor::start_early`], with the same bucket.
     pub unsafe fn finish_early(
         &self,
-        bucket: &Bucket,
+        (b, bucket): (usize, &Bucket),
         tensors: &[&TensorView],
         ticket: Ticket,
     ) -> Result<()> {
-        let _span = self.bucket_span("allreduce bucket finished", 0, bucket, tensors);
+        let _span = self.bucket_span("allreduce bucket finished", b, bucket, tensors);
         let site = self.site(bucket.memory);
         let ranks = site.ranks.expect("early transfers only in a world");
         ranks.finish(ticket, true)?;

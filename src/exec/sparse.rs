@@ -401,13 +401,7 @@ impl Executor {
             }
         };
         let Some(result) = result.filter(|c| c.rows > 0) else {
-            let none = || (0..replicas).map(|_| None).collect::<PerReplica>();
-            let gathered = Gathered {
-                rows: 0,
-                indices: none(),
-                values: members.iter().map(|_| none()).collect(),
-            };
-            return Ok((gathered, sent));
+            return Ok((Gathered::empty(replicas, members.len()), sent));
         };
         let rows = result.rows;
         let (indices, values) =

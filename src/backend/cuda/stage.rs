@@ -3,12 +3,9 @@
 //! result copied back, all on the groups' streams inside the collective; the host waits for the
 //! copies (polled within the timeout) before the engine reads the buffer or it is reused.
 
-use std::time::Instant;
-
 use cudarc::driver::sys;
 
 use super::driver::{self, PinnedMemory};
-use super::queue::deadline;
 use super::CudaBackend;
 use crate::backend::size_class;
 use crate::error::Result;
@@ -54,27 +51,8 @@ impl CudaBackend {
         )
     }
 
-    /// Blocks the host until every group's stream has run what was queued on it so far, within
-    /// one timeout for all of them.
+    /// Blocks the host until every group's stream has run what was queued on it so far.
     pub(super) fn wait_all_groups(&self) -> Result<()> {
-        let limit = deadline(Instant::now(), self.timeout);
-        for group in &self.groups {
-            let _bound = group.ctx.bind()?;
-            group.progress.record(group.stream.0)?;
-            self.poll(
-                limit,
-                true,
-                || group.progress.query(),
-                |ms| {
-                    format!(
-                        "cuda:{}: the copies through host memory between the ranks did not \
-                         finish within the {ms} ms timeout; the context refuses further \
-                         collectives (destroy it)",
-                        group.ctx.ordinal
-                    )
-                },
-            )?;
-        }
-        Ok(())
+        self.groups.iter().try_for_each(|g| self.wait_group(g))
     }
 }

@@ -4,12 +4,9 @@
 //! on that GPU's row, placed by the time from a reference event recorded when tracing began
 //! (the host's clock at that moment).
 
-use std::time::Instant;
-
 use serde_json::json;
 
 use super::driver::Event;
-use super::queue::deadline;
 use super::CudaBackend;
 use crate::error::Result;
 use crate::timeline::Tracer;
@@ -38,17 +35,8 @@ impl CudaBackend {
             let _bound = g.ctx.bind()?;
             let reference = Event::timed()?;
             reference.record(g.stream.0)?;
-            self.poll(
-                deadline(Instant::now(), self.timeout),
-                true,
-                || reference.query(),
-                |ms| {
-                    format!(
-                        "cuda:{}: the timeline's reference event took over {ms} ms",
-                        g.ctx.ordinal
-                    )
-                },
-            )?;
+            // Everything queued so far has run, the reference too: its host time is now.
+            self.wait_group(g)?;
             let host = tracer.now_us();
             let row = tracer.row(&format!("cuda:{} (device time)", g.ctx.ordinal));
             groups.push((row, reference, host));
