@@ -14,9 +14,22 @@
 //
 // What it cannot prove: anything about real NCCL's transports or speed. Ops run synchronously,
 // in the calling thread, at group end — or, under the fake driver's FAKE_CUDA_ASYNC=1, on their
-// streams once every rank's stream reaches them (a deadlock there aborts after 60 s). Ranks are
-// matched inside one thread's group (one thread driving every rank, as dpsync does), so
-// one-thread-per-rank use does not work here.
+// streams once every rank's stream reaches them (a deadlock there aborts after 60 s). Ranks of
+// one process are matched inside one thread's group (one thread driving every rank, as dpsync
+// does), so one-thread-per-rank use does not work here.
+//
+// Across processes (a world: each process initialises only its own ranks of a unique id made by
+// one of them and sent by MPI): a clique still missing ranks when its init group ends spans
+// processes. Its ranks meet in shared memory (/dev/shm/fake-nccl-<id>: a slot per rank with the
+// op it posted, and a data file per rank); its non-blocking communicators report ncclInProgress
+// until every rank joined. Each collective is a numbered round: every rank writes its op and
+// data, waits for all the others', checks that they match (kind, count, dtype, op or root; a
+// difference fails the round on every process with ncclInvalidUsage naming both ranks), and
+// computes the result itself in rank order, so every process writes the same bytes. A rank
+// aborted or destroyed in another process fails the others' rounds with ncclRemoteError; a round
+// that waits 60 s for a rank aborts the process (a hang in real NCCL). Sends and receives across
+// processes are refused (dpsync makes none). Each process's fake GPUs are distinct devices, so
+// no duplicate-GPU check spans processes.
 // Non-blocking communicators (config->blocking == 0) report ncclInProgress from
 // ncclCommGetAsyncError once after init and after every group that touched them, then success, so
 // the callers' polling loops run; their ncclGroupEnd returns ncclInProgress, as real NCCL may.
@@ -31,9 +44,15 @@
 // Several ranks of a clique on one device are refused, as by NCCL, unless
 // NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL >= 2.30; this fake reports 2.30.0).
 #include <dlfcn.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cctype>
+#include <cerrno>
 #include <cmath>
 #include <condition_variable>
 #include <cstdarg>
@@ -45,6 +64,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -74,7 +94,17 @@ struct Comm {
   int error = Success;
   std::string last;  // ncclGetLastError
 };
-struct Clique { int nranks = 0; std::vector<Comm*> ranks; };
+struct Shared;
+struct Clique {
+  int nranks = 0;
+  std::vector<Comm*> ranks;  // this process's ranks; null where another process has them
+  std::string id;
+  // Across processes (see the header): the shared slots, the data files, the rounds issued.
+  Shared* shared = nullptr;
+  std::string path;
+  std::vector<int> files;
+  uint64_t rounds = 0;
+};
 // An op as queued: arg is the reduction op, the broadcast root or the peer.
 struct Op {
   Kind kind; Comm* comm; const void* send; void* recv; size_t count; int dtype, arg;
@@ -235,34 +265,42 @@ template <class C> C combine(int op, C a, C b) {
   return op == 2 ? std::max(a, b) : std::min(a, b);
 }
 
-// Reduces rank 0, 1, .. n-1 in that order into a temporary, then writes every recv buffer (so
-// send == recv works).
-template <class T> void reduce(const std::vector<const Op*>& rk) {
-  size_t count = rk[0]->count;
-  int op = rk[0]->arg;
+// Reduces the sources (rank 0, 1, .. n-1) in that order into a temporary, then writes every
+// output (so send == recv works).
+template <class T>
+void reduce(const std::vector<const void*>& srcs, const std::vector<void*>& outs, size_t count,
+            int op) {
   std::vector<typename T::C> acc(count);
-  for (size_t i = 0; i < count; i++) acc[i] = T::load(rk[0]->send, i);
-  for (size_t r = 1; r < rk.size(); r++)
-    for (size_t i = 0; i < count; i++) acc[i] = T::round(combine(op, acc[i], T::load(rk[r]->send, i)));
+  for (size_t i = 0; i < count; i++) acc[i] = T::load(srcs[0], i);
+  for (size_t r = 1; r < srcs.size(); r++)
+    for (size_t i = 0; i < count; i++) acc[i] = T::round(combine(op, acc[i], T::load(srcs[r], i)));
   if (op == 4)
-    for (auto& v : acc) v = T::round(v / typename T::C(rk.size()));
-  for (const Op* o : rk)
-    for (size_t i = 0; i < count; i++) T::store(o->recv, i, acc[i]);
+    for (auto& v : acc) v = T::round(v / typename T::C(srcs.size()));
+  for (void* out : outs)
+    for (size_t i = 0; i < count; i++) T::store(out, i, acc[i]);
+}
+
+void allreduce(int dtype, const std::vector<const void*>& srcs, const std::vector<void*>& outs,
+               size_t count, int op) {
+  switch (dtype) {
+    case 0: return reduce<Native<int8_t>>(srcs, outs, count, op);
+    case 1: return reduce<Native<uint8_t>>(srcs, outs, count, op);
+    case 2: return reduce<Native<int32_t>>(srcs, outs, count, op);
+    case 3: return reduce<Native<uint32_t>>(srcs, outs, count, op);
+    case 4: return reduce<Native<int64_t>>(srcs, outs, count, op);
+    case 5: return reduce<Native<uint64_t>>(srcs, outs, count, op);
+    case 6: return reduce<Short<half_to_float, float_to_half>>(srcs, outs, count, op);
+    case 7: return reduce<Native<float>>(srcs, outs, count, op);
+    case 8: return reduce<Native<double>>(srcs, outs, count, op);
+    case 9: return reduce<Short<bf16_to_float, float_to_bf16>>(srcs, outs, count, op);
+  }
 }
 
 void allreduce(const std::vector<const Op*>& rk) {
-  switch (rk[0]->dtype) {
-    case 0: return reduce<Native<int8_t>>(rk);
-    case 1: return reduce<Native<uint8_t>>(rk);
-    case 2: return reduce<Native<int32_t>>(rk);
-    case 3: return reduce<Native<uint32_t>>(rk);
-    case 4: return reduce<Native<int64_t>>(rk);
-    case 5: return reduce<Native<uint64_t>>(rk);
-    case 6: return reduce<Short<half_to_float, float_to_half>>(rk);
-    case 7: return reduce<Native<float>>(rk);
-    case 8: return reduce<Native<double>>(rk);
-    case 9: return reduce<Short<bf16_to_float, float_to_bf16>>(rk);
-  }
+  std::vector<const void*> srcs;
+  std::vector<void*> outs;
+  for (const Op* o : rk) srcs.push_back(o->send), outs.push_back(o->recv);
+  allreduce(rk[0]->dtype, srcs, outs, rk[0]->count, rk[0]->arg);
 }
 
 size_t bytes(const Op& o) { return o.count * type_size[o.dtype]; }
@@ -314,27 +352,176 @@ int check_op(const Op& o, void* stream) {
   return Success;
 }
 
-// --- matching and running a group -----------------------------------------------------------
-// One clique's ops of a group: collectives by rank in order; sends and recvs by (from, to).
-struct Plan {
-  std::vector<std::vector<const Op*>> coll;
-  std::map<std::pair<int, int>, std::vector<const Op*>> sends, recvs;
-};
-
 std::string describe(const Op* o) {
   return fmt("%s of %zu %s (%s)", kind_name[o->kind], o->count, type_name[o->dtype],
              o->kind == AllReduce ? op_name[o->arg] : fmt("root %d", o->arg).c_str());
 }
 
+// --- across processes (see the header) ---------------------------------------------------
+constexpr int kMaxRanks = 512;
+// A rank's slot: whether it joined, the last round it posted (with that round's op) and the last
+// it finished reading; written by the rank's process only.
+struct Slot {
+  std::atomic<int> joined, aborted;
+  std::atomic<uint64_t> posted, consumed;
+  int kind, dtype, arg;
+  uint64_t count;
+};
+struct Shared { Slot slot[kMaxRanks]; };
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared atomics must be lock-free");
+
+int joined_ranks(Clique* q) {
+  int n = 0;
+  for (int r = 0; r < q->nranks; r++) n += q->shared->slot[r].joined.load();
+  return n;
+}
+
+// The clique's shared slots (created by whichever process comes first; zeroed by the kernel).
+// Under the lock.
+std::string share(Clique* q) {
+  if (q->nranks > kMaxRanks) return fmt("fake NCCL: %d ranks across processes (at most %d)",
+                                        q->nranks, kMaxRanks);
+  std::string name;
+  for (char ch : q->id) name += std::isalnum((unsigned char)ch) ? ch : '-';
+  q->path = "/dev/shm/fake-nccl-" + name;
+  int fd = open(q->path.c_str(), O_RDWR | O_CREAT, 0600);
+  if (fd < 0 || ftruncate(fd, sizeof(Shared)) != 0)
+    return fmt("fake NCCL: cannot make %s: %s", q->path.c_str(), std::strerror(errno));
+  void* at = mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (at == MAP_FAILED) return fmt("fake NCCL: cannot map %s", q->path.c_str());
+  q->shared = static_cast<Shared*>(at);
+  q->files.assign(q->nranks, -1);
+  for (int r = 0; r < q->nranks; r++)
+    if (q->ranks[r]) q->shared->slot[r].joined.store(1);
+  return "";
+}
+
+// Rank r's data file, opened for writing (its own) or reading.
+int data_file(Clique* q, int r, bool write) {
+  if (q->files[r] < 0) {
+    std::string path = q->path + ".r" + std::to_string(r);
+    q->files[r] = open(path.c_str(), write ? O_RDWR | O_CREAT : O_RDONLY, 0600);
+  }
+  return q->files[r];
+}
+
+bool whole_io(bool write, int fd, void* buf, size_t n) {
+  char* p = static_cast<char*>(buf);
+  for (size_t done = 0; done < n;) {
+    ssize_t k = write ? pwrite(fd, p + done, n - done, done) : pread(fd, p + done, n - done, done);
+    if (k <= 0) return false;
+    done += size_t(k);
+  }
+  return true;
+}
+
+// Waits until every rank's `field` reaches `round`; "" or why not (a rank aborted). 60 s: a hang.
+std::string wait_all(Clique* q, std::atomic<uint64_t> Slot::*field, uint64_t round,
+                     const char* what) {
+  auto start = std::chrono::steady_clock::now();
+  for (int r = 0; r < q->nranks;) {
+    Slot& s = q->shared->slot[r];
+    if (s.aborted.load()) return fmt("fake NCCL: rank %d was aborted or destroyed in its process "
+                                     "while rank(s) here waited for it (%s)", r, what);
+    if ((s.*field).load(std::memory_order_acquire) >= round) { r++; continue; }
+    if (std::chrono::steady_clock::now() - start > std::chrono::seconds(60)) {
+      std::fprintf(stderr, "fake NCCL: round %llu waited 60 s for rank %d (%s): a hang in real "
+                   "NCCL\n", (unsigned long long)round, r, what);
+      std::abort();
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+  return "";
+}
+
+// One collective across processes: `local` are this process's ranks' ops (all alike).
+std::string round_across(Clique* q, uint64_t round, const std::vector<const Op*>& local) {
+  const Op& mine = *local[0];
+  size_t n = bytes(mine);
+  if (auto why = wait_all(q, &Slot::consumed, round - 1, "the previous round"); !why.empty())
+    return why;
+  for (const Op* o : local) {
+    Slot& s = q->shared->slot[o->comm->rank];
+    s.kind = o->kind, s.dtype = o->dtype, s.arg = o->arg, s.count = o->count;
+    bool sends = o->kind == AllReduce || o->arg == o->comm->rank;
+    int fd = sends && n ? data_file(q, o->comm->rank, true) : 0;
+    if (fd < 0 || (sends && n && !whole_io(true, fd, const_cast<void*>(o->send), n)))
+      return fmt("fake NCCL: rank %d cannot write its data: %s", o->comm->rank, std::strerror(errno));
+    s.posted.store(round, std::memory_order_release);
+  }
+  if (auto why = wait_all(q, &Slot::posted, round, describe(&mine).c_str()); !why.empty())
+    return why;
+  const Slot& ref = q->shared->slot[0];
+  for (int r = 1; r < q->nranks; r++) {
+    const Slot& s = q->shared->slot[r];
+    if (s.kind != ref.kind || s.count != ref.count || s.dtype != ref.dtype || s.arg != ref.arg) {
+      Op a{Kind(s.kind), nullptr, nullptr, nullptr, s.count, s.dtype, s.arg};
+      Op b{Kind(ref.kind), nullptr, nullptr, nullptr, ref.count, ref.dtype, ref.arg};
+      return fmt("fake NCCL: round %llu across processes differs: rank %d queued %s, rank 0 %s",
+                 (unsigned long long)round, r, describe(&a).c_str(), describe(&b).c_str());
+    }
+  }
+  // Every rank's bytes, in rank order: this process's from its buffers, the others' from files.
+  std::vector<std::vector<char>> read(q->nranks);
+  std::vector<const void*> srcs(q->nranks, nullptr);
+  for (const Op* o : local) srcs[o->comm->rank] = o->send;
+  std::vector<void*> outs;
+  for (const Op* o : local) outs.push_back(o->recv);
+  for (int r = 0; r < q->nranks && n; r++) {
+    bool needed = mine.kind == AllReduce || r == mine.arg;
+    if (!needed || srcs[r]) continue;
+    read[r].resize(n);
+    int fd = data_file(q, r, false);
+    if (fd < 0 || !whole_io(false, fd, read[r].data(), n))
+      return fmt("fake NCCL: cannot read rank %d's data: %s", r, std::strerror(errno));
+    srcs[r] = read[r].data();
+  }
+  if (n && mine.kind == AllReduce) {
+    allreduce(mine.dtype, srcs, outs, mine.count, mine.arg);
+  } else if (n) {  // broadcast: through a copy, so the root's send == recv is fine
+    const char* from = static_cast<const char*>(srcs[mine.arg]);
+    std::vector<char> data(from, from + n);
+    for (void* out : outs) std::memcpy(out, data.data(), n);
+  }
+  for (const Op* o : local) q->shared->slot[o->comm->rank].consumed.store(round);
+  return "";
+}
+
+// A rank leaves: the others' rounds stop waiting for it; its data file goes.
+void leave(Comm* c) {
+  Clique* q = c->clique;
+  if (!q->shared) return;
+  q->shared->slot[c->rank].aborted.store(1);
+  if (q->files[c->rank] >= 0) close(q->files[c->rank]), q->files[c->rank] = -1;
+  unlink((q->path + ".r" + std::to_string(c->rank)).c_str());
+  if (c->rank == 0) unlink(q->path.c_str());  // mapped by every process that joined
+}
+
+// --- matching and running a group -----------------------------------------------------------
+// One clique's ops of a group: collectives by rank in order; sends and recvs by (from, to).
+struct Plan {
+  Clique* clique = nullptr;
+  uint64_t first_round = 0;  // across processes: the round of the first collective
+  std::vector<std::vector<const Op*>> coll;
+  std::map<std::pair<int, int>, std::vector<const Op*>> sends, recvs;
+};
+
 // What disagrees, or "" when every rank's ops pair up.
 std::string match(Clique* q, const std::vector<const Op*>& ops, Plan& p) {
   int n = q->nranks;
-  int joined = n - int(std::count(q->ranks.begin(), q->ranks.end(), nullptr));
+  int joined = q->shared ? joined_ranks(q)
+                         : n - int(std::count(q->ranks.begin(), q->ranks.end(), nullptr));
   if (joined < n)
     return fmt("fake NCCL: only %d of the %d ranks of the communicator were initialised", joined, n);
+  p.clique = q;
   p.coll.assign(n, {});
   for (const Op* o : ops) {
     int r = o->comm->rank;
+    if (q->shared && o->kind >= Send && !q->ranks[o->arg])
+      return fmt("fake NCCL: rank %d's %s %s rank %d, which is in another process: this fake "
+                 "moves only collectives between processes", r, kind_name[o->kind],
+                 o->kind == Send ? "to" : "from", o->arg);
     if (o->kind == Send) p.sends[{r, o->arg}].push_back(o);
     else if (o->kind == Recv) p.recvs[{o->arg, r}].push_back(o);
     else p.coll[r].push_back(o);
@@ -347,6 +534,7 @@ std::string match(Clique* q, const std::vector<const Op*>& ops, Plan& p) {
       if (!ref && i < v.size()) ref = v[i];
     int rr = ref->comm->rank;
     for (int r = 0; r < n; r++) {
+      if (!q->ranks[r]) continue;  // another process's: matched in the round (shared memory)
       if (i >= p.coll[r].size())
         return fmt("fake NCCL: rank %d of %d queued no %s to pair with rank %d's (count %zu)%s", r, n,
                    kind_name[ref->kind], rr, ref->count,
@@ -388,17 +576,30 @@ std::string match(Clique* q, const std::vector<const Op*>& ops, Plan& p) {
   return "";
 }
 
-void execute(const Plan& p) {
-  for (size_t i = 0; i < p.coll[0].size(); i++) {
-    std::vector<const Op*> rk;
-    for (auto& v : p.coll) rk.push_back(v[i]);
-    if (rk[0]->kind == AllReduce) {
-      allreduce(rk);
-    } else {  // broadcast: through a copy, so the root's send == recv (or any overlap) is fine
-      const char* from = static_cast<const char*>(rk[rk[0]->arg]->send);
-      std::vector<char> data(from, from + bytes(*rk[0]));
-      for (const Op* o : rk)
-        if (!data.empty()) std::memcpy(o->recv, data.data(), data.size());
+// Runs a matched plan: "" or why it failed (a round across processes).
+std::string execute(const Plan& p) {
+  Clique* q = p.clique;
+  if (q->shared) {
+    size_t rounds = 0;
+    for (auto& v : p.coll) rounds = std::max(rounds, v.size());
+    for (size_t i = 0; i < rounds; i++) {
+      std::vector<const Op*> local;
+      for (auto& v : p.coll)
+        if (!v.empty()) local.push_back(v[i]);
+      if (auto why = round_across(q, p.first_round + i, local); !why.empty()) return why;
+    }
+  } else {
+    for (size_t i = 0; i < p.coll[0].size(); i++) {
+      std::vector<const Op*> rk;
+      for (auto& v : p.coll) rk.push_back(v[i]);
+      if (rk[0]->kind == AllReduce) {
+        allreduce(rk);
+      } else {  // broadcast: through a copy, so the root's send == recv (or any overlap) is fine
+        const char* from = static_cast<const char*>(rk[rk[0]->arg]->send);
+        std::vector<char> data(from, from + bytes(*rk[0]));
+        for (const Op* o : rk)
+          if (!data.empty()) std::memcpy(o->recv, data.data(), data.size());
+      }
     }
   }
   std::vector<std::pair<void*, std::vector<char>>> moves;  // every send is read before any recv
@@ -409,6 +610,23 @@ void execute(const Plan& p) {
     }
   for (auto& [to, data] : moves)
     if (!data.empty()) std::memcpy(to, data.data(), data.size());
+  return "";
+}
+
+// A failed round: every communicator of the clique here says why (under the lock).
+void fail_clique(Clique* q, const std::string& why) {
+  int code = why.find("aborted or destroyed") != std::string::npos ? RemoteError : InvalidUsage;
+  for (Comm* c : q->ranks)
+    if (c && !c->dead && c->error == Success) c->error = code, c->last = why;
+  last_global = why;
+}
+
+// The rounds of a matched plan across processes, numbered in issue order (under the lock).
+void number_rounds(Plan& p) {
+  size_t rounds = 0;
+  for (auto& v : p.coll) rounds = std::max(rounds, v.size());
+  p.first_round = p.clique->rounds + 1;
+  p.clique->rounds += rounds;
 }
 
 // Under FAKE_CUDA_ASYNC: one clique's ops of a group, queued on every stream they name and run
@@ -429,7 +647,10 @@ void arrive(void* arg) {
   std::unique_lock<std::mutex> g(l->m);
   if (++l->arrived == l->streams) {
     g.unlock();
-    execute(l->plan);
+    if (auto why = execute(l->plan); !why.empty()) {
+      std::lock_guard<std::mutex> guard(mu);
+      fail_clique(l->plan.clique, why);
+    }
     g.lock();
     l->done = true;
     l->cv.notify_all();
@@ -444,12 +665,14 @@ void arrive(void* arg) {
   if (last) delete l;
 }
 
-void launch_on_streams(Clique* q, const std::vector<const Op*>& ops, const Cuda* cu) {
+void launch_on_streams(Clique* q, const std::vector<const Op*>& ops, const Cuda* cu,
+                       uint64_t first_round) {
   auto* l = new Launch;
   for (const Op* o : ops) l->ops.push_back(*o);
   std::vector<const Op*> mine;
   for (const Op& o : l->ops) mine.push_back(&o);
   match(q, mine, l->plan);  // matched before: cannot fail now
+  l->plan.first_round = first_round;
   std::vector<std::pair<void*, int>> streams;  // (stream, device of a default stream)
   for (const Op& o : l->ops) {
     std::pair<void*, int> at{o.stream, o.comm->device};
@@ -495,13 +718,23 @@ int run_group() {
       std::fprintf(stderr, "fake NCCL: FAKE_NCCL_FAULT=%s: expected hang or error\n", env);
       std::abort();
     }
+    if (q->shared) number_rounds(p);
     const Cuda* cu = ops.empty() ? nullptr : cuda(ops[0]->comm);
-    if (cu && cu->async()) launch_on_streams(q, ops, cu);
-    else execute(p);
+    if (cu && cu->async()) launch_on_streams(q, ops, cu, p.first_round);
+    else if (auto why = execute(p); !why.empty()) fail_clique(q, why), rc = InvalidUsage;
     if (fault == "hang")
       for (const Op* o : ops) o->comm->hang = true;
     for (const Op* o : ops)
       if (!o->comm->connected) o->comm->connected = true, setup_delay(o->comm);
+  }
+  // A clique still missing ranks when its init group ends spans processes.
+  for (Comm* c : g.touched) {
+    Clique* q = c->clique;
+    if (c->dead || q->shared || !std::count(q->ranks.begin(), q->ranks.end(), nullptr)) continue;
+    if (auto why = share(q); !why.empty()) {
+      fail_clique(q, why);
+      rc = SystemError;
+    }
   }
   bool nonblocking = false;
   for (Comm* c : g.touched) {
@@ -538,8 +771,11 @@ int submit(const Op& o, void* stream) {
 
 ncclUniqueId new_id() {
   ncclUniqueId id{};
-  std::snprintf(id.internal, sizeof id.internal, "fake NCCL unique id %llu", ++ids_issued);
-  cliques[std::string(id.internal, sizeof id.internal)] = new Clique;
+  std::snprintf(id.internal, sizeof id.internal, "fake NCCL unique id %d.%llu", int(getpid()),
+                ++ids_issued);
+  std::string key(id.internal, sizeof id.internal);
+  cliques[key] = new Clique;
+  cliques[key]->id = id.internal;
   return id;
 }
 
@@ -550,7 +786,15 @@ int init(void** out, int nranks, const ncclUniqueId& id, int rank, bool blocking
   // driver setup), which sends AUTO to peer copies.
   if (const char* f = std::getenv("FAKE_NCCL_INIT_FAULT"); f && std::string(f) == "1")
     return fail(nullptr, SystemError, "fake NCCL: injected init failure (FAKE_NCCL_INIT_FAULT=1)");
-  auto it = cliques.find(std::string(id.internal, sizeof id.internal));
+  std::string key(id.internal, sizeof id.internal);
+  auto it = cliques.find(key);
+  int maker = 0;
+  if (it == cliques.end() && std::sscanf(id.internal, "fake NCCL unique id %d.", &maker) == 1 &&
+      maker != int(getpid())) {
+    // Made by another process and sent here (by MPI, say): this process's part of the clique.
+    it = cliques.emplace(key, new Clique).first;
+    it->second->id = std::string(id.internal, strnlen(id.internal, sizeof id.internal));
+  }
   if (it == cliques.end())
     return fail(nullptr, InvalidArgument, "fake NCCL: the unique id was not made by ncclGetUniqueId");
   Clique* q = it->second;
@@ -575,6 +819,7 @@ int init(void** out, int nranks, const ncclUniqueId& id, int rank, bool blocking
   setup_delay(c);
   comms.insert(c);
   q->ranks[rank] = c;
+  if (q->shared) q->shared->slot[rank].joined.store(1);  // a late rank of this process
   *out = c;
   group.touched.push_back(c);
   // Complete: real NCCL refuses two ranks on one GPU unless allowed (NCCL >= 2.30).
@@ -675,7 +920,7 @@ int ncclCommFinalize(void* comm) {
 // Destroyed or aborted comms stay as tombstones, so a later use is caught (see live()).
 int ncclCommDestroy(void* comm) {
   std::lock_guard<std::mutex> guard(mu);
-  if (comm) live(comm)->dead = true;
+  if (comm) live(comm)->dead = true, leave(static_cast<Comm*>(comm));
   runtime_restore();
   return Success;
 }
@@ -687,6 +932,7 @@ int ncclCommGetAsyncError(void* comm, int* state) {
   Comm* c = live(comm);
   if (c->hang) *state = InProgress;  // a stuck collective: until ncclCommAbort
   else if (c->error != Success) *state = c->error;
+  else if (c->clique->shared && joined_ranks(c->clique) < c->clique->nranks) *state = InProgress;
   else if (std::chrono::steady_clock::now() < c->busy_until) *state = InProgress;
   else *state = c->pending ? InProgress : Success;
   c->pending = false;
