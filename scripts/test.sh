@@ -54,7 +54,7 @@ ensure_mpi
 # A separate target directory: target/release keeps the default library, which links no MPI.
 cargo clippy --release --all-targets --features mpi --target-dir target/mpi -- -D warnings
 cargo test --release --features mpi --target-dir target/mpi --lib --test world --test world_mpi --test world_comm
-step "CUDA replicas across ranks on the fake CUDA driver (two fake GPUs per rank; tests/world_cuda.rs): synchronous, then asynchronous streams"
+step "CUDA replicas across ranks on the fake CUDA driver and NCCL (two fake GPUs per rank; tests/world_cuda.rs: NCCL across the ranks and the staged path): synchronous, then asynchronous streams"
 for async in "" 1; do
   DPSYNC_FAKE_CUDA=1 DPSYNC_REQUIRE_GPU=1 FAKE_CUDA_DEVICES=2 FAKE_CUDA_ASYNC=$async \
     LD_LIBRARY_PATH="$PWD/target/fakecuda:${LD_LIBRARY_PATH:-}" \

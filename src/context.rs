@@ -71,20 +71,32 @@ impl Context {
             None => None,
             Some(w) => {
                 let ranks = backend::join(w, options.timeout())?;
-                let local = opened.as_ref().map(|o| o.topology.replicas());
-                let per_rank = world::settle(&*ranks, options, local.map_err(Clone::clone))?;
-                Some((ranks, per_rank))
+                let local = opened
+                    .as_ref()
+                    .map_err(Clone::clone)
+                    .and_then(|o| world_part(o, ranks.rank() == 0));
+                let settled = world::settle(&*ranks, options, local)?;
+                Some((ranks, settled))
             }
         };
         let backend::Opened {
             mut topology,
             backend,
         } = opened?;
-        let ranks = world.map(|(ranks, per_rank)| {
-            topology.replicas_per_rank = per_rank;
-            (topology.rank, topology.world_size) = (ranks.rank(), ranks.ranks());
-            ranks
-        });
+        let ranks = match world {
+            None => None,
+            Some((ranks, settled)) => {
+                topology.replicas_per_rank = settled.per_rank;
+                (topology.rank, topology.world_size) = (ranks.rank(), ranks.ranks());
+                // CUDA replicas: NCCL across the ranks where every rank can join it.
+                if let (Some(joint), Some(c)) = (&settled.collective, backend.world_collective()) {
+                    if world::join_collective(&*ranks, c, joint, options.transport)? {
+                        topology.world_nccl = Some(joint.0.clone());
+                    }
+                }
+                Some(ranks)
+            }
+        };
         log_creation(options, &topology);
         let trace = Tracer::for_context(
             topology.rank,
@@ -232,11 +244,7 @@ impl Context {
             world["rank"] = self.topology.rank.into();
             world["ranks"] = self.topology.world_size.into();
             world["replicas_per_rank"] = self.topology.replicas_per_rank.clone().into();
-            world["cross_rank"] = match self.options.has_cuda_replicas() {
-                true => "mpi_staged",
-                false => "mpi",
-            }
-            .into();
+            world["cross_rank"] = cross_rank(&self.options, &self.topology).into();
             json["world"] = world;
         }
         json.to_string()
@@ -573,6 +581,33 @@ impl Context {
     }
 }
 
+/// What this rank brings to its world: its replicas and, where its backend can join a
+/// collective across the ranks, its replicas' device groups (and on rank 0 the clique's id).
+fn world_part(opened: &backend::Opened, first: bool) -> Result<world::Local> {
+    let topology = &opened.topology;
+    let collective = match opened.backend.world_collective() {
+        None => None,
+        Some(c) => {
+            let mut group_of = vec![0; topology.replicas()];
+            for (g, members) in crate::plan::device_groups(topology).iter().enumerate() {
+                members.iter().for_each(|&r| group_of[r] = g);
+            }
+            // Without an id from rank 0 no rank joins (AUTO stages; NCCL asked fails below).
+            match first.then(|| c.new_id()).transpose() {
+                Ok(id) => Some((group_of, id)),
+                Err(e) => {
+                    log::warn(|| format!("no NCCL unique id: {}", e.message));
+                    None
+                }
+            }
+        }
+    };
+    Ok(world::Local {
+        replicas: topology.replicas(),
+        collective,
+    })
+}
+
 /// What context creation logs: the replicas, the transport and why, the world (info); the
 /// fallbacks a user may not expect (warn).
 fn log_creation(options: &Options, topology: &Topology) {
@@ -581,8 +616,10 @@ fn log_creation(options: &Options, topology: &Topology) {
         let world = match topology.world_size {
             1 => String::new(),
             n => format!(
-                "; world: rank {} of {n}, replicas per rank {:?}",
-                topology.rank, topology.replicas_per_rank
+                "; world: rank {} of {n}, replicas per rank {:?}, across the ranks {}",
+                topology.rank,
+                topology.replicas_per_rank,
+                cross_rank(options, topology)
             ),
         };
         format!(
@@ -621,5 +658,15 @@ fn log_creation(options: &Options, topology: &Topology) {
                 )
             });
         }
+    }
+}
+
+/// How a world's collectives cross the ranks: `"mpi"` (host replicas), `"nccl"` or
+/// `"mpi_staged"` (CUDA replicas).
+fn cross_rank(options: &Options, topology: &Topology) -> &'static str {
+    match (options.has_cuda_replicas(), &topology.world_nccl) {
+        (false, _) => "mpi",
+        (true, Some(_)) => "nccl",
+        (true, None) => "mpi_staged",
     }
 }

@@ -1,14 +1,17 @@
-//! Worlds of processes with CUDA replicas (built with `--features mpi`): the staged path (each
-//! process's sum through page-locked host memory and MPI). scripts/test.sh runs it on the fake
-//! CUDA driver (target/fakecuda, two fake GPUs per rank), with synchronous and asynchronous
-//! streams; on a machine without a CUDA driver every rank prints that it was skipped.
+//! Worlds of processes with CUDA replicas (built with `--features mpi`): NCCL across the ranks
+//! (one clique over every rank's GPUs; the fake NCCL meets across processes in shared memory)
+//! and the staged path (each process's sum through page-locked host memory and MPI).
+//! scripts/test.sh runs it on the fake CUDA driver and NCCL (target/fakecuda, two fake GPUs per
+//! rank), with synchronous and asynchronous streams; on a machine without a CUDA driver every
+//! rank prints that it was skipped.
 //!
-//! `cuda_worlds_of_two_and_three_ranks` starts this binary under `mpirun -n 2` and `-n 3`; as
-//! every rank, `cuda_rank_body` has a different layout of CUDA replicas: rank 0 two replicas on
-//! GPU 0 (one group), rank 1 one on GPU 0 and one on GPU 1 (two groups: level 2 first), rank 2
-//! one on GPU 1. It checks exact SUM and AVG (f32, f64, i64), a broadcast from the last world
-//! replica, BMUF over the world, describe's staged path, and sparse gathers (plain and
-//! coalesced) against one host process holding every replica of the world.
+//! `cuda_worlds_of_two_and_three_ranks` starts this binary under `mpirun -n 2` and `-n 3`, with
+//! transport PEER_COPY (staged), NCCL and AUTO (NCCL); as every rank, `cuda_rank_body` has a
+//! different layout of CUDA replicas: rank 0 two replicas on GPU 0 (one group), rank 1 one on
+//! GPU 0 and one on GPU 1 (two groups), rank 2 one on GPU 1. It checks exact SUM and AVG (f32,
+//! f64, i64), a broadcast from the last world replica, BMUF over the world, describe's path
+//! across the ranks, and sparse gathers (plain and coalesced) against one host process holding
+//! every replica of the world. `a_rank_that_cannot_join_nccl`: one rank's NCCL init fails.
 #![cfg(feature = "mpi")]
 #![allow(clippy::needless_range_loop)]
 
@@ -38,13 +41,33 @@ fn cuda_worlds_of_two_and_three_ranks() {
         return;
     }
     for n in [2, 3] {
-        launch("cuda_rank_body", n, 300, None);
+        for transport in ["peer_copy", "nccl", "auto"] {
+            let env = Some(("DPSYNC_TEST_TRANSPORT", std::path::Path::new(transport)));
+            launch("cuda_rank_body", n, 300, env);
+        }
+    }
+}
+
+/// The transport the launcher asked for, and how the ranks must then be crossed: staged with
+/// PEER_COPY, NCCL when asked (or by AUTO where the fake NCCL is loaded).
+fn transport() -> (u32, &'static str) {
+    match std::env::var("DPSYNC_TEST_TRANSPORT").as_deref() {
+        Ok("nccl") => (T_NCCL, "nccl"),
+        Ok("auto") => (T_AUTO, "nccl"),
+        _ => (T_PEER_COPY, "mpi_staged"),
     }
 }
 
 /// Each rank's CUDA ordinals.
 fn layout(rank: usize) -> &'static [i32] {
     [&[0, 0][..], &[0, 1][..], &[1][..]][rank]
+}
+
+/// Distinct GPUs of a rank: its NCCL ranks.
+fn local_groups(rank: usize) -> usize {
+    let mut o = layout(rank).to_vec();
+    o.dedup();
+    o.len()
 }
 
 fn value(w: usize, i: usize) -> i64 {
@@ -76,8 +99,14 @@ fn cuda_rank_body() {
     let (local, total) = (sizes[rank], sizes.iter().sum::<usize>());
     let offset: usize = sizes[..rank].iter().sum();
     let ordinals = layout(rank);
+    let (asked, cross) = transport();
     let Some(ctx) = cuda_context("cuda_rank_body", ordinals, |o| {
         o.set_timeout_ms(120_000);
+        // SAFETY: valid options.
+        check(
+            unsafe { dpsync_options_set_transport(o.0, asked) },
+            "set_transport",
+        );
         // SAFETY: valid options; NULL is MPI_COMM_WORLD.
         check(
             unsafe { dpsync_options_set_world_mpi(o.0, ptr::null()) },
@@ -88,9 +117,19 @@ fn cuda_rank_body() {
     };
     let tag = |what: &str| format!("rank {rank}/{ranks}: {what}");
     let d = ctx.describe_json();
-    assert_eq!(d["world"]["cross_rank"], "mpi_staged", "{d}");
+    assert_eq!(d["world"]["cross_rank"], cross, "{d}");
     let levels = d["levels"].as_array().unwrap();
-    assert_eq!(levels.last().unwrap()["via"], "mpi_staged", "{d}");
+    assert_eq!(levels.last().unwrap()["via"], cross, "{d}");
+    if cross == "nccl" {
+        // One NCCL rank per distinct GPU of each rank (each process's fake GPUs are its own).
+        let groups: usize = (0..ranks).map(local_groups).sum();
+        assert_eq!(levels.last().unwrap()["nccl_ranks"], groups, "{d}");
+        assert_eq!(
+            d["backend"]["nccl_communicators"],
+            local_groups(rank),
+            "{d}"
+        );
+    }
 
     // Dense gradients: f32 (two tensors, one bucket), i64.
     let (n32, n64) = (1000, 5);
@@ -285,5 +324,77 @@ fn sparse_across_ranks(place: &Place, rank: usize, ranks: usize, coalesce: bool)
             "{}",
             tag("values")
         );
+    }
+}
+
+#[test]
+fn a_rank_that_cannot_join_nccl() {
+    if under_mpirun() {
+        return;
+    }
+    launch("nccl_join_failure_body", 2, 300, None);
+}
+
+/// Rank 1's NCCL communicator fails to initialise (the fake NCCL's FAKE_NCCL_INIT_FAULT, set on
+/// that rank only) while rank 0's is under way: with AUTO every rank leaves the clique and stages
+/// through MPI (and an allreduce is right); with NCCL asked for, creation fails on every rank at
+/// once (rank 1 with its own error, rank 0 INCONSISTENT naming rank 1), not by a timeout.
+#[test]
+fn nccl_join_failure_body() {
+    let Some((rank, _)) = as_rank("nccl_join_failure_body") else {
+        return;
+    };
+    let Some(place) = Place::gpus("nccl_join_failure_body", 1) else {
+        return;
+    };
+    if rank == 1 {
+        std::env::set_var("FAKE_NCCL_INIT_FAULT", "1");
+    }
+    let configure = |transport: u32| {
+        move |o: &Options| {
+            o.set_timeout_ms(120_000);
+            // SAFETY: valid options; NULL is MPI_COMM_WORLD.
+            unsafe {
+                check(dpsync_options_set_transport(o.0, transport), "transport");
+                check(dpsync_options_set_world_mpi(o.0, ptr::null()), "world");
+            }
+        }
+    };
+    let Some(ctx) = cuda_context("nccl_join_failure_body", &[0], configure(T_AUTO)) else {
+        return;
+    };
+    let d = ctx.describe_json();
+    assert_eq!(d["world"]["cross_rank"], "mpi_staged", "rank {rank}: {d}");
+    let mem = place.mem_on(0, &bytes_of(&[rank as f32 + 1.0; 4]));
+    check(
+        register_raw(ctx.0, "g", GRAD, 0, mem.ptr() as *mut _, 4, F32),
+        "register",
+    );
+    check(ctx.allreduce_grads(SUM), "allreduce_grads");
+    check(common::place::synchronize(&ctx), "synchronize");
+    assert_eq!(
+        from_bytes::<f32>(&mem.read()),
+        vec![3.0f32; 4],
+        "rank {rank}"
+    );
+    drop(ctx);
+
+    let o = Options::new();
+    o.set_cuda_replicas(&[0]);
+    configure(T_NCCL)(&o);
+    let mut p = ptr::null_mut();
+    // SAFETY: valid options and out pointer.
+    let st = unsafe { dpsync_context_create(o.0, &mut p) };
+    let message = last_error();
+    assert!(p.is_null(), "rank {rank}: no context");
+    if rank == 0 {
+        assert_eq!(st, INCONSISTENT, "{message}");
+        assert!(
+            message.contains("rank 1") && message.contains("NCCL"),
+            "{message}"
+        );
+    } else {
+        assert_ne!(st, OK, "{message}");
+        assert!(message.contains("injected init failure"), "{message}");
     }
 }

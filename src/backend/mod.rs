@@ -266,6 +266,30 @@ pub(crate) trait Backend: Send {
     /// The level-2 primitives of a backend whose groups are separate devices; `None` where every
     /// replica is in one group's memory (the host).
     fn links(&self) -> Option<&dyn Links>;
+
+    /// This process's part of one collective over the device groups of a whole world (NCCL
+    /// across ranks); `None` where the backend has none (the host, or no NCCL).
+    fn world_collective(&self) -> Option<&dyn WorldCollective> {
+        None
+    }
+}
+
+/// Joining the ranks' device groups into one collective (NCCL: one rank per group of every
+/// process, the unique id sent through the world's engine). Once joined, [`Links::collective`]
+/// spans the world: its buffers are this process's groups', its roots ranks of the whole clique.
+/// The steps are separate so that the processes can agree between them ([`crate::exec::world`]).
+pub(crate) trait WorldCollective {
+    /// A new clique's id (one process makes it; every process joins with it).
+    fn new_id(&self) -> Result<Vec<u8>>;
+
+    /// Issues this process's members, ranks `first..` of `total`, without waiting.
+    fn issue(&self, id: &[u8], first: usize, total: usize) -> Result<()>;
+
+    /// Waits until the issued members are ready (the setup deadline bounds it).
+    fn ready(&self) -> Result<()>;
+
+    /// Gives the clique up (another process failed its part): collectives stay local.
+    fn leave(&self);
 }
 
 /// The stream protocol of a device backend: the executor brackets every collective with

@@ -43,13 +43,29 @@ pub(super) unsafe fn allreduce(
         channel,
     } = site;
     if let Some(ranks) = ranks {
-        return match backend.streams() {
-            None => allreduce_ranks(backend, levels, (ranks, channel), bucket, avg, trace),
-            Some(streams) => allreduce_staged(site, streams, ranks, bucket, avg),
+        return match (backend.streams(), &levels.world) {
+            (None, _) => allreduce_ranks(backend, levels, (ranks, channel), bucket, avg, trace),
+            // Levels 2 and 3 in one collective over the world's device groups (NCCL), below.
+            (Some(_), Some(_)) => allreduce_levels(backend, levels, bucket, avg, true),
+            (Some(streams), None) => allreduce_staged(site, streams, ranks, bucket, avg),
         };
     }
+    allreduce_levels(backend, levels, bucket, avg, false)
+}
+
+/// Levels 1 and 2 (in `world`: level 2 is the collective across the ranks too).
+///
+/// # Safety
+/// As for [`allreduce`].
+unsafe fn allreduce_levels(
+    backend: &dyn Backend,
+    levels: &Levels,
+    bucket: &BucketView<'_>,
+    avg: Option<usize>,
+    world: bool,
+) -> Result<()> {
     let replicas: usize = levels.groups.iter().map(Vec::len).sum();
-    if bucket.elements() == 0 || (replicas <= 1 && avg.is_none()) {
+    if bucket.elements() == 0 || (replicas <= 1 && avg.is_none() && !world) {
         return Ok(());
     }
     let links = match (&levels.across, backend.links()) {
@@ -335,6 +351,12 @@ pub(super) unsafe fn broadcast(
         if bucket.elements() == 0 {
             return Ok(());
         }
+        if let (Some(world), Some(links)) = (&levels.world, backend.links()) {
+            // One collective over the world's device groups, rooted at the root's group.
+            let mine = (ranks.rank() == root_rank).then(|| levels.group_of()[root]);
+            let nccl_root = world.nccl_rank(root_rank, root);
+            return broadcast_groups(links, levels, bucket, mine.map(|g| (g, root)), nccl_root);
+        }
         if let Some(streams) = backend.streams() {
             // Device replicas: the root's bytes through the host stage to every local replica.
             let host = match ranks.rank() == root_rank {
@@ -376,15 +398,35 @@ pub(super) unsafe fn broadcast(
         _ => return backend.spread(group_of[root], bucket, root),
     };
     let root_group = group_of[root];
+    broadcast_groups(links, levels, bucket, Some((root_group, root)), root_group)
+}
+
+/// Level 2 of a broadcast: local replica `root` of group `root_group` (where this process has
+/// the root) packed into its group's buffer, the buffers made equal (the collective's rank
+/// `collective_root` is the root's group: in a world, a rank of the whole clique), every
+/// group's buffer unpacked into its replicas.
+///
+/// # Safety
+/// As for [`allreduce`].
+unsafe fn broadcast_groups(
+    links: &dyn Links,
+    levels: &Levels,
+    bucket: &BucketView<'_>,
+    root: Option<(usize, usize)>,
+    collective_root: usize,
+) -> Result<()> {
     let bytes = bucket.dtype.size() * bucket.elements();
     let (buffers, layouts) = fusion_buffers(links, levels, bucket)?;
-    let root_layout = links.layout(root_group, bucket, Members::One(root))?;
-    links.pack(root_group, bucket, root_layout, buffers[root_group])?;
-    match (&levels.across, links.collective()) {
-        (Across::Collective, Some(c)) => {
-            c.broadcast(bucket.dtype, bucket.elements(), root_group, &buffers)?
+    if let Some((root_group, root)) = root {
+        let root_layout = links.layout(root_group, bucket, Members::One(root))?;
+        links.pack(root_group, bucket, root_layout, buffers[root_group])?;
+    }
+    match (&levels.across, links.collective(), root) {
+        (Across::Collective, Some(c), _) => {
+            c.broadcast(bucket.dtype, bucket.elements(), collective_root, &buffers)?
         }
-        _ => {
+        (_, _, None) => unreachable!("a broadcast from another rank without a collective"),
+        (_, _, Some((root_group, _))) => {
             let others = || (0..buffers.len()).filter(|&g| g != root_group);
             for g in others() {
                 links.order(root_group, g)?;

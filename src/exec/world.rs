@@ -5,9 +5,12 @@
 
 use serde_json::{json, Value};
 
-use crate::backend::Ranks;
+use crate::backend::{Ranks, WorldCollective};
 use crate::error::{status_name, Error, Result};
+use crate::log;
 use crate::options::Options;
+use crate::plan::WorldGroups;
+use crate::types::Transport;
 
 /// The options every rank must share, as `(name, value)`, in the order they are compared.
 fn shared_options(options: &Options) -> Value {
@@ -28,16 +31,38 @@ fn ranks_text(ranks: &[usize]) -> String {
     }
 }
 
-/// Context creation: every rank's replica count, in rank order, once every rank made its own
-/// part (`local`: its replica count, or why it failed) and the options that must agree do.
+/// What a rank brings to its world at creation.
+pub struct Local {
+    pub replicas: usize,
+    /// Where the backend can join a collective across the ranks (NCCL): each local replica's
+    /// device group, and on rank 0 the clique's id.
+    pub collective: Option<(Vec<usize>, Option<Vec<u8>>)>,
+}
+
+/// What the ranks settled at creation.
+pub struct Settled {
+    /// Local replicas of every rank, in rank order.
+    pub per_rank: Vec<usize>,
+    /// Where every rank can join a collective across the ranks: their groups and rank 0's id.
+    pub collective: Option<(WorldGroups, Vec<u8>)>,
+}
+
+/// Context creation: every rank's replica count (and device groups), in rank order, once every
+/// rank made its own part (`local`, or why it failed) and the options that must agree do.
 /// Otherwise every rank fails: a failed rank with its own error, the others INCONSISTENT naming
 /// it; disagreeing options INCONSISTENT naming the option and the ranks.
-pub fn settle(ranks: &dyn Ranks, options: &Options, local: Result<usize>) -> Result<Vec<usize>> {
+pub fn settle(ranks: &dyn Ranks, options: &Options, local: Result<Local>) -> Result<Settled> {
+    let (groups, id) = match local.as_ref().ok().and_then(|l| l.collective.as_ref()) {
+        Some((groups, id)) => (Some(groups), id.as_deref().map(hex)),
+        None => (None, None),
+    };
     let mine = json!({
-        "replicas": local.as_ref().ok(),
+        "replicas": local.as_ref().ok().map(|l| l.replicas),
         "status": local.as_ref().err().map(|e| e.kind.code()),
         "error": local.as_ref().err().map(|e| e.message.clone()),
         "options": shared_options(options),
+        "groups": groups,
+        "id": id,
     });
     let all: Vec<Value> = ranks
         .allgather(mine.to_string().as_bytes())?
@@ -77,10 +102,79 @@ pub fn settle(ranks: &dyn Ranks, options: &Options, local: Result<usize>) -> Res
             )));
         }
     }
-    Ok(all
-        .iter()
-        .map(|v| v["replicas"].as_u64().unwrap_or(0) as usize)
-        .collect())
+    let group_of: Option<Vec<Vec<usize>>> = (all.iter())
+        .map(|v| serde_json::from_value(v["groups"].clone()).ok())
+        .collect();
+    let id = all[0]["id"].as_str().and_then(unhex);
+    Ok(Settled {
+        per_rank: (all.iter())
+            .map(|v| v["replicas"].as_u64().unwrap_or(0) as usize)
+            .collect(),
+        collective: group_of
+            .zip(id)
+            .map(|(g, id)| (WorldGroups { group_of: g }, id)),
+    })
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(text: &str) -> Option<Vec<u8>> {
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+/// Joins the backend's collective across the ranks (NCCL over every rank's device groups), in
+/// two steps each followed by an exchange of outcomes, so that no rank waits for a clique
+/// another rank failed to issue. Whether it was joined: a failure on any rank makes every rank
+/// leave it; then transport AUTO goes on staged through the engine (a warning says why), and
+/// NCCL asked for fails creation on every rank (a failed rank with its own error, the others
+/// INCONSISTENT naming it).
+pub fn join_collective(
+    ranks: &dyn Ranks,
+    collective: &dyn WorldCollective,
+    (groups, id): &(WorldGroups, Vec<u8>),
+    transport: Transport,
+) -> Result<bool> {
+    let me = ranks.rank();
+    let mut outcome = collective.issue(id, groups.first(me), groups.total());
+    let mut failed = outcomes(ranks, &outcome, "issuing")?;
+    if failed.is_none() {
+        outcome = collective.ready();
+        failed = outcomes(ranks, &outcome, "waiting for")?;
+    }
+    let Some((rank, why)) = failed else {
+        return Ok(true);
+    };
+    collective.leave();
+    if transport == Transport::Nccl {
+        outcome?;
+        return Err(Error::inconsistent(format!(
+            "dpsync_context_create: rank {rank} could not join NCCL across the ranks ({why});              no context was created on any rank"
+        )));
+    }
+    log::warn(|| {
+        format!("NCCL is not used across the ranks: rank {rank}: {why}; staging through MPI")
+    });
+    Ok(false)
+}
+
+/// Every rank's outcome of one step of [`join_collective`]: the first failed rank and why.
+fn outcomes(
+    ranks: &dyn Ranks,
+    outcome: &Result<()>,
+    step: &str,
+) -> Result<Option<(usize, String)>> {
+    let mine = json!(outcome.as_ref().err().map(|e| e.message.clone()));
+    let all = ranks.allgather(mine.to_string().as_bytes())?;
+    Ok(all.iter().enumerate().find_map(|(r, b)| {
+        let v: Value = serde_json::from_slice(b).unwrap_or(Value::Null);
+        v.as_str()
+            .map(|e| (r, format!("{step} its NCCL communicators: {e}")))
+    }))
 }
 
 /// 64-bit FNV-1a over the lines: the same on every rank for the same lines, whatever the build.

@@ -14,7 +14,7 @@
 use serde_json::{json, Value};
 
 use super::steps::{allreduce_steps, device_groups, Step, StepOp, Via};
-use super::topology::{Topology, TransportChoice};
+use super::topology::{Topology, TransportChoice, WorldGroups};
 
 /// How the groups of one process combine their fusion buffers.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -40,15 +40,20 @@ pub struct Levels {
     /// no level 3).
     pub ranks: Vec<usize>,
     /// How level 3 moves a bucket: `"mpi"` from host memory, `"mpi_staged"` from device memory
-    /// through page-locked host memory.
+    /// through page-locked host memory, `"nccl"` as part of level 2's collective, which then
+    /// spans every device group of the world.
     pub ranks_via: &'static str,
+    /// With `"nccl"`: the world's groups, which name a broadcast's root in the clique.
+    pub world: Option<WorldGroups>,
 }
 
 impl Levels {
     pub fn new(topology: &Topology) -> Levels {
         let groups = device_groups(topology);
         let program = allreduce_steps(topology);
-        let across = if program.iter().any(|s| s.op == StepOp::NcclAllreduce) {
+        let across = if topology.world_nccl.is_some()
+            || program.iter().any(|s| s.op == StepOp::NcclAllreduce)
+        {
             Across::Collective
         } else if groups.len() > 1 {
             let group_of = group_of(&groups, topology.replicas());
@@ -68,10 +73,12 @@ impl Levels {
             groups,
             across,
             ranks: topology.replicas_per_rank.clone(),
-            ranks_via: match topology.transport {
-                TransportChoice::Host => "mpi",
+            ranks_via: match (topology.transport, &topology.world_nccl) {
+                (TransportChoice::Host, _) => "mpi",
+                (_, Some(_)) => "nccl",
                 _ => "mpi_staged",
             },
+            world: topology.world_nccl.clone(),
         }
     }
 
@@ -95,10 +102,13 @@ impl Levels {
         };
         let mut levels = vec![json!({"level": "replicas", "groups": self.groups}), across];
         if self.ranks.len() > 1 {
-            levels.push(
-                json!({"level": "ranks", "via": self.ranks_via, "ranks": self.ranks.len(),
-                               "replicas_per_rank": self.ranks}),
-            );
+            let mut ranks = json!({"level": "ranks", "via": self.ranks_via,
+                                   "ranks": self.ranks.len(), "replicas_per_rank": self.ranks});
+            if let Some(world) = &self.world {
+                // Levels 2 and 3 are one NCCL collective over every rank's device groups.
+                ranks["nccl_ranks"] = world.total().into();
+            }
+            levels.push(ranks);
         }
         json!(levels)
     }
@@ -155,5 +165,30 @@ mod tests {
             one_gpu.in_place(),
             "one GPU: no NCCL launch, reduced in place"
         );
+    }
+
+    #[test]
+    fn a_world_over_nccl_is_one_collective_over_every_ranks_groups() {
+        // This rank: two replicas on one GPU (one group); the world: 2 ranks, 3 GPUs in all.
+        let mut world = cuda(&[0, 0], Transport::Nccl);
+        world.replicas_per_rank = vec![2, 2];
+        world.world_nccl = Some(WorldGroups {
+            group_of: vec![vec![0, 0], vec![0, 1]],
+        });
+        let levels = Levels::new(&world);
+        assert_eq!(
+            levels.across,
+            Across::Collective,
+            "one group, yet a collective"
+        );
+        assert_eq!(levels.ranks_via, "nccl");
+        assert!(!levels.in_place());
+        let w = levels.world.as_ref().unwrap();
+        assert_eq!((w.first(0), w.first(1), w.total()), (0, 1, 3));
+        assert_eq!(
+            (w.nccl_rank(0, 1), w.nccl_rank(1, 0), w.nccl_rank(1, 1)),
+            (0, 1, 2)
+        );
+        assert_eq!(levels.describe()[2]["nccl_ranks"], 3);
     }
 }

@@ -14,7 +14,7 @@ pub use buckets::{plan_buckets, Bucket};
 pub use describe::describe;
 pub use levels::{Across, Levels};
 pub use steps::{allreduce_steps, device_groups, Step, StepOp, Via};
-pub use topology::{Topology, TransportChoice};
+pub use topology::{Topology, TransportChoice, WorldGroups};
 
 use crate::registry::Snapshot;
 use crate::types::Role;

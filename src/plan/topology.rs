@@ -66,6 +66,38 @@ pub struct Topology {
     /// One NCCL rank per replica, not per distinct GPU (`Options::nccl_rank_per_replica`,
     /// honoured with transport NCCL only).
     pub rank_per_replica: bool,
+    /// In a world of CUDA replicas: NCCL across the ranks (one NCCL rank per device group of
+    /// every rank), where every rank could join it; `None`: staged through MPI, or no world.
+    pub world_nccl: Option<WorldGroups>,
+}
+
+/// The device groups of every rank of a world, as the ranks of one NCCL clique.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorldGroups {
+    /// Per rank: the device group of each of its local replicas (groups numbered from 0).
+    pub group_of: Vec<Vec<usize>>,
+}
+
+impl WorldGroups {
+    /// Per rank: its device groups (its NCCL ranks).
+    fn groups(&self, rank: usize) -> usize {
+        self.group_of[rank].iter().max().map_or(0, |&g| g + 1)
+    }
+
+    /// The NCCL rank of rank `rank`'s first group.
+    pub fn first(&self, rank: usize) -> usize {
+        (0..rank).map(|r| self.groups(r)).sum()
+    }
+
+    /// NCCL ranks in the whole clique.
+    pub fn total(&self) -> usize {
+        self.first(self.group_of.len())
+    }
+
+    /// The NCCL rank of local replica `local` of rank `rank`.
+    pub fn nccl_rank(&self, rank: usize, local: usize) -> usize {
+        self.first(rank) + self.group_of[rank][local]
+    }
 }
 
 impl Topology {
@@ -116,6 +148,7 @@ impl Topology {
             world_size: 1,
             replicas_per_rank: vec![n],
             rank_per_replica,
+            world_nccl: None,
         };
         topology.own_devices_readable();
         Ok(topology)
@@ -154,6 +187,7 @@ impl Topology {
             peer_source: PeerSource::Host,
             transport: TransportChoice::Host,
             transport_reason: "host memory: multi-threaded reduction".to_owned(),
+            world_nccl: None,
             ..self.clone()
         }
     }

@@ -3,6 +3,7 @@
 //! event that orders one group's stream after another's, and NCCL's grouped calls (one rank per
 //! group). The algorithms that use them are in `exec/`.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -13,8 +14,8 @@ use super::kernels::Walk;
 use super::nccl::{self, CommSet};
 use super::queue::setup_deadline;
 use super::{CudaBackend, Group};
-use crate::backend::{BucketView, Collective, Layout, Links, Members, Move, Slot};
-use crate::error::Result;
+use crate::backend::{BucketView, Collective, Layout, Links, Members, Move, Slot, WorldCollective};
+use crate::error::{Error, ErrorKind, Result};
 use crate::plan::TransportChoice;
 use crate::types::DType;
 
@@ -24,6 +25,13 @@ impl CudaBackend {
         let mut slot = self.comms.lock();
         if let Some(set) = slot.as_ref() {
             return Ok(set.clone());
+        }
+        if self.world.load(Ordering::Relaxed) {
+            // A local set would not meet the other ranks' collectives.
+            return Err(Error::new(
+                ErrorKind::Backend,
+                "this context's NCCL communicators across the world's ranks were aborted",
+            ));
         }
         let ctxs: Vec<&PrimaryContext> = self.groups.iter().map(|g| g.ctx.as_ref()).collect();
         let set = CommSet::get(&ctxs, setup_deadline(issued, self.timeout))?;
@@ -166,7 +174,41 @@ impl Links for CudaBackend {
     }
 
     fn collective(&self) -> Option<&dyn Collective> {
-        (self.transport == TransportChoice::Nccl && self.groups.len() > 1).then_some(self)
+        let world = self.world.load(Ordering::Relaxed);
+        (self.transport == TransportChoice::Nccl && (self.groups.len() > 1 || world))
+            .then_some(self)
+    }
+}
+
+/// NCCL across the ranks of a world: this process's groups are ranks `first..` of the clique.
+impl WorldCollective for CudaBackend {
+    fn new_id(&self) -> Result<Vec<u8>> {
+        nccl::unique_id_bytes()
+    }
+
+    fn issue(&self, id: &[u8], first: usize, total: usize) -> Result<()> {
+        let ctxs: Vec<&PrimaryContext> = self.groups.iter().map(|g| g.ctx.as_ref()).collect();
+        let set = CommSet::world(&ctxs, id, total, first)?;
+        // Replaces the local set AUTO may have tried at open (dropped: finalized).
+        *self.comms.lock() = Some(Arc::new(set));
+        self.world.store(true, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn ready(&self) -> Result<()> {
+        let set = self.comms.lock().clone();
+        match set {
+            Some(set) => set.ready(setup_deadline(Instant::now(), self.timeout)),
+            None => self.comms(Instant::now()).map(drop),
+        }
+    }
+
+    fn leave(&self) {
+        if self.world.swap(false, Ordering::Relaxed) {
+            if let Some(set) = self.comms.lock().take() {
+                set.abort();
+            }
+        }
     }
 }
 

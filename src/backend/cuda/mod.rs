@@ -37,6 +37,7 @@ mod sparse;
 mod stage;
 mod trace;
 
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -87,6 +88,9 @@ pub(crate) struct CudaBackend {
     transport: TransportChoice,
     nccl_library: Option<String>,
     comms: Mutex<Option<Arc<CommSet>>>,
+    /// `comms` is this process's part of a clique across the ranks of a world
+    /// ([`super::WorldCollective`]): never replaced by a local set, even after an abort.
+    world: AtomicBool,
     state: Mutex<State>,
     dropped: Arc<Mutex<Dropped>>,
     timeout: Option<Duration>,
@@ -224,6 +228,10 @@ impl Backend for CudaBackend {
 
     fn links(&self) -> Option<&dyn Links> {
         Some(self)
+    }
+
+    fn world_collective(&self) -> Option<&dyn super::WorldCollective> {
+        (self.transport == TransportChoice::Nccl).then_some(self)
     }
 
     fn describe(&self) -> serde_json::Value {

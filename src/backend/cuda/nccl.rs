@@ -83,6 +83,8 @@ static LAUNCH: Mutex<()> = Mutex::new(());
 pub struct CommSet {
     ordinals: Vec<i32>,
     comms: Vec<Comm>,
+    /// The clique rank of `comms[0]` (0 unless the clique spans the processes of a world).
+    first: usize,
     aborted: Mutex<bool>,
 }
 
@@ -124,36 +126,63 @@ impl CommSet {
         ordinals: Vec<i32>,
         deadline: Option<Instant>,
     ) -> Result<CommSet> {
+        let set = CommSet::issue(devices, ordinals, unique_id()?, devices.len(), 0)?;
+        set.ready(deadline)?;
+        Ok(set)
+    }
+
+    /// This process's ranks `first..` of a clique of `nranks` across the processes of a world
+    /// (`id` made by one of them, [`unique_id`]), issued but not waited for ([`CommSet::ready`]):
+    /// the processes check that every one issued its part before any waits. Not cached: the
+    /// set belongs to one context.
+    pub fn world(
+        devices: &[&PrimaryContext],
+        id: &[u8],
+        nranks: usize,
+        first: usize,
+    ) -> Result<CommSet> {
+        // SAFETY: zeroed is a valid bit pattern for this plain C struct.
+        let mut unique: ncclUniqueId = unsafe { std::mem::zeroed() };
+        if id.len() != unique.internal.len() {
+            return Err(Error::invalid(format!(
+                "an NCCL unique id of {} bytes (expected {})",
+                id.len(),
+                unique.internal.len()
+            )));
+        }
+        for (to, &from) in unique.internal.iter_mut().zip(id) {
+            *to = from as _;
+        }
+        let ordinals = devices.iter().map(|d| d.ordinal).collect();
+        CommSet::issue(devices, ordinals, unique, nranks, first)
+    }
+
+    /// One group of inits, rank `first + i` on `devices[i]`; aborted if any fails.
+    fn issue(
+        devices: &[&PrimaryContext],
+        ordinals: Vec<i32>,
+        id: ncclUniqueId,
+        nranks: usize,
+        first: usize,
+    ) -> Result<CommSet> {
         let api = api()?;
-        // SAFETY: zeroed is a valid bit pattern for these plain C structs.
-        let mut id: ncclUniqueId = unsafe { std::mem::zeroed() };
-        // SAFETY: writes the id.
-        check(
-            api,
-            unsafe { (api.get_unique_id)(&mut id) },
-            "ncclGetUniqueId",
-        )?;
-        let n = devices.len() as c_int;
+        let n = nranks as c_int;
         let mut comms: Vec<Comm> = vec![std::ptr::null_mut(); devices.len()];
         let _kept = driver::keep_current()?;
         // SAFETY: group calls bracket one init per device, each with its context current.
         unsafe {
             check(api, (api.group_start)(), "ncclGroupStart")?;
             let mut first_error = Ok(());
-            for (rank, dev) in devices.iter().enumerate() {
+            for (i, dev) in devices.iter().enumerate() {
                 let bound = dev.bind();
                 if let Err(e) = bound {
                     first_error = first_error.and(Err(e));
                     continue;
                 }
+                let rank = first + i;
                 let mut config = config();
-                let code = (api.comm_init_rank_config)(
-                    &mut comms[rank],
-                    n,
-                    id,
-                    rank as c_int,
-                    &mut config,
-                );
+                let code =
+                    (api.comm_init_rank_config)(&mut comms[i], n, id, rank as c_int, &mut config);
                 first_error = first_error.and(check(
                     api,
                     code,
@@ -164,14 +193,20 @@ impl CommSet {
             let set = CommSet {
                 ordinals,
                 comms,
+                first,
                 aborted: Mutex::new(false),
             };
-            if let Err(e) = first_error.and(end).and_then(|_| set.poll_ready(deadline)) {
+            if let Err(e) = first_error.and(end) {
                 set.abort();
                 return Err(e);
             }
             Ok(set)
         }
+    }
+
+    /// Waits until the communicators are ready (by `deadline`); aborted if they fail.
+    pub fn ready(&self, deadline: Option<Instant>) -> Result<()> {
+        self.poll_ready(deadline).inspect_err(|_| self.abort())
     }
 
     /// The communicators, unless aborted: the guard keeps `abort` (from another context sharing
@@ -344,7 +379,8 @@ impl CommSet {
         })
     }
 
-    /// Point-to-point byte transfers in one group: for each move, rank `src_group` sends `bytes`
+    /// Point-to-point byte transfers in one group: for each move, this process's rank
+    /// `src_group` sends `bytes`
     /// at `src` (queued on its stream) and rank `dst_group` receives them at `dst` (on its
     /// stream); the two differ. NCCL pairs the k-th send from a to b with the k-th
     /// receive at b from a: both are queued in the order given.
@@ -354,6 +390,8 @@ impl CommSet {
             for m in moves {
                 let (from, src, to, dst, bytes) = (m.src_group, m.src, m.dst_group, m.dst, m.bytes);
                 let (send_comm, recv_comm) = (self.comms[from], self.comms[to]);
+                // Peers by their clique rank.
+                let (peer_from, peer_to) = (self.first + from, self.first + to);
                 let sent = launch.ctxs[from].bind().and_then(|_bound| {
                     // SAFETY: a live communicator; `src` holds `bytes` on rank `from`'s device.
                     let code = unsafe {
@@ -361,7 +399,7 @@ impl CommSet {
                             src as *const c_void,
                             bytes,
                             BYTES,
-                            to as c_int,
+                            peer_to as c_int,
                             send_comm,
                             launch.streams[from],
                         )
@@ -375,7 +413,7 @@ impl CommSet {
                             dst as *mut c_void,
                             bytes,
                             BYTES,
-                            from as c_int,
+                            peer_from as c_int,
                             recv_comm,
                             launch.streams[to],
                         )
@@ -447,6 +485,24 @@ impl Drop for CommSet {
             }
         }
     }
+}
+
+/// A new NCCL unique id (the bootstrap address of a clique), as bytes.
+pub fn unique_id_bytes() -> Result<Vec<u8>> {
+    Ok(unique_id()?.internal.iter().map(|&c| c as u8).collect())
+}
+
+fn unique_id() -> Result<ncclUniqueId> {
+    let api = api()?;
+    // SAFETY: zeroed is a valid bit pattern for this plain C struct.
+    let mut id: ncclUniqueId = unsafe { std::mem::zeroed() };
+    // SAFETY: writes the id.
+    check(
+        api,
+        unsafe { (api.get_unique_id)(&mut id) },
+        "ncclGetUniqueId",
+    )?;
+    Ok(id)
 }
 
 /// NCCL_CONFIG_INITIALIZER with `blocking = 0`: every field "undefined" (library default)

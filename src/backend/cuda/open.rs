@@ -113,6 +113,7 @@ impl CudaBackend {
             transport,
             nccl_library,
             comms: Mutex::new(None),
+            world: Default::default(),
             state: Mutex::new(State::default()),
             dropped: Arc::default(),
             timeout,
