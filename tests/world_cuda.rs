@@ -199,6 +199,33 @@ fn cuda_rank_body() {
         }
     }
 
+    // f16 through the staged path: summed in f32 over every replica of the world and rounded
+    // once. World replica 0 holds 1024, the others 0.5: on 2 ranks the sum 1025.5 rounds to
+    // 1026, while rounding each process's sum first (1024.5 -> 1024, then 1024 + 1.0) would
+    // give 1025.
+    if cross == "mpi_staged" {
+        use common::float16::{f16_to_f32, f32_to_f16};
+        let h: Vec<Mem> = (0..local)
+            .map(|k| {
+                let x = if offset + k == 0 { 1024.0 } else { 0.5 };
+                place.mem_on(ordinals[k], &bytes_of(&[f32_to_f16(x); 3]))
+            })
+            .collect();
+        for (k, mem) in h.iter().enumerate() {
+            check(
+                register_raw(ctx.0, "h_grad", GRAD, k, mem.ptr() as *mut _, 3, F16),
+                "register h",
+            );
+        }
+        check(ctx.allreduce_grads(SUM), &tag("allreduce_grads f16"));
+        let want = f16_to_f32(f32_to_f16(1024.0 + 0.5 * (total - 1) as f32));
+        for mem in &h {
+            for x in from_bytes::<u16>(&mem.read()) {
+                assert_eq!(f16_to_f32(x), want, "{}", tag("f16 rounded once"));
+            }
+        }
+    }
+
     // Broadcast from the last world replica (on the last rank).
     let p: Vec<Mem> = (0..local)
         .map(|k| {

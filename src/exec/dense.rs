@@ -13,9 +13,12 @@
 //!   ranks' sum of local replica 0's bucket with the division ([`Ranks::allreduce`], one
 //!   message), and local replica 0's result spread to the others ([`Backend::spread`]). Half
 //!   types go to the engine unreduced, so their f32 sum is rounded once.
-//! - A world of processes on device replicas: levels 1 and 2 as in one process, then local
-//!   replica 0's bucket through page-locked host memory ([`Streams::host_stage`]) to the ranks'
-//!   sum, and back into every local replica.
+//! - A world of processes on device replicas, NCCL across the ranks: levels 1 and 2 as in one
+//!   process, level 2's collective spanning every rank's device groups.
+//! - A world of processes on device replicas otherwise: levels 1 and 2 as in one process, then
+//!   local replica 0's bucket through page-locked host memory ([`Streams::host_stage`]) to the
+//!   ranks' sum, and back into every local replica (f16/bf16: every local replica's bucket, to
+//!   be summed in f32 and rounded once).
 
 use super::Site;
 use crate::backend::{
@@ -181,8 +184,8 @@ pub(super) fn contributions<R>(
 /// The walk with level 3 on device replicas, through host memory: levels 1 and 2 as in one
 /// process (every local replica ends with the process's sum), local replica 0's bucket copied
 /// into the page-locked stage, the ranks' sum with the AVG division on the host, and the result
-/// copied into every local replica. (f16/bf16: the process's sum is rounded to the dtype before
-/// it crosses the ranks.)
+/// copied into every local replica. f16/bf16 skip levels 1 and 2: every local replica's bucket
+/// goes to the stage and the engine sums them with the other ranks' in f32, rounding once.
 ///
 /// # Safety
 /// As for [`allreduce`].
@@ -197,24 +200,31 @@ unsafe fn allreduce_staged(
         return Ok(());
     }
     let trace = site.trace;
-    {
-        let _span = timeline::span(trace, "local levels", || json!({}));
-        allreduce(
-            Site {
+    let contributors: Vec<usize> = match bucket.dtype.is_half() {
+        true => (0..site.levels.groups.iter().map(Vec::len).sum()).collect(),
+        false => {
+            let _span = timeline::span(trace, "local levels", || json!({}));
+            let local = Site {
                 ranks: None,
                 ..site
-            },
-            bucket,
-            None,
-        )?;
-    }
+            };
+            allreduce(local, bucket, None)?;
+            vec![0]
+        }
+    };
+    let bytes = bucket.dtype.size() * bucket.elements();
     let host = {
         let _span = timeline::span(trace, "to host", || json!({}));
-        stage_out(streams, bucket, 0)?
+        let host = streams.host_stage(bytes * contributors.len())?;
+        for (k, &replica) in contributors.iter().enumerate() {
+            copy_out(streams, bucket, replica, host + k * bytes)?;
+        }
+        streams.wait_all()?;
+        host
     };
-    let whole = [host];
+    let staged: Vec<usize> = (0..contributors.len()).map(|k| host + k * bytes).collect();
     let segment = Segment {
-        ptrs: &whole,
+        ptrs: &staged,
         count: bucket.elements(),
     };
     {
@@ -235,15 +245,30 @@ unsafe fn stage_out(
     bucket: &BucketView<'_>,
     replica: usize,
 ) -> Result<usize> {
-    let size = bucket.dtype.size();
-    let host = streams.host_stage(size * bucket.elements())?;
-    let mut at = 0;
-    for s in &bucket.segments {
-        streams.stage_copy(replica, host + at, s.ptrs[replica], s.count * size)?;
-        at += s.count * size;
-    }
+    let host = streams.host_stage(bucket.dtype.size() * bucket.elements())?;
+    copy_out(streams, bucket, replica, host)?;
     streams.wait_all()?;
     Ok(host)
+}
+
+/// Queues the copies of local replica `replica`'s bucket into the host stage at `at`, segment
+/// after segment.
+///
+/// # Safety
+/// As for [`allreduce`]; the stage holds the bucket from `at`.
+unsafe fn copy_out(
+    streams: &dyn Streams,
+    bucket: &BucketView<'_>,
+    replica: usize,
+    at: usize,
+) -> Result<()> {
+    let size = bucket.dtype.size();
+    let mut at = at;
+    for s in &bucket.segments {
+        streams.stage_copy(replica, at, s.ptrs[replica], s.count * size)?;
+        at += s.count * size;
+    }
+    Ok(())
 }
 
 /// The host stage copied into every local replica's segments; done (the stage is free again)
