@@ -376,6 +376,19 @@ int joined_ranks(Clique* q) {
   return n;
 }
 
+// Rank r's data file. A rank's process creates it when the rank joins (before the rank counts
+// as joined), and the first round opens every rank's, so a rank destroyed (its file unlinked)
+// while another process still reads its last round's data is no problem.
+std::string data_path(Clique* q, int r) { return q->path + ".r" + std::to_string(r); }
+void create_data_file(Clique* q, int r) {
+  q->files[r] = open(data_path(q, r).c_str(), O_RDWR | O_CREAT | O_TRUNC, 0600);
+}
+int data_file(Clique* q, int r) {
+  for (int x = 0; x < q->nranks; x++)
+    if (q->files[x] < 0) q->files[x] = open(data_path(q, x).c_str(), O_RDONLY);
+  return q->files[r];
+}
+
 // The clique's shared slots (created by whichever process comes first; zeroed by the kernel).
 // Under the lock.
 std::string share(Clique* q) {
@@ -393,19 +406,11 @@ std::string share(Clique* q) {
   q->shared = static_cast<Shared*>(at);
   q->files.assign(q->nranks, -1);
   for (int r = 0; r < q->nranks; r++)
-    if (q->ranks[r]) q->shared->slot[r].joined.store(1);
+    if (q->ranks[r]) create_data_file(q, r), q->shared->slot[r].joined.store(1);
   return "";
 }
 
 // Rank r's data file, opened for writing (its own) or reading.
-int data_file(Clique* q, int r, bool write) {
-  if (q->files[r] < 0) {
-    std::string path = q->path + ".r" + std::to_string(r);
-    q->files[r] = open(path.c_str(), write ? O_RDWR | O_CREAT : O_RDONLY, 0600);
-  }
-  return q->files[r];
-}
-
 bool whole_io(bool write, int fd, void* buf, size_t n) {
   char* p = static_cast<char*>(buf);
   for (size_t done = 0; done < n;) {
@@ -422,9 +427,9 @@ std::string wait_all(Clique* q, std::atomic<uint64_t> Slot::*field, uint64_t rou
   auto start = std::chrono::steady_clock::now();
   for (int r = 0; r < q->nranks;) {
     Slot& s = q->shared->slot[r];
+    if ((s.*field).load(std::memory_order_acquire) >= round) { r++; continue; }
     if (s.aborted.load()) return fmt("fake NCCL: rank %d was aborted or destroyed in its process "
                                      "while rank(s) here waited for it (%s)", r, what);
-    if ((s.*field).load(std::memory_order_acquire) >= round) { r++; continue; }
     if (std::chrono::steady_clock::now() - start > std::chrono::seconds(60)) {
       std::fprintf(stderr, "fake NCCL: round %llu waited 60 s for rank %d (%s): a hang in real "
                    "NCCL\n", (unsigned long long)round, r, what);
@@ -445,7 +450,7 @@ std::string round_across(Clique* q, uint64_t round, const std::vector<const Op*>
     Slot& s = q->shared->slot[o->comm->rank];
     s.kind = o->kind, s.dtype = o->dtype, s.arg = o->arg, s.count = o->count;
     bool sends = o->kind == AllReduce || o->arg == o->comm->rank;
-    int fd = sends && n ? data_file(q, o->comm->rank, true) : 0;
+    int fd = sends && n ? data_file(q, o->comm->rank) : 0;
     if (fd < 0 || (sends && n && !whole_io(true, fd, const_cast<void*>(o->send), n)))
       return fmt("fake NCCL: rank %d cannot write its data: %s", o->comm->rank, std::strerror(errno));
     s.posted.store(round, std::memory_order_release);
@@ -472,7 +477,7 @@ std::string round_across(Clique* q, uint64_t round, const std::vector<const Op*>
     bool needed = mine.kind == AllReduce || r == mine.arg;
     if (!needed || srcs[r]) continue;
     read[r].resize(n);
-    int fd = data_file(q, r, false);
+    int fd = data_file(q, r);
     if (fd < 0 || !whole_io(false, fd, read[r].data(), n))
       return fmt("fake NCCL: cannot read rank %d's data: %s", r, std::strerror(errno));
     srcs[r] = read[r].data();
@@ -493,8 +498,7 @@ void leave(Comm* c) {
   Clique* q = c->clique;
   if (!q->shared) return;
   q->shared->slot[c->rank].aborted.store(1);
-  if (q->files[c->rank] >= 0) close(q->files[c->rank]), q->files[c->rank] = -1;
-  unlink((q->path + ".r" + std::to_string(c->rank)).c_str());
+  unlink(data_path(q, c->rank).c_str());
   if (c->rank == 0) unlink(q->path.c_str());  // mapped by every process that joined
 }
 
@@ -819,7 +823,7 @@ int init(void** out, int nranks, const ncclUniqueId& id, int rank, bool blocking
   setup_delay(c);
   comms.insert(c);
   q->ranks[rank] = c;
-  if (q->shared) q->shared->slot[rank].joined.store(1);  // a late rank of this process
+  if (q->shared) create_data_file(q, rank), q->shared->slot[rank].joined.store(1);  // a late one
   *out = c;
   group.touched.push_back(c);
   // Complete: real NCCL refuses two ranks on one GPU unless allowed (NCCL >= 2.30).
