@@ -307,6 +307,7 @@ impl Context {
             || json!({"tensors": tensors.len(), "inline": inline.is_some()}),
         );
         let mut lines = vec![call()];
+        let verdict = verdict.and_then(|()| self.check_nothing_in_flight(&lines[0]));
         // The memory kind too: it splits buckets, and the ranks' buckets must match.
         let memory = |m: Memory| match m {
             Memory::Host => "",
@@ -398,7 +399,7 @@ impl Context {
         }
         let step = verdict?;
         let (left, summed) = split?;
-        self.finish_world_buckets(&snapshot.tensors, &plan)?;
+        let started = self.take_started();
         let buckets: Cow<'_, [Bucket]> = if left.len() == plan.buckets.len() {
             Cow::Borrowed(&plan.buckets)
         } else {
@@ -408,6 +409,8 @@ impl Context {
         // slice then fails the call before any dense gradient is written.
         // On CUDA replicas both run as one collective, in stream order.
         let sparse = self.executor.bracket(|| {
+            // The early buckets first: on CUDA their unpacks follow their collectives.
+            self.finish_world_buckets(started, &snapshot.tensors, &plan)?;
             let sparse = self.gather_sparse(&step, op)?;
             // SAFETY: registered memory stays valid while registered (the C contract).
             let dense = unsafe {

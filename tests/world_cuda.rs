@@ -425,3 +425,177 @@ fn nccl_join_failure_body() {
         assert!(message.contains("injected init failure"), "{message}");
     }
 }
+
+#[test]
+fn cuda_overlap_across_ranks_over_nccl() {
+    if under_mpirun() {
+        return;
+    }
+    for n in [2, 3] {
+        launch("nccl_overlap_body", n, 300, None);
+    }
+}
+
+/// `dpsync_grad_ready` on CUDA replicas with NCCL across the ranks (the layouts of
+/// `cuda_rank_body`, a bucket per gradient): buckets start early in bucket order on every rank
+/// (each packed into buffers of its own, nothing written before `allreduce_grads` agrees);
+/// ranks that started different numbers of buckets still match; another collective while
+/// buckets are in flight fails on every rank and changes nothing; a failed agreement drains the
+/// started buckets (stand-ins on the ranks that did not start them) and writes nothing.
+#[test]
+fn nccl_overlap_body() {
+    let Some((rank, ranks)) = as_rank("nccl_overlap_body") else {
+        return;
+    };
+    let Some(place) = Place::gpus("nccl_overlap_body", 2) else {
+        return;
+    };
+    let sizes: Vec<usize> = (0..ranks).map(|r| layout(r).len()).collect();
+    let (local, total) = (sizes[rank], sizes.iter().sum::<usize>());
+    let offset: usize = sizes[..rank].iter().sum();
+    let ordinals = layout(rank);
+    let Some(ctx) = cuda_context("nccl_overlap_body", ordinals, |o| {
+        o.set_timeout_ms(120_000);
+        o.set_fusion_bytes(4000); // 1000 f32: a bucket per gradient
+                                  // SAFETY: valid options; NULL is MPI_COMM_WORLD.
+        check(
+            unsafe { dpsync_options_set_world_mpi(o.0, ptr::null()) },
+            "set_world_mpi",
+        );
+    }) else {
+        return;
+    };
+    let tag = |what: &str| format!("rank {rank}/{ranks}: {what}");
+    assert_eq!(ctx.describe_json()["world"]["cross_rank"], "nccl");
+    let (n, names) = (1000, ["g0", "g1", "g2"]);
+    let init = |t: usize, w: usize| -> Vec<u8> {
+        bytes_of(
+            &(0..n)
+                .map(|i| (value(w, i) as usize * (t + 1)) as f32)
+                .collect::<Vec<f32>>(),
+        )
+    };
+    let mut g: Vec<Vec<Mem>> = (0..names.len())
+        .map(|t| {
+            (0..local)
+                .map(|k| place.mem_on(ordinals[k], &init(t, offset + k)))
+                .collect()
+        })
+        .collect();
+    for (t, per_replica) in g.iter().enumerate() {
+        for (k, mem) in per_replica.iter().enumerate() {
+            let st = register_raw(ctx.0, names[t], GRAD, k, mem.ptr() as *mut _, n, F32);
+            check(st, &tag("register"));
+        }
+    }
+    let refill = |g: &mut Vec<Vec<Mem>>| {
+        for (t, per_replica) in g.iter_mut().enumerate() {
+            for (k, mem) in per_replica.iter_mut().enumerate() {
+                mem.write(&init(t, offset + k));
+            }
+        }
+    };
+    let expect = |g: &Vec<Vec<Mem>>, what: &str| {
+        check(common::place::synchronize(&ctx), &tag("synchronize"));
+        for (t, per_replica) in g.iter().enumerate() {
+            for mem in per_replica {
+                let got = from_bytes::<f32>(&mem.read());
+                for i in [0, 1, n - 1] {
+                    let want = ((i + 1) * total * (total + 1) / 2 * (t + 1)) as f32;
+                    assert_eq!(got[i], want, "{}", tag(&format!("{what}: g{t}[{i}]")));
+                }
+            }
+        }
+    };
+    let untouched = |g: &Vec<Vec<Mem>>, what: &str| {
+        check(common::place::synchronize(&ctx), &tag("synchronize"));
+        for (t, per_replica) in g.iter().enumerate() {
+            for (k, mem) in per_replica.iter().enumerate() {
+                assert_eq!(mem.read(), init(t, offset + k), "{}", tag(what));
+            }
+        }
+    };
+    let mark = |tensors: &[usize]| {
+        for &t in tensors {
+            for k in 0..local {
+                check(ctx.grad_ready(names[t], k), &tag("grad_ready"));
+            }
+        }
+    };
+    let early_now = || ctx.describe_json()["overlap"]["buckets_reduced_early_this_step"].clone();
+    let early_last = || ctx.describe_json()["overlap"]["buckets_reduced_early_last_step"].clone();
+
+    // Step 1 (no op yet: nothing starts early).
+    check(ctx.allreduce_grads(SUM), &tag("step 1"));
+    expect(&g, "step 1");
+
+    // Step 2: every rank marks everything, in backward order: every bucket starts early, and
+    // nothing is written before allreduce_grads.
+    refill(&mut g);
+    mark(&[2, 1, 0]);
+    assert_eq!(early_now(), 3, "{}", tag("step 2 started"));
+    untouched(&g, "step 2: nothing written before allreduce_grads");
+    check(ctx.allreduce_grads(SUM), &tag("step 2"));
+    expect(&g, "step 2");
+    assert_eq!(early_last(), 3, "{}", tag("step 2 early"));
+
+    // Ranks that start different buckets need streams that run apart from the host: the fake
+    // NCCL's synchronous mode runs a collective across processes inside the call that queues
+    // it, until every process queued it.
+    if std::env::var("FAKE_CUDA_ASYNC").as_deref() != Ok("1") {
+        println!("nccl_overlap_body: steps 3 and 4 skipped: they need FAKE_CUDA_ASYNC=1");
+        return;
+    }
+
+    // Step 3: rank 0 starts every bucket, the others none; another collective meanwhile fails
+    // on every rank (rank 0 refuses it, the others name rank 0) and changes nothing; then the
+    // step completes with the same collectives on every rank.
+    refill(&mut g);
+    if rank == 0 {
+        mark(&[0, 1, 2]);
+    }
+    let st = ctx.allreduce("g0", SUM);
+    let msg = last_error();
+    assert_eq!(
+        st,
+        if rank == 0 {
+            INVALID_STATE
+        } else {
+            INCONSISTENT
+        },
+        "{}",
+        tag(&msg)
+    );
+    assert!(msg.contains("dpsync_allreduce_grads"), "{}", tag(&msg));
+    if rank != 0 {
+        // Rank 0's started buckets wait for the others' until allreduce_grads: synchronizing
+        // there now would wait for them.
+        untouched(&g, "step 3: nothing written by the refused collective");
+    }
+    check(ctx.allreduce_grads(SUM), &tag("step 3"));
+    expect(&g, "step 3");
+
+    // Step 4: rank 0 starts every bucket, then the step's agreement fails on every rank (the
+    // last rank registered another gradient): the started buckets are drained, nothing is
+    // written; after the other gradient goes, the step succeeds.
+    refill(&mut g);
+    if rank == 0 {
+        mark(&[0, 1, 2]);
+    }
+    let extra: Vec<Mem> = (0..local)
+        .map(|k| place.mem_on(ordinals[k], &bytes_of(&[1.0f32; 4])))
+        .collect();
+    if rank == ranks - 1 {
+        for (k, mem) in extra.iter().enumerate() {
+            let st = register_raw(ctx.0, "extra", GRAD, k, mem.ptr() as *mut _, 4, F32);
+            check(st, &tag("register extra"));
+        }
+    }
+    assert_eq!(ctx.allreduce_grads(SUM), INCONSISTENT, "{}", tag("step 4"));
+    untouched(&g, "step 4: nothing written after a failed agreement");
+    if rank == ranks - 1 {
+        check(ctx.unregister("extra"), &tag("unregister extra"));
+    }
+    check(ctx.allreduce_grads(SUM), &tag("step 4, again"));
+    expect(&g, "step 4");
+}

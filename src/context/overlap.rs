@@ -15,7 +15,10 @@
 //! that starts one has the same buckets). `allreduce_grads` agrees first, then writes the
 //! started buckets' results and reduces the rest in order; if its agreement fails, the ranks
 //! exchange what they started, issue stand-ins for what others started, drop everything and
-//! forget the marks: nothing was written. Host contexts only.
+//! forget the marks: nothing was written. Host contexts, and CUDA replicas with NCCL across the
+//! ranks: there a bucket is packed into buffers of its own and its collective queued on the
+//! clique (unpacked by `allreduce_grads`), and since the clique carries every collective,
+//! others are refused while a step's buckets are in flight (`check_nothing_in_flight`).
 //!
 //! Marks belong to one plan: registrations that would change the buckets are refused while a
 //! bucket of the step has been reduced early (they would reduce it twice or not at all), and
@@ -197,14 +200,16 @@ impl Context {
     /// rest in `allreduce_grads`). Host contexts only: CUDA replicas mark, as host tensors on
     /// them do (their transfers go through the host stage in `allreduce_grads`).
     fn start_world_buckets(&mut self, all: &[TensorView], plan: &Plan, op: ReduceOp) -> Result<()> {
-        if self.options.has_cuda_replicas() {
+        if self.options.has_cuda_replicas() && self.topology.world_nccl.is_none() {
             return Ok(());
         }
         let divisor = self.divisor();
         let next = &mut self.overlap.started;
         while let Some(planned) = plan.buckets.get(next.len()) {
             let b = next.len();
-            if self.overlap.missing[b] > 0 {
+            // Host tensors on CUDA replicas wait for allreduce_grads (as in grad_ready), and
+            // the buckets after them with them: buckets start in order.
+            if self.overlap.missing[b] > 0 || self.executor.touching_waits(planned.memory) {
                 break;
             }
             let (bucket, tensors) = own_bucket(planned, all);
@@ -218,17 +223,45 @@ impl Context {
         Ok(())
     }
 
-    /// Worlds, `allreduce_grads` agreed: the early transfers' results written (in bucket order).
-    pub(super) fn finish_world_buckets(&mut self, all: &[TensorView], plan: &Plan) -> Result<()> {
-        for (b, ticket) in std::mem::take(&mut self.overlap.started)
-            .into_iter()
-            .enumerate()
-        {
+    /// Worlds, `allreduce_grads` agreed: the early transfers' results written (in bucket order),
+    /// `started` being the step's ([`Context::take_started`]).
+    pub(super) fn finish_world_buckets(
+        &self,
+        started: Vec<Ticket>,
+        all: &[TensorView],
+        plan: &Plan,
+    ) -> Result<()> {
+        for (b, ticket) in started.into_iter().enumerate() {
             let (bucket, tensors) = own_bucket(&plan.buckets[b], all);
             // SAFETY: as in start_world_buckets.
             unsafe { self.executor.finish_early((b, &bucket), &tensors, ticket)? };
         }
         Ok(())
+    }
+
+    /// The step's early transfers, handed to [`Context::finish_world_buckets`].
+    pub(super) fn take_started(&mut self) -> Vec<Ticket> {
+        std::mem::take(&mut self.overlap.started)
+    }
+
+    /// With NCCL across the ranks the step's early buckets are queued on the clique every
+    /// collective uses: another collective queued now would meet them in another order on a
+    /// rank that started fewer (their streams would wait on each other), so it is refused here,
+    /// before its agreement, which then fails it on every rank.
+    pub(super) fn check_nothing_in_flight(&self, call: &str) -> Result<()> {
+        let started = self.overlap.started.len();
+        if started == 0
+            || self.topology.world_nccl.is_none()
+            || call.starts_with("dpsync_allreduce_grads")
+        {
+            return Ok(());
+        }
+        Err(Error::new(
+            ErrorKind::InvalidState,
+            format!(
+                "dpsync_grad_ready started {started} gradient bucket(s) of this step on the NCCL                  clique across the ranks: call dpsync_allreduce_grads before other collectives"
+            ),
+        ))
     }
 
     /// Worlds, `allreduce_grads` failed its agreement (every rank did): the ranks' early

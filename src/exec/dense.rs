@@ -22,7 +22,7 @@
 
 use super::Site;
 use crate::backend::{
-    Backend, BucketView, Channel, Layout, Links, Members, Ranks, Segment, Slot, Streams,
+    Allocation, Backend, BucketView, Channel, Layout, Links, Members, Ranks, Segment, Slot, Streams,
 };
 use crate::error::Result;
 use crate::plan::{Across, Levels, Step, StepOp, Via};
@@ -86,6 +86,79 @@ unsafe fn allreduce_levels(
     }
     combine(links, levels, bucket, &buffers)?;
     unpack_all(links, bucket, &layouts, &buffers, avg)
+}
+
+/// A gradient bucket started ahead of `dpsync_allreduce_grads` with NCCL across the ranks
+/// (`dpsync_grad_ready`): every group's replicas packed into a buffer of the bucket's own and
+/// the buffers summed over the world's groups, queued on the groups' streams; nothing is
+/// written into the replicas until [`finish_started`]. The buffers, in group order.
+///
+/// # Safety
+/// As for [`allreduce`], until the bucket is finished.
+pub(super) unsafe fn start_in_groups(
+    site: Site<'_>,
+    bucket: &BucketView<'_>,
+) -> Result<Vec<Allocation>> {
+    let (links, collective) = world_links(site.backend);
+    let bytes = bucket.dtype.size() * bucket.elements();
+    let buffers = own_buffers(site, bytes)?;
+    for (g, buffer) in buffers.iter().enumerate() {
+        let layout = links.layout(g, bucket, Members::All)?;
+        links.pack(g, bucket, layout, buffer.ptr() as u64)?;
+    }
+    let ptrs: Vec<u64> = buffers.iter().map(|b| b.ptr() as u64).collect();
+    collective.allreduce(bucket.dtype, bucket.elements(), &ptrs)?;
+    Ok(buffers)
+}
+
+/// Writes a bucket [`start_in_groups`] started: every group's buffer into its replicas
+/// (divided by `avg`), after the collective on the groups' streams.
+///
+/// # Safety
+/// As for [`start_in_groups`], with the same bucket.
+pub(super) unsafe fn finish_started(
+    site: Site<'_>,
+    bucket: &BucketView<'_>,
+    buffers: &[Allocation],
+    avg: Option<usize>,
+) -> Result<()> {
+    let (links, _) = world_links(site.backend);
+    for (g, buffer) in buffers.iter().enumerate() {
+        let layout = links.layout(g, bucket, Members::All)?;
+        links.unpack(g, bucket, layout, buffer.ptr() as u64, avg)?;
+    }
+    Ok(())
+}
+
+/// A failed step's stand-in for a bucket other ranks started and this one did not: the same
+/// collective over buffers of `count` elements of `dtype`, read by nobody.
+pub(super) fn stand_in_groups(
+    site: Site<'_>,
+    dtype: crate::types::DType,
+    count: usize,
+) -> Result<()> {
+    let (_, collective) = world_links(site.backend);
+    let buffers = own_buffers(site, dtype.size() * count)?;
+    let ptrs: Vec<u64> = buffers.iter().map(|b| b.ptr() as u64).collect();
+    collective.allreduce(dtype, count, &ptrs)
+}
+
+/// A buffer of `bytes` per group on its device (freed once the work queued on it has run).
+fn own_buffers(site: Site<'_>, bytes: usize) -> Result<Vec<Allocation>> {
+    (site.levels.groups.iter())
+        .map(|members| site.backend.alloc(members[0], bytes))
+        .collect()
+}
+
+/// The links and the world-wide collective of a backend joined to one (NCCL across the ranks).
+fn world_links(backend: &dyn Backend) -> (&dyn Links, &dyn crate::backend::Collective) {
+    let links = backend
+        .links()
+        .expect("a collective across the ranks needs device links");
+    let collective = links
+        .collective()
+        .expect("joined to a collective across the ranks");
+    (links, collective)
 }
 
 /// Every group's fusion buffer for `bucket` and its layout over all the group's replicas, made

@@ -96,6 +96,13 @@ fn merge_device_buckets(buckets: &[Bucket]) -> Vec<Bucket> {
     out
 }
 
+/// A bucket started early with NCCL across the ranks ([`dense::start_in_groups`]): its
+/// groups' buffers and the AVG divisor its unpack applies.
+struct StartedInGroups {
+    buffers: Vec<crate::backend::Allocation>,
+    avg: Option<usize>,
+}
+
 /// The backend of one kind of memory, its levels, the ranks of a world above them, and the
 /// timeline.
 #[derive(Clone, Copy)]
@@ -332,6 +339,14 @@ impl Executor {
         let site = self.site(bucket.memory);
         let ranks = site.ranks.expect("early transfers only in a world");
         let avg = (op == ReduceOp::Avg && divisor > 1).then_some(divisor);
+        if site.levels.world.is_some() {
+            // NCCL across the ranks: queued on the groups' streams after what the callers
+            // queued, which do not wait for it.
+            let buffers = self.bracket_joined(false, || {
+                dense::start_in_groups(site, &view(bucket, tensors))
+            })?;
+            return Ok(Ticket(Box::new(StartedInGroups { buffers, avg })));
+        }
         dense::contributions(&view(bucket, tensors), &site.levels.groups[0], |segments| {
             ranks.start(bucket.dtype, segments, bucket.elements, avg)
         })
@@ -350,6 +365,14 @@ impl Executor {
     ) -> Result<()> {
         let _span = self.bucket_span("allreduce bucket finished", b, bucket, tensors);
         let site = self.site(bucket.memory);
+        let ticket = match ticket.0.downcast::<StartedInGroups>() {
+            Ok(started) => {
+                let view = view(bucket, tensors);
+                return self
+                    .bracket(|| dense::finish_started(site, &view, &started.buffers, started.avg));
+            }
+            Err(other) => Ticket(other),
+        };
         let ranks = site.ranks.expect("early transfers only in a world");
         ranks.finish(ticket, true)?;
         let members = &site.levels.groups[0];
@@ -373,6 +396,18 @@ impl Executor {
         let Some(ranks) = self.ranks() else {
             return Ok(());
         };
+        if self.levels.world.is_some() {
+            // NCCL across the ranks: the stand-ins queued after this rank's started buckets
+            // (the clique then has the same collectives on every rank); the started buckets'
+            // buffers go once their queued work has run.
+            return self.bracket_joined(false, || {
+                for &(dtype, elements) in stand_ins {
+                    dense::stand_in_groups(self.site(Memory::Device), dtype, elements)?;
+                }
+                drop(tickets);
+                Ok(())
+            });
+        }
         let mut tickets = tickets;
         for &(dtype, elements) in stand_ins {
             // SAFETY: no memory of the caller is read or written.

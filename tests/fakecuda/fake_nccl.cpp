@@ -28,7 +28,9 @@
 // computes the result itself in rank order, so every process writes the same bytes. A rank
 // aborted or destroyed in another process fails the others' rounds with ncclRemoteError; a round
 // that waits 60 s for a rank aborts the process (a hang in real NCCL). Sends and receives across
-// processes are refused (dpsync makes none). Each process's fake GPUs are distinct devices, so
+// processes are refused (dpsync makes none). Without FAKE_CUDA_ASYNC a round runs inside the
+// call that queues it and waits there for the other processes, so a process cannot queue a
+// collective ahead of the others and go on (real NCCL can); with it, rounds run on the streams. Each process's fake GPUs are distinct devices, so
 // no duplicate-GPU check spans processes.
 // Non-blocking communicators (config->blocking == 0) report ncclInProgress from
 // ncclCommGetAsyncError once after init and after every group that touched them, then success, so
