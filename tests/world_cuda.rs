@@ -63,6 +63,23 @@ fn layout(rank: usize) -> &'static [i32] {
     [&[0, 0][..], &[0, 1][..], &[1][..]][rank]
 }
 
+/// Options of a world over MPI_COMM_WORLD with `transport` (a 2-minute timeout).
+fn world(o: &Options, transport: u32) {
+    o.set_timeout_ms(120_000);
+    o.set_transport(transport);
+    // SAFETY: valid options; NULL is MPI_COMM_WORLD.
+    check(
+        unsafe { dpsync_options_set_world_mpi(o.0, ptr::null()) },
+        "set_world_mpi",
+    );
+}
+
+/// This rank's replicas, the world's, and the world index of this rank's first.
+fn counts(rank: usize, ranks: usize) -> (usize, usize, usize) {
+    let sizes: Vec<usize> = (0..ranks).map(|r| layout(r).len()).collect();
+    (sizes[rank], sizes.iter().sum(), sizes[..rank].iter().sum())
+}
+
 /// Distinct GPUs of a rank: its NCCL ranks.
 fn local_groups(rank: usize) -> usize {
     let mut o = layout(rank).to_vec();
@@ -95,24 +112,10 @@ fn cuda_rank_body() {
     let Some(place) = Place::gpus("cuda_rank_body", 2) else {
         return;
     };
-    let sizes: Vec<usize> = (0..ranks).map(|r| layout(r).len()).collect();
-    let (local, total) = (sizes[rank], sizes.iter().sum::<usize>());
-    let offset: usize = sizes[..rank].iter().sum();
+    let (local, total, offset) = counts(rank, ranks);
     let ordinals = layout(rank);
     let (asked, cross) = transport();
-    let Some(ctx) = cuda_context("cuda_rank_body", ordinals, |o| {
-        o.set_timeout_ms(120_000);
-        // SAFETY: valid options.
-        check(
-            unsafe { dpsync_options_set_transport(o.0, asked) },
-            "set_transport",
-        );
-        // SAFETY: valid options; NULL is MPI_COMM_WORLD.
-        check(
-            unsafe { dpsync_options_set_world_mpi(o.0, ptr::null()) },
-            "set_world_mpi",
-        );
-    }) else {
+    let Some(ctx) = cuda_context("cuda_rank_body", ordinals, |o| world(o, asked)) else {
         return;
     };
     let tag = |what: &str| format!("rank {rank}/{ranks}: {what}");
@@ -291,9 +294,7 @@ fn rows_of(w: usize) -> (Vec<i64>, Vec<f32>) {
 /// Sparse gradients on CUDA replicas across the ranks give the bytes one host process with
 /// every replica of the world gives (plain and coalesced).
 fn sparse_across_ranks(place: &Place, rank: usize, ranks: usize, coalesce: bool) {
-    let sizes: Vec<usize> = (0..ranks).map(|r| layout(r).len()).collect();
-    let (local, total) = (sizes[rank], sizes.iter().sum::<usize>());
-    let offset: usize = sizes[..rank].iter().sum();
+    let (local, total, offset) = counts(rank, ranks);
     let ordinals = layout(rank);
     let tag = |what: &str| format!("rank {rank}/{ranks}, coalesce {coalesce}: {what}");
     let ctx = cuda_context("cuda_rank_body", ordinals, |o| {
@@ -377,17 +378,7 @@ fn nccl_join_failure_body() {
     if rank == 1 {
         std::env::set_var("FAKE_NCCL_INIT_FAULT", "1");
     }
-    let configure = |transport: u32| {
-        move |o: &Options| {
-            o.set_timeout_ms(120_000);
-            // SAFETY: valid options; NULL is MPI_COMM_WORLD.
-            unsafe {
-                check(dpsync_options_set_transport(o.0, transport), "transport");
-                check(dpsync_options_set_world_mpi(o.0, ptr::null()), "world");
-            }
-        }
-    };
-    let Some(ctx) = cuda_context("nccl_join_failure_body", &[0], configure(T_AUTO)) else {
+    let Some(ctx) = cuda_context("nccl_join_failure_body", &[0], |o| world(o, T_AUTO)) else {
         return;
     };
     let d = ctx.describe_json();
@@ -408,7 +399,7 @@ fn nccl_join_failure_body() {
 
     let o = Options::new();
     o.set_cuda_replicas(&[0]);
-    configure(T_NCCL)(&o);
+    world(&o, T_NCCL);
     let mut p = ptr::null_mut();
     // SAFETY: valid options and out pointer.
     let st = unsafe { dpsync_context_create(o.0, &mut p) };
@@ -450,18 +441,12 @@ fn nccl_overlap_body() {
     let Some(place) = Place::gpus("nccl_overlap_body", 2) else {
         return;
     };
-    let sizes: Vec<usize> = (0..ranks).map(|r| layout(r).len()).collect();
-    let (local, total) = (sizes[rank], sizes.iter().sum::<usize>());
-    let offset: usize = sizes[..rank].iter().sum();
+    let (local, total, offset) = counts(rank, ranks);
     let ordinals = layout(rank);
     let Some(ctx) = cuda_context("nccl_overlap_body", ordinals, |o| {
-        o.set_timeout_ms(120_000);
-        o.set_fusion_bytes(4000); // 1000 f32: a bucket per gradient
-                                  // SAFETY: valid options; NULL is MPI_COMM_WORLD.
-        check(
-            unsafe { dpsync_options_set_world_mpi(o.0, ptr::null()) },
-            "set_world_mpi",
-        );
+        world(o, T_AUTO);
+        // 1000 f32: a bucket per gradient.
+        o.set_fusion_bytes(4000);
     }) else {
         return;
     };
