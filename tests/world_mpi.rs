@@ -39,6 +39,134 @@ fn worlds_of_two_three_and_four_ranks() {
 }
 
 #[test]
+fn large_buckets_cross_the_engines_pieces() {
+    if under_mpirun() {
+        return;
+    }
+    for n in [2, 3] {
+        launch("pieces_body", n, 300, None);
+    }
+}
+
+/// Fused buckets and a broadcast of several MB whose tensor boundaries fall inside the engine's
+/// pieces (it stages them piece by piece): every element of every tensor, in f32, f64, f16 and
+/// bf16 (summed in f32: the f32 pieces' element counts), rank r with r + 1 replicas.
+#[test]
+fn pieces_body() {
+    let Some((rank, ranks)) = as_rank("pieces_body") else {
+        return;
+    };
+    let local = rank + 1;
+    let total: usize = (1..=ranks).sum();
+    let offset: usize = (1..=rank).sum();
+    let ctx = Context::new(&world_options(local));
+    let tag = |what: &str| format!("rank {rank}/{ranks}: {what}");
+    // Small integers (sums exact in every dtype): world replica w's element i of tensor t.
+    let v = |w: usize, t: usize, i: usize, m: usize| ((w + 1) * ((i + t) % m + 1)) as f32;
+    // Σ over the world's replicas.
+    let sum = |t: usize, i: usize, m: usize| (total * (total + 1) / 2 * ((i + t) % m + 1)) as f32;
+    let sizes32 = [100_003usize, 3, 250_001, 70_000];
+    let sizes64 = [40_000usize, 90_001];
+    let sizes16 = [200_001usize, 77_777];
+    let mut g32: Vec<Vec<Vec<f32>>> = (sizes32.iter().enumerate())
+        .map(|(t, &n)| {
+            (0..local)
+                .map(|k| (0..n).map(|i| v(offset + k, t, i, 1000)).collect())
+                .collect()
+        })
+        .collect();
+    let mut g64: Vec<Vec<Vec<f64>>> = (sizes64.iter().enumerate())
+        .map(|(t, &n)| {
+            (0..local)
+                .map(|k| (0..n).map(|i| v(offset + k, t, i, 1000) as f64).collect())
+                .collect()
+        })
+        .collect();
+    // f16: integers up to 2048 are exact; bf16: up to 256.
+    let mut h16: Vec<Vec<Vec<u16>>> = (sizes16.iter().enumerate())
+        .map(|(t, &n)| {
+            (0..local)
+                .map(|k| (0..n).map(|i| f32_to_f16(v(offset + k, t, i, 7))).collect())
+                .collect()
+        })
+        .collect();
+    let mut b16: Vec<Vec<Vec<u16>>> = (sizes16.iter().enumerate())
+        .map(|(t, &n)| {
+            (0..local)
+                .map(|k| {
+                    (0..n)
+                        .map(|i| f32_to_bf16(v(offset + k, t, i, 3)))
+                        .collect()
+                })
+                .collect()
+        })
+        .collect();
+    for k in 0..local {
+        for t in 0..sizes32.len() {
+            ctx.reg(&format!("f32_{t}"), GRAD, k, &mut g32[t][k], F32);
+        }
+        for t in 0..sizes64.len() {
+            ctx.reg(&format!("f64_{t}"), GRAD, k, &mut g64[t][k], F64);
+        }
+        for t in 0..sizes16.len() {
+            ctx.reg(&format!("f16_{t}"), GRAD, k, &mut h16[t][k], F16);
+            ctx.reg(&format!("bf16_{t}"), GRAD, k, &mut b16[t][k], BF16);
+        }
+    }
+    check(ctx.allreduce_grads(SUM), &tag("allreduce_grads"));
+    for k in 0..local {
+        for t in 0..sizes32.len() {
+            for i in 0..sizes32[t] {
+                assert_eq!(
+                    g32[t][k][i],
+                    sum(t, i, 1000),
+                    "{}",
+                    tag(&format!("f32_{t}[{i}]"))
+                );
+            }
+        }
+        for t in 0..sizes64.len() {
+            for i in 0..sizes64[t] {
+                let want = sum(t, i, 1000) as f64;
+                assert_eq!(g64[t][k][i], want, "{}", tag(&format!("f64_{t}[{i}]")));
+            }
+        }
+        for t in 0..sizes16.len() {
+            for i in 0..sizes16[t] {
+                let (h, b) = (f16_to_f32(h16[t][k][i]), bf16_to_f32(b16[t][k][i]));
+                assert_eq!(h, sum(t, i, 7), "{}", tag(&format!("f16_{t}[{i}]")));
+                assert_eq!(b, sum(t, i, 3), "{}", tag(&format!("bf16_{t}[{i}]")));
+            }
+        }
+    }
+
+    // A broadcast of several MB from the last world replica, spans crossing the pieces.
+    let sizes = [300_001usize, 5, 200_000];
+    let mut p: Vec<Vec<Vec<f32>>> = (sizes.iter().enumerate())
+        .map(|(t, &n)| {
+            (0..local)
+                .map(|k| (0..n).map(|i| v(offset + k, t, i, 1000)).collect())
+                .collect()
+        })
+        .collect();
+    for k in 0..local {
+        for t in 0..sizes.len() {
+            ctx.reg(&format!("p_{t}"), PARAM, k, &mut p[t][k], F32);
+        }
+    }
+    let root = total - 1;
+    check(ctx.broadcast(PARAM, root), &tag("broadcast"));
+    for k in 0..local {
+        for t in 0..sizes.len() {
+            for i in 0..sizes[t] {
+                let want = v(root, t, i, 1000);
+                assert_eq!(p[t][k][i], want, "{}", tag(&format!("p_{t}[{i}]")));
+            }
+        }
+    }
+}
+
+#[test]
 fn buckets_start_early_across_ranks() {
     if under_mpirun() {
         return;
@@ -389,7 +517,7 @@ fn rank_body() {
         assert_eq!(w32[k][0], value(offset + k, 0) as f32, "others untouched");
     }
 
-    // A bucket larger than the engine's pieces (1 MiB): several transfers in flight.
+    // A bucket larger than the engine's pieces (512 KiB): several transfers in flight.
     let big_n = 700_000;
     let mut big: Vec<Vec<f32>> = (0..local)
         .map(|k| {
@@ -403,7 +531,7 @@ fn rank_body() {
     }
     check(ctx.allreduce("big", SUM), &tag("allreduce big"));
     for buf in &big {
-        for i in [0, 262_143, 262_144, 524_288, big_n - 1] {
+        for i in [0, 131_071, 131_072, 262_144, 524_288, big_n - 1] {
             let want: usize = (0..total).map(|w| w * 3 + i % 1000).sum();
             assert_eq!(buf[i], want as f32, "{}", tag(&format!("big[{i}]")));
         }
