@@ -215,7 +215,7 @@ unsafe fn duplicate(parent: ffi::MPI_Comm, timeout: Option<Duration>) -> Result<
     let mut request = request.assume_init();
     poll(
         std::slice::from_mut(&mut request),
-        Instant::now(),
+        &mut None,
         timeout,
         "dpsync_context_create (MPI_Comm_idup)",
     )?;
@@ -328,13 +328,18 @@ impl MpiRanks {
         mut issue: impl FnMut(usize, *mut ffi::MPI_Request) -> c_int,
         mut done: impl FnMut(usize),
     ) -> Result<()> {
-        let since = Instant::now();
+        let mut since = None;
         let mut inflight: VecDeque<(usize, ffi::MPI_Request)> = VecDeque::with_capacity(DEPTH);
         let mut all = || -> Result<()> {
             for piece in 0..pieces {
                 if inflight.len() == DEPTH {
                     let (i, mut oldest) = inflight.pop_front().expect("DEPTH > 0");
-                    poll(std::slice::from_mut(&mut oldest), since, self.timeout, what)?;
+                    poll(
+                        std::slice::from_mut(&mut oldest),
+                        &mut since,
+                        self.timeout,
+                        what,
+                    )?;
                     done(i);
                 }
                 let mut request = MaybeUninit::<ffi::MPI_Request>::uninit();
@@ -345,7 +350,7 @@ impl MpiRanks {
             while let Some((i, mut request)) = inflight.pop_front() {
                 poll(
                     std::slice::from_mut(&mut request),
-                    since,
+                    &mut since,
                     self.timeout,
                     what,
                 )?;
@@ -672,14 +677,15 @@ const SPIN: Duration = Duration::from_millis(2);
 /// sleep's wake-up would cost more than the whole call), then sleeping 50 µs between tests:
 /// ranks oversubscribe cores in tests and small clusters, and a rank spinning for long slows
 /// the one it waits for. The timeout counts from `since` (several requests of one call share
-/// it).
+/// it), which the first test that finds them unfinished sets: a small exchange that is already
+/// complete costs no clock read (a read costs a good part of such an exchange on a VM).
 fn poll(
     requests: &mut [ffi::MPI_Request],
-    since: Instant,
+    since: &mut Option<Instant>,
     timeout: Option<Duration>,
     what: &str,
 ) -> Result<()> {
-    let start = Instant::now();
+    let mut start = None;
     loop {
         let mut flag: c_int = 0;
         // SAFETY: requests of this process (MPI_REQUEST_NULL once complete).
@@ -695,8 +701,9 @@ fn poll(
         if flag != 0 {
             return Ok(());
         }
+        let now = Instant::now();
         if let Some(limit) = timeout {
-            if since.elapsed() > limit {
+            if now - *since.get_or_insert(now) > limit {
                 return Err(Error::new(
                     ErrorKind::Timeout,
                     format!(
@@ -707,7 +714,7 @@ fn poll(
                 ));
             }
         }
-        let waited = start.elapsed();
+        let waited = now - *start.get_or_insert(now);
         if waited < BUSY {
             std::hint::spin_loop();
         } else if waited < SPIN {
@@ -852,10 +859,10 @@ impl Ranks for MpiRanks {
         let Ok(mut started) = ticket.0.downcast::<Started>() else {
             unreachable!("a ticket of another engine");
         };
-        let since = Instant::now();
+        let mut since = None;
         for request in &mut started.requests {
             let request = std::slice::from_mut(request);
-            if let Err(e) = poll(request, since, self.timeout, "MPI_Iallreduce") {
+            if let Err(e) = poll(request, &mut since, self.timeout, "MPI_Iallreduce") {
                 return Err(self.failing(e)); // the stages leak on drop: MPI may still write
             }
         }
@@ -915,19 +922,19 @@ impl Ranks for MpiRanks {
         sent
     }
 
-    fn allgather_fixed(&self, bytes: &[u8]) -> Result<Vec<u8>> {
+    fn allgather_fixed(&self, words: &[u64]) -> Result<Vec<u64>> {
         self.refuse_if_failed()?;
-        let (n, len) = (self.size, bytes.len());
+        let (n, len) = (self.size, words.len() * 8);
         // Bruck's allgather, point to point: after each round this rank holds the records of
         // ranks rank, rank + 1, ... (mod n), twice as many as before; ceil(log2 n) rounds, one
         // exchange with 2 ranks. Open MPI's non-blocking allgather (libnbc) spends about as long
         // building its schedule as the exchange of a small record takes (docs/PERFORMANCE.md).
         // `held` is leaked on failure: a pending receive may still write it.
-        let mut held = vec![0u8; len * n];
-        held[..len].copy_from_slice(bytes);
-        let base = held.as_mut_ptr();
-        let since = Instant::now();
-        let rounds = || -> Result<()> {
+        let mut held = vec![0u64; words.len() * n];
+        held[..words.len()].copy_from_slice(words);
+        let base = held.as_mut_ptr().cast::<u8>();
+        let mut since = None;
+        let mut rounds = || -> Result<()> {
             let (mut have, mut dist) = (1, 1);
             while have < n {
                 let blocks = dist.min(n - have);
@@ -963,7 +970,12 @@ impl Ranks for MpiRanks {
                         ),
                     )?;
                 }
-                poll(&mut requests, since, self.timeout, "MPI_Isend/MPI_Irecv")?;
+                poll(
+                    &mut requests,
+                    &mut since,
+                    self.timeout,
+                    "MPI_Isend/MPI_Irecv",
+                )?;
                 have += blocks;
                 dist *= 2;
             }
@@ -974,16 +986,16 @@ impl Ranks for MpiRanks {
             return Err(self.failing(e));
         }
         // `held` starts at this rank's record: rotated into rank order.
-        held.rotate_right(self.rank * len);
+        held.rotate_right(self.rank * words.len());
         Ok(held)
     }
 
     fn allgather(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
         self.refuse_if_failed()?;
         // The lengths first (a fixed-size exchange), then the bytes at their offsets.
-        let lengths: Vec<u64> = (self.allgather_fixed(&(bytes.len() as u64).to_le_bytes())?)
-            .chunks_exact(8)
-            .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
+        let lengths: Vec<u64> = (self.allgather_fixed(&[(bytes.len() as u64).to_le()])?)
+            .into_iter()
+            .map(u64::from_le)
             .collect();
         let total: u64 = lengths.iter().sum();
         if total == 0 {
