@@ -21,10 +21,11 @@ use crate::types::DType;
 /// Bytes per non-blocking call of a large transfer, and how many are in flight at once. A
 /// waited transfer's pieces go through [`DEPTH`] stages of this size, each staged in just before
 /// its call and out as soon as it completes, so that they stay in cache: Open MPI moved a
-/// 100 MB allreduce this way twice as fast as through stages of the whole buffer, and faster
-/// than its blocking allreduce in pieces (docs/PERFORMANCE.md). Also keeps counts in C ints.
+/// 100 MB allreduce this way more than twice as fast as through stages of the whole buffer, and
+/// faster than its blocking allreduce in pieces. 512 KiB × 2 (1 MiB in flight, this VM's L2)
+/// measured best of 128 KiB..1 MiB × 1..8 (docs/PERFORMANCE.md). Also keeps counts in C ints.
 const PIECE: usize = 512 << 10;
-const DEPTH: usize = 4;
+const DEPTH: usize = 2;
 
 /// The tag of [`Ranks::allgather_fixed`]'s point-to-point exchanges (on the collectives'
 /// communicator, where nothing else sends point to point).
