@@ -381,6 +381,87 @@ fn a_stuck_rank_times_out_the_others() {
     launch("stuck_body", 2, 120, None);
 }
 
+#[test]
+fn a_rank_stopped_mid_transfer_times_out_the_others() {
+    if under_mpirun() {
+        return;
+    }
+    launch("stopped_body", 2, 120, None);
+}
+
+/// `kill -SIGNAL pid` (SIGSTOP / SIGCONT).
+fn signal(signal: &str, pid: i64) {
+    let status = std::process::Command::new("kill")
+        .args([signal, &pid.to_string()])
+        .status()
+        .expect("kill(1)");
+    assert!(status.success(), "kill {signal} {pid}: {status}");
+}
+
+/// A rank stopped (SIGSTOP, by the other) a few ms into a 256 MB allreduce, so in its data
+/// phase with pieces in flight on both sides: the running rank gets TIMEOUT within about the
+/// timeout, its world fails and destroy returns at once. The stopped rank, resumed, fails too
+/// (or completes against pieces the other had issued, then fails on its next call), and both
+/// processes exit, MPI_Finalize meeting the transfers left pending.
+#[test]
+fn stopped_body() {
+    let Some((rank, _)) = as_rank("stopped_body") else {
+        return;
+    };
+    let o = world_options(1);
+    o.set_timeout_ms(2000);
+    let ctx = Context::new(&o);
+    let n = 64 << 20;
+    let mut x = vec![1.0f32; n];
+    ctx.reg("x", STATE, 0, &mut x, F32);
+    // Each rank's pid, through the world (which lines the ranks up as well).
+    let mut pids = [0i64; 2];
+    pids[rank] = i64::from(std::process::id());
+    ctx.reg("pids", STATE, 0, &mut pids, I64);
+    check(ctx.allreduce("pids", SUM), "pids");
+    if rank == 1 {
+        let mut st = ctx.allreduce("x", SUM);
+        if st == OK {
+            st = ctx.allreduce("x", SUM);
+        }
+        assert!(
+            st == TIMEOUT || st == INVALID_STATE,
+            "stopped rank: {st:?} {}",
+            last_error()
+        );
+        drop(ctx);
+        return;
+    }
+    let peer = pids[1];
+    let stopper = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        signal("-STOP", peer);
+    });
+    let start = std::time::Instant::now();
+    let st = ctx.allreduce("x", SUM);
+    let waited = start.elapsed();
+    stopper.join().expect("the stopper thread");
+    signal("-CONT", peer);
+    let msg = last_error();
+    assert_eq!(st, TIMEOUT, "{msg}");
+    assert!(
+        msg.contains("dpsync_allreduce(name='x'") && msg.contains("2000 ms"),
+        "the message names the collective and the wait: {msg}"
+    );
+    // The data phase is where a stop 5 ms in lands, unless this machine lagged that long.
+    if !msg.contains("MPI_Iallreduce") {
+        eprintln!("stopped_body: the stop landed outside the data phase: {msg}");
+    }
+    assert!(waited.as_secs_f64() < 10.0, "returned after {waited:?}");
+    assert_eq!(ctx.allreduce("x", SUM), INVALID_STATE, "{}", last_error());
+    let start = std::time::Instant::now();
+    drop(ctx);
+    assert!(
+        start.elapsed().as_secs_f64() < 2.0,
+        "destroy waited on the lost rank"
+    );
+}
+
 /// Options for `replicas` host replicas in the MPI_COMM_WORLD world; a timeout, so that a rank
 /// that fails an assertion makes the others fail too instead of hanging.
 fn world_options(replicas: usize) -> Options {
