@@ -314,6 +314,11 @@ fn main() {
         "four" => four_ranks_raw(&world, rank0, quick),
         // Alone, for A/B runs of the call overhead: mpirun -n 2 <bench binary> --part one
         "one" => one_float(&world, rank0, quick),
+        // The large transfers alone (parts 1 and 2), for A/B runs of the engine's pieces.
+        "large" => {
+            big_gradient(&world, rank0, quick);
+            resnet(&world, rank0, quick);
+        }
         "overlap" => overlap(&world, rank0, quick),
         other => panic!("unknown part {other:?}"),
     }

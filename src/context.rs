@@ -306,24 +306,12 @@ impl Context {
             "agree",
             || json!({"tensors": tensors.len(), "inline": inline.is_some()}),
         );
-        let mut lines = vec![call()];
-        let verdict = verdict.and_then(|()| self.check_nothing_in_flight(&lines[0]));
-        // The memory kind too: it splits buckets, and the ranks' buckets must match.
-        let memory = |m: Memory| match m {
-            Memory::Host => "",
-            Memory::Device => " (device)",
-        };
-        lines.extend(tensors.iter().map(|t| {
-            format!(
-                "{}\t{} {} x {}{}",
-                t.name,
-                t.role,
-                t.count,
-                t.dtype,
-                memory(t.memory)
-            )
-        }));
-        lines.extend(more);
+        let call = call();
+        let verdict = verdict.and_then(|()| self.check_nothing_in_flight(&call));
+        let mut lines: Vec<&str> = Vec::with_capacity(1 + tensors.len() + more.len());
+        lines.push(&call);
+        lines.extend(tensors.iter().map(|t| t.line.as_str()));
+        lines.extend(more.iter().map(String::as_str));
         let (agreed, same_call) = world::agree(ranks, verdict, &lines, inline.as_deref());
         if let Err(e) = &agreed {
             if e.kind == ErrorKind::Inconsistent {

@@ -304,6 +304,11 @@ fn check_entry(entry: &Entry) -> Result<TensorView> {
             )));
         }
     }
+    // The memory kind too: it splits buckets, and the ranks' buckets must match.
+    let memory = match reference.memory {
+        Memory::Host => "",
+        Memory::Device => " (device)",
+    };
     Ok(TensorView {
         name: name.clone(),
         role: reference.role,
@@ -311,6 +316,10 @@ fn check_entry(entry: &Entry) -> Result<TensorView> {
         count: reference.count,
         memory: reference.memory,
         ptrs,
+        line: format!(
+            "{name}\t{} {} x {}{memory}",
+            reference.role, reference.count, reference.dtype
+        ),
     })
 }
 
@@ -324,6 +333,9 @@ pub struct TensorView {
     pub memory: Memory,
     /// One address per replica, in replica order.
     pub ptrs: Vec<usize>,
+    /// The registration as the ranks of a world compare it before a collective
+    /// (`name\trole count x dtype`), made once per registry generation.
+    pub line: String,
 }
 
 /// The registry checked at one generation: what collectives may touch, and what they must refuse.

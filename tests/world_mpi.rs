@@ -39,6 +39,134 @@ fn worlds_of_two_three_and_four_ranks() {
 }
 
 #[test]
+fn large_buckets_cross_the_engines_pieces() {
+    if under_mpirun() {
+        return;
+    }
+    for n in [2, 3] {
+        launch("pieces_body", n, 300, None);
+    }
+}
+
+/// Fused buckets and a broadcast of several MB whose tensor boundaries fall inside the engine's
+/// pieces (it stages them piece by piece): every element of every tensor, in f32, f64, f16 and
+/// bf16 (summed in f32: the f32 pieces' element counts), rank r with r + 1 replicas.
+#[test]
+fn pieces_body() {
+    let Some((rank, ranks)) = as_rank("pieces_body") else {
+        return;
+    };
+    let local = rank + 1;
+    let total: usize = (1..=ranks).sum();
+    let offset: usize = (1..=rank).sum();
+    let ctx = Context::new(&world_options(local));
+    let tag = |what: &str| format!("rank {rank}/{ranks}: {what}");
+    // Small integers (sums exact in every dtype): world replica w's element i of tensor t.
+    let v = |w: usize, t: usize, i: usize, m: usize| ((w + 1) * ((i + t) % m + 1)) as f32;
+    // Σ over the world's replicas.
+    let sum = |t: usize, i: usize, m: usize| (total * (total + 1) / 2 * ((i + t) % m + 1)) as f32;
+    let sizes32 = [100_003usize, 3, 250_001, 70_000];
+    let sizes64 = [40_000usize, 90_001];
+    let sizes16 = [200_001usize, 77_777];
+    let mut g32: Vec<Vec<Vec<f32>>> = (sizes32.iter().enumerate())
+        .map(|(t, &n)| {
+            (0..local)
+                .map(|k| (0..n).map(|i| v(offset + k, t, i, 1000)).collect())
+                .collect()
+        })
+        .collect();
+    let mut g64: Vec<Vec<Vec<f64>>> = (sizes64.iter().enumerate())
+        .map(|(t, &n)| {
+            (0..local)
+                .map(|k| (0..n).map(|i| v(offset + k, t, i, 1000) as f64).collect())
+                .collect()
+        })
+        .collect();
+    // f16: integers up to 2048 are exact; bf16: up to 256.
+    let mut h16: Vec<Vec<Vec<u16>>> = (sizes16.iter().enumerate())
+        .map(|(t, &n)| {
+            (0..local)
+                .map(|k| (0..n).map(|i| f32_to_f16(v(offset + k, t, i, 7))).collect())
+                .collect()
+        })
+        .collect();
+    let mut b16: Vec<Vec<Vec<u16>>> = (sizes16.iter().enumerate())
+        .map(|(t, &n)| {
+            (0..local)
+                .map(|k| {
+                    (0..n)
+                        .map(|i| f32_to_bf16(v(offset + k, t, i, 3)))
+                        .collect()
+                })
+                .collect()
+        })
+        .collect();
+    for k in 0..local {
+        for t in 0..sizes32.len() {
+            ctx.reg(&format!("f32_{t}"), GRAD, k, &mut g32[t][k], F32);
+        }
+        for t in 0..sizes64.len() {
+            ctx.reg(&format!("f64_{t}"), GRAD, k, &mut g64[t][k], F64);
+        }
+        for t in 0..sizes16.len() {
+            ctx.reg(&format!("f16_{t}"), GRAD, k, &mut h16[t][k], F16);
+            ctx.reg(&format!("bf16_{t}"), GRAD, k, &mut b16[t][k], BF16);
+        }
+    }
+    check(ctx.allreduce_grads(SUM), &tag("allreduce_grads"));
+    for k in 0..local {
+        for t in 0..sizes32.len() {
+            for i in 0..sizes32[t] {
+                assert_eq!(
+                    g32[t][k][i],
+                    sum(t, i, 1000),
+                    "{}",
+                    tag(&format!("f32_{t}[{i}]"))
+                );
+            }
+        }
+        for t in 0..sizes64.len() {
+            for i in 0..sizes64[t] {
+                let want = sum(t, i, 1000) as f64;
+                assert_eq!(g64[t][k][i], want, "{}", tag(&format!("f64_{t}[{i}]")));
+            }
+        }
+        for t in 0..sizes16.len() {
+            for i in 0..sizes16[t] {
+                let (h, b) = (f16_to_f32(h16[t][k][i]), bf16_to_f32(b16[t][k][i]));
+                assert_eq!(h, sum(t, i, 7), "{}", tag(&format!("f16_{t}[{i}]")));
+                assert_eq!(b, sum(t, i, 3), "{}", tag(&format!("bf16_{t}[{i}]")));
+            }
+        }
+    }
+
+    // A broadcast of several MB from the last world replica, spans crossing the pieces.
+    let sizes = [300_001usize, 5, 200_000];
+    let mut p: Vec<Vec<Vec<f32>>> = (sizes.iter().enumerate())
+        .map(|(t, &n)| {
+            (0..local)
+                .map(|k| (0..n).map(|i| v(offset + k, t, i, 1000)).collect())
+                .collect()
+        })
+        .collect();
+    for k in 0..local {
+        for t in 0..sizes.len() {
+            ctx.reg(&format!("p_{t}"), PARAM, k, &mut p[t][k], F32);
+        }
+    }
+    let root = total - 1;
+    check(ctx.broadcast(PARAM, root), &tag("broadcast"));
+    for k in 0..local {
+        for t in 0..sizes.len() {
+            for i in 0..sizes[t] {
+                let want = v(root, t, i, 1000);
+                assert_eq!(p[t][k][i], want, "{}", tag(&format!("p_{t}[{i}]")));
+            }
+        }
+    }
+}
+
+#[test]
 fn buckets_start_early_across_ranks() {
     if under_mpirun() {
         return;
@@ -253,6 +381,87 @@ fn a_stuck_rank_times_out_the_others() {
     launch("stuck_body", 2, 120, None);
 }
 
+#[test]
+fn a_rank_stopped_mid_transfer_times_out_the_others() {
+    if under_mpirun() {
+        return;
+    }
+    launch("stopped_body", 2, 120, None);
+}
+
+/// `kill -SIGNAL pid` (SIGSTOP / SIGCONT).
+fn signal(signal: &str, pid: i64) {
+    let status = std::process::Command::new("kill")
+        .args([signal, &pid.to_string()])
+        .status()
+        .expect("kill(1)");
+    assert!(status.success(), "kill {signal} {pid}: {status}");
+}
+
+/// A rank stopped (SIGSTOP, by the other) a few ms into a 256 MB allreduce, so in its data
+/// phase with pieces in flight on both sides: the running rank gets TIMEOUT within about the
+/// timeout, its world fails and destroy returns at once. The stopped rank, resumed, fails too
+/// (or completes against pieces the other had issued, then fails on its next call), and both
+/// processes exit, MPI_Finalize meeting the transfers left pending.
+#[test]
+fn stopped_body() {
+    let Some((rank, _)) = as_rank("stopped_body") else {
+        return;
+    };
+    let o = world_options(1);
+    o.set_timeout_ms(2000);
+    let ctx = Context::new(&o);
+    let n = 64 << 20;
+    let mut x = vec![1.0f32; n];
+    ctx.reg("x", STATE, 0, &mut x, F32);
+    // Each rank's pid, through the world (which lines the ranks up as well).
+    let mut pids = [0i64; 2];
+    pids[rank] = i64::from(std::process::id());
+    ctx.reg("pids", STATE, 0, &mut pids, I64);
+    check(ctx.allreduce("pids", SUM), "pids");
+    if rank == 1 {
+        let mut st = ctx.allreduce("x", SUM);
+        if st == OK {
+            st = ctx.allreduce("x", SUM);
+        }
+        assert!(
+            st == TIMEOUT || st == INVALID_STATE,
+            "stopped rank: {st:?} {}",
+            last_error()
+        );
+        drop(ctx);
+        return;
+    }
+    let peer = pids[1];
+    let stopper = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        signal("-STOP", peer);
+    });
+    let start = std::time::Instant::now();
+    let st = ctx.allreduce("x", SUM);
+    let waited = start.elapsed();
+    stopper.join().expect("the stopper thread");
+    signal("-CONT", peer);
+    let msg = last_error();
+    assert_eq!(st, TIMEOUT, "{msg}");
+    assert!(
+        msg.contains("dpsync_allreduce(name='x'") && msg.contains("2000 ms"),
+        "the message names the collective and the wait: {msg}"
+    );
+    // The data phase is where a stop 5 ms in lands, unless this machine lagged that long.
+    if !msg.contains("MPI_Iallreduce") {
+        eprintln!("stopped_body: the stop landed outside the data phase: {msg}");
+    }
+    assert!(waited.as_secs_f64() < 10.0, "returned after {waited:?}");
+    assert_eq!(ctx.allreduce("x", SUM), INVALID_STATE, "{}", last_error());
+    let start = std::time::Instant::now();
+    drop(ctx);
+    assert!(
+        start.elapsed().as_secs_f64() < 2.0,
+        "destroy waited on the lost rank"
+    );
+}
+
 /// Options for `replicas` host replicas in the MPI_COMM_WORLD world; a timeout, so that a rank
 /// that fails an assertion makes the others fail too instead of hanging.
 fn world_options(replicas: usize) -> Options {
@@ -389,7 +598,7 @@ fn rank_body() {
         assert_eq!(w32[k][0], value(offset + k, 0) as f32, "others untouched");
     }
 
-    // A bucket larger than the engine's pieces (1 MiB): several transfers in flight.
+    // A bucket larger than the engine's pieces (512 KiB): several transfers in flight.
     let big_n = 700_000;
     let mut big: Vec<Vec<f32>> = (0..local)
         .map(|k| {
@@ -403,7 +612,7 @@ fn rank_body() {
     }
     check(ctx.allreduce("big", SUM), &tag("allreduce big"));
     for buf in &big {
-        for i in [0, 262_143, 262_144, 524_288, big_n - 1] {
+        for i in [0, 131_071, 131_072, 262_144, 524_288, big_n - 1] {
             let want: usize = (0..total).map(|w| w * 3 + i % 1000).sum();
             assert_eq!(buf[i], want as f32, "{}", tag(&format!("big[{i}]")));
         }

@@ -502,9 +502,10 @@ pub(crate) trait Ranks: Send {
     /// Every rank's `bytes` (of any length), in rank order.
     fn allgather(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>>;
 
-    /// Every rank's `bytes`, the same length on every rank, concatenated in rank order: one
-    /// exchange where [`Ranks::allgather`] needs two (the lengths first).
-    fn allgather_fixed(&self, bytes: &[u8]) -> Result<Vec<u8>>;
+    /// Every rank's `words`, as many on every rank, concatenated in rank order: one exchange
+    /// where [`Ranks::allgather`] needs two (the lengths first). Words keep records aligned for
+    /// any dtype.
+    fn allgather_fixed(&self, words: &[u64]) -> Result<Vec<u64>>;
 
     /// Every rank's spans `(ptr, bytes)`, each rank's concatenated, in rank order (one
     /// message: a sparse gather's rows).

@@ -1,6 +1,6 @@
 //! The MPI engine between the ranks of a world ([`Ranks`]), through rsmpi's raw bindings
 //! (`mpi::ffi`): its communicator is a duplicate of the caller's, so dpsync's traffic never
-//! mixes with theirs, and every collective is issued non-blocking and polled against the
+//! mixes with theirs, and every transfer is issued non-blocking and polled against the
 //! world's timeout, so a dead or stuck rank gives TIMEOUT, never a hang.
 
 use std::collections::VecDeque;
@@ -18,12 +18,18 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::options::World;
 use crate::types::DType;
 
-/// MPI counts are C ints: longer broadcasts go in pieces of this many bytes.
-const CHUNK: usize = 1 << 30;
+/// Bytes per non-blocking call of a large transfer, and how many are in flight at once. A
+/// waited transfer's pieces go through [`DEPTH`] stages of this size, each staged in just before
+/// its call and out as soon as it completes, so that they stay in cache: Open MPI moved a
+/// 100 MB allreduce this way more than twice as fast as through stages of the whole buffer, and
+/// faster than its blocking allreduce in pieces. 512 KiB × 2 (1 MiB in flight, this VM's L2)
+/// measured best of 128 KiB..1 MiB × 1..8 (docs/PERFORMANCE.md). Also keeps counts in C ints.
+const PIECE: usize = 512 << 10;
+const DEPTH: usize = 2;
 
-/// Bytes per non-blocking allreduce of a large bucket, and how many are in flight at once.
-const PIECE: usize = 1 << 20;
-const DEPTH: usize = 4;
+/// The tag of [`Ranks::allgather_fixed`]'s point-to-point exchanges (on the collectives'
+/// communicator, where nothing else sends point to point).
+const TAG_GATHER: c_int = 0x6470;
 
 /// Serialises dpsync's MPI initialisation (two contexts created at once by two threads).
 static INIT: Mutex<()> = Mutex::new(());
@@ -188,11 +194,12 @@ pub(crate) struct MpiRanks {
     library: String,
     /// The collective under way ([`Ranks::begin`]), for messages.
     call: Mutex<String>,
-    /// Send and receive stages of every transfer, reused (8-byte words: aligned for every
-    /// dtype). Staged because a timed-out MPI request stays pending and may still write its
-    /// buffers: then they are leaked, never the caller's memory (and MPI_IN_PLACE's value
-    /// differs between MPI implementations, so dpsync never passes it).
-    scratch: Mutex<[Vec<u64>; 2]>,
+    /// The stages of waited transfers, reused: [`DEPTH`] slots of up to [`PIECE`] bytes each
+    /// way (8-byte words: aligned for every dtype). Staged because a timed-out MPI request
+    /// stays pending and may still read and write its buffers: then they are leaked, never the
+    /// caller's memory (and MPI_IN_PLACE's value differs between MPI implementations, so dpsync
+    /// never passes it).
+    scratch: Mutex<Vec<u64>>,
 }
 
 /// A duplicate of `parent` (non-blocking, polled within `timeout`) whose errors are returned.
@@ -208,8 +215,8 @@ unsafe fn duplicate(parent: ffi::MPI_Comm, timeout: Option<Duration>) -> Result<
     )?;
     let mut request = request.assume_init();
     poll(
-        &mut request,
-        Instant::now(),
+        std::slice::from_mut(&mut request),
+        &mut None,
         timeout,
         "dpsync_context_create (MPI_Comm_idup)",
     )?;
@@ -292,7 +299,7 @@ impl MpiRanks {
             failed: Mutex::new(None),
             library: library_version(),
             call: Mutex::new("dpsync_context_create".to_owned()),
-            scratch: Mutex::new([Vec::new(), Vec::new()]),
+            scratch: Mutex::new(Vec::new()),
         })
     }
 
@@ -308,65 +315,51 @@ impl MpiRanks {
 
     /// Issues one non-blocking call and waits for it; a failure fails the world.
     fn run(&self, what: &str, mut issue: impl FnMut(*mut ffi::MPI_Request) -> c_int) -> Result<()> {
-        self.run_pieces(what, 1, |_, request| issue(request))
+        self.run_pieces(what, 1, |_, request| issue(request), |_| {})
     }
 
     /// Issues `pieces` non-blocking calls in order, at most [`DEPTH`] in flight, and waits for
-    /// all of them within one timeout; a failure fails the world.
+    /// all of them within one timeout, calling `done(i)` as piece `i` completes (in order: a
+    /// piece's stage, `i % DEPTH`, is free again once `done` returns); a failure fails the
+    /// world.
     fn run_pieces(
         &self,
         what: &str,
         pieces: usize,
         mut issue: impl FnMut(usize, *mut ffi::MPI_Request) -> c_int,
+        mut done: impl FnMut(usize),
     ) -> Result<()> {
-        let since = Instant::now();
-        let mut inflight: VecDeque<ffi::MPI_Request> = VecDeque::with_capacity(DEPTH);
+        let mut since = None;
+        let mut inflight: VecDeque<(usize, ffi::MPI_Request)> = VecDeque::with_capacity(DEPTH);
         let mut all = || -> Result<()> {
             for piece in 0..pieces {
                 if inflight.len() == DEPTH {
-                    let mut oldest = inflight.pop_front().expect("DEPTH > 0");
-                    poll(&mut oldest, since, self.timeout, what)?;
+                    let (i, mut oldest) = inflight.pop_front().expect("DEPTH > 0");
+                    poll(
+                        std::slice::from_mut(&mut oldest),
+                        &mut since,
+                        self.timeout,
+                        what,
+                    )?;
+                    done(i);
                 }
                 let mut request = MaybeUninit::<ffi::MPI_Request>::uninit();
                 check(what, issue(piece, request.as_mut_ptr()))?;
                 // SAFETY: the call succeeded, so it wrote the request.
-                inflight.push_back(unsafe { request.assume_init() });
+                inflight.push_back((piece, unsafe { request.assume_init() }));
             }
-            while let Some(mut request) = inflight.pop_front() {
-                poll(&mut request, since, self.timeout, what)?;
+            while let Some((i, mut request)) = inflight.pop_front() {
+                poll(
+                    std::slice::from_mut(&mut request),
+                    &mut since,
+                    self.timeout,
+                    what,
+                )?;
+                done(i);
             }
             Ok(())
         };
         all().map_err(|e| self.failing(e))
-    }
-
-    /// `send[..count] → recv[..count]` summed over ranks, in pieces of at most [`PIECE`]
-    /// elements, [`DEPTH`] in flight: Open MPI's non-blocking allreduce moved a 100 MB buffer in
-    /// 1 MiB pieces about a fifth faster than in one call (docs/PERFORMANCE.md).
-    ///
-    /// # Safety
-    /// Both hold `count` elements of `size` bytes of `datatype`.
-    unsafe fn allreduce_raw(
-        &self,
-        channel: Channel,
-        datatype: ffi::MPI_Datatype,
-        size: usize,
-        send: *const u8,
-        recv: *mut u8,
-        count: usize,
-    ) -> Result<()> {
-        let piece = piece_of(size);
-        let comm = self.comm_of(channel);
-        self.run_pieces("MPI_Iallreduce", count.div_ceil(piece), |i, request| {
-            issue_piece(
-                i,
-                piece,
-                (datatype, size),
-                (send, recv, count),
-                comm,
-                request,
-            )
-        })
     }
 
     fn comm_of(&self, channel: Channel) -> ffi::MPI_Comm {
@@ -394,6 +387,41 @@ impl MpiRanks {
 /// Elements per piece of a large allreduce ([`PIECE`] bytes).
 fn piece_of(size: usize) -> usize {
     (PIECE / size).max(1)
+}
+
+/// A position in spans laid end to end (a bucket's segments, a broadcast's spans), moved
+/// forward range after range: a waited transfer stages its pieces in order, and out in order.
+#[derive(Default)]
+struct Walk {
+    /// The first span the next range may touch, and the elements before it.
+    span: usize,
+    before: usize,
+}
+
+impl Walk {
+    /// `f(span, offset in it, length, offset in the range)` for every span's part of
+    /// `[start, start + n)` of `lengths` laid end to end; `start` never goes back.
+    fn parts(
+        &mut self,
+        lengths: impl Fn(usize) -> usize,
+        spans: usize,
+        (start, n): (usize, usize),
+        mut f: impl FnMut(usize, usize, usize, usize),
+    ) {
+        while self.span < spans && self.before + lengths(self.span) <= start {
+            self.before += lengths(self.span);
+            self.span += 1;
+        }
+        let (mut k, mut before, end) = (self.span, self.before, start + n);
+        while k < spans && before < end {
+            let (from, to) = (start.max(before), end.min(before + lengths(k)));
+            if to > from {
+                f(k, from - before, to - from, from - start);
+            }
+            before += lengths(k);
+            k += 1;
+        }
+    }
 }
 
 /// Issues piece `i` (of `piece` elements) of the allreduce `send → recv` of `count` elements.
@@ -429,13 +457,13 @@ fn stage(words: &mut Vec<u64>, bytes: usize) -> *mut u8 {
     words.as_mut_ptr().cast()
 }
 
-/// `dst[..count]` := the sum of `count` elements of `T` at every pointer of `srcs`, widened to
-/// `A` (the type MPI sums).
+/// `dst[..count]` := the sum of `count` elements of `T` from element `skip` of every pointer of
+/// `srcs`, widened to `A` (the type MPI sums).
 ///
 /// # Safety
-/// Every source holds `count` aligned `T`, `dst` room for `count` aligned `A`.
+/// Every source holds `skip + count` aligned `T`, `dst` room for `count` aligned `A`.
 unsafe fn gather_in<T: Copy, A: Copy>(
-    srcs: &[usize],
+    (srcs, skip): (&[usize], usize),
     dst: *mut u8,
     count: usize,
     widen: impl Fn(T) -> A,
@@ -443,7 +471,7 @@ unsafe fn gather_in<T: Copy, A: Copy>(
 ) {
     let out = std::slice::from_raw_parts_mut(dst.cast::<A>(), count);
     for (k, &src) in srcs.iter().enumerate() {
-        let xs = std::slice::from_raw_parts(src as *const T, count);
+        let xs = std::slice::from_raw_parts((src as *const T).add(skip), count);
         if k == 0 {
             out.iter_mut().zip(xs).for_each(|(o, &x)| *o = widen(x));
         } else {
@@ -454,14 +482,14 @@ unsafe fn gather_in<T: Copy, A: Copy>(
     }
 }
 
-/// `dst[..count]` := `count` elements of `A` at `src`, divided by `avg` if given, as `T` (one
-/// rounding).
+/// `dst[skip..skip + count]` := `count` elements of `A` at `src`, divided by `avg` if given, as
+/// `T` (one rounding).
 ///
 /// # Safety
 /// As for [`gather_in`], the other way round.
 unsafe fn scatter_out<T: Copy, A: Copy>(
     src: *const u8,
-    dst: usize,
+    (dst, skip): (usize, usize),
     count: usize,
     avg: Option<usize>,
     divide: impl Fn(A, usize) -> A,
@@ -469,7 +497,7 @@ unsafe fn scatter_out<T: Copy, A: Copy>(
 ) {
     let (xs, out) = (
         std::slice::from_raw_parts(src.cast::<A>(), count),
-        std::slice::from_raw_parts_mut(dst as *mut T, count),
+        std::slice::from_raw_parts_mut((dst as *mut T).add(skip), count),
     );
     match avg {
         None => out.iter_mut().zip(xs).for_each(|(o, &x)| *o = narrow(x)),
@@ -554,66 +582,129 @@ fn mpi_type(dtype: DType) -> (ffi::MPI_Datatype, usize) {
     }
 }
 
-/// Every segment's contributions summed into `send`, segment after segment, in MPI's type.
+/// Elements `range` = `(start, n)` of the segments laid end to end, each segment's
+/// contributions summed into `send` in MPI's type.
 ///
 /// # Safety
-/// As for [`gather_in`]; `send` holds every segment.
-unsafe fn stage_in(dtype: DType, segments: &[Segment<'_>], send: *mut u8) {
+/// As for [`gather_in`]; `send` holds `n` elements.
+unsafe fn stage_in(
+    dtype: DType,
+    segments: &[Segment<'_>],
+    walk: &mut Walk,
+    range: (usize, usize),
+    send: *mut u8,
+) {
     let size = mpi_type(dtype).1;
-    let mut at = 0;
-    for s in segments {
-        let dst = send.add(at * size);
-        by_dtype!(dtype, |widen, add, _divide, _narrow| gather_in(
-            s.ptrs, dst, s.count, widen, add
-        ));
-        at += s.count;
-    }
+    walk.parts(
+        |k| segments[k].count,
+        segments.len(),
+        range,
+        |k, skip, n, at| {
+            let dst = send.add(at * size);
+            by_dtype!(dtype, |widen, add, _divide, _narrow| gather_in(
+                (segments[k].ptrs, skip),
+                dst,
+                n,
+                widen,
+                add
+            ));
+        },
+    );
 }
 
-/// `recv`, segment after segment, divided by `avg` and rounded once into each `(ptr, count)`.
+/// `recv`, elements `range` = `(start, n)` of the outputs `(ptr, count)` laid end to end,
+/// divided by `avg` and rounded once into them.
 ///
 /// # Safety
-/// As for [`scatter_out`]; `recv` holds every segment.
-unsafe fn stage_out(dtype: DType, recv: *const u8, outs: &[(usize, usize)], avg: Option<usize>) {
+/// As for [`scatter_out`]; `recv` holds `n` elements.
+unsafe fn stage_out(
+    dtype: DType,
+    recv: *const u8,
+    (outs, walk): (&[(usize, usize)], &mut Walk),
+    range: (usize, usize),
+    avg: Option<usize>,
+) {
     let size = mpi_type(dtype).1;
-    let mut at = 0;
-    for &(ptr, count) in outs {
-        let src = recv.add(at * size);
-        by_dtype!(dtype, |_widen, _add, divide, narrow| scatter_out(
-            src, ptr, count, avg, divide, narrow
-        ));
-        at += count;
-    }
+    walk.parts(
+        |k| outs[k].1,
+        outs.len(),
+        range,
+        |k, skip, n, at| {
+            let src = recv.add(at * size);
+            by_dtype!(dtype, |_widen, _add, divide, narrow| scatter_out(
+                src,
+                (outs[k].0, skip),
+                n,
+                avg,
+                divide,
+                narrow
+            ));
+        },
+    );
+}
+
+/// Bytes `range` = `(start, n)` of the spans `(ptr, bytes)` laid end to end, copied into the
+/// stage at `stage` or, with `out`, from it.
+///
+/// # Safety
+/// Every span is valid for its bytes; `stage` for `n`.
+unsafe fn copy_spans(
+    (spans, walk): (&[(usize, usize)], &mut Walk),
+    range: (usize, usize),
+    stage: *mut u8,
+    out: bool,
+) {
+    walk.parts(
+        |k| spans[k].1,
+        spans.len(),
+        range,
+        |k, skip, n, at| {
+            let span = (spans[k].0 as *mut u8).add(skip);
+            match out {
+                false => std::ptr::copy_nonoverlapping(span, stage.add(at), n),
+                true => std::ptr::copy_nonoverlapping(stage.add(at), span, n),
+            }
+        },
+    );
 }
 
 /// How long [`poll`] tests back to back, then yields between tests, before it sleeps.
 const BUSY: Duration = Duration::from_micros(20);
 const SPIN: Duration = Duration::from_millis(2);
 
-/// Waits for `request` within `timeout` (None: forever): testing back to back for the first
+/// Waits for `requests` within `timeout` (None: forever): testing back to back for the first
 /// [`BUSY`] (a small collective completes within a microsecond or two, and a yield is a system
 /// call that costs a good part of that), then yielding the CPU between tests until [`SPIN`] (a
 /// sleep's wake-up would cost more than the whole call), then sleeping 50 µs between tests:
 /// ranks oversubscribe cores in tests and small clusters, and a rank spinning for long slows
 /// the one it waits for. The timeout counts from `since` (several requests of one call share
-/// it).
+/// it), which the first test that finds them unfinished sets: a small exchange that is already
+/// complete costs no clock read (a read costs a good part of such an exchange on a VM).
 fn poll(
-    request: &mut ffi::MPI_Request,
-    since: Instant,
+    requests: &mut [ffi::MPI_Request],
+    since: &mut Option<Instant>,
     timeout: Option<Duration>,
     what: &str,
 ) -> Result<()> {
-    let start = Instant::now();
+    let mut start = None;
     loop {
         let mut flag: c_int = 0;
-        // SAFETY: an active request of this process.
-        let rc = unsafe { ffi::MPI_Test(request, &mut flag, ffi::RSMPI_STATUS_IGNORE) };
+        // SAFETY: requests of this process (MPI_REQUEST_NULL once complete).
+        let rc = unsafe {
+            ffi::MPI_Testall(
+                count_of(requests.len()),
+                requests.as_mut_ptr(),
+                &mut flag,
+                ffi::RSMPI_STATUSES_IGNORE,
+            )
+        };
         check(what, rc)?;
         if flag != 0 {
             return Ok(());
         }
+        let now = Instant::now();
         if let Some(limit) = timeout {
-            if since.elapsed() > limit {
+            if now - *since.get_or_insert(now) > limit {
                 return Err(Error::new(
                     ErrorKind::Timeout,
                     format!(
@@ -624,7 +715,7 @@ fn poll(
                 ));
             }
         }
-        let waited = start.elapsed();
+        let waited = now - *start.get_or_insert(now);
         if waited < BUSY {
             std::hint::spin_loop();
         } else if waited < SPIN {
@@ -663,17 +754,42 @@ impl Ranks for MpiRanks {
         self.refuse_if_failed()?;
         let (datatype, size) = mpi_type(dtype);
         let count: usize = segments.iter().map(|s| s.count).sum();
-        let mut scratch = self.scratch.lock();
-        let [send, recv] = &mut *scratch;
-        let (send, recv) = (stage(send, count * size), stage(recv, count * size));
-        stage_in(dtype, segments, send);
-        if let Err(e) = self.allreduce_raw(channel, datatype, size, send, recv, count) {
-            std::mem::forget(std::mem::take(&mut *scratch));
-            return Err(e);
+        if count == 0 {
+            return Ok(());
         }
+        let piece = piece_of(size).min(count);
+        let pieces = count.div_ceil(piece);
+        // Slot `i % DEPTH` of piece `i`: a send area, then a receive area.
+        let area = (piece * size).next_multiple_of(64);
+        let mut scratch = self.scratch.lock();
+        let stages = stage(&mut scratch, 2 * area * DEPTH.min(pieces));
+        let at = |i: usize, k: usize| stages.add((2 * (i % DEPTH) + k) * area);
+        let range = |i: usize| (i * piece, piece.min(count - i * piece));
         let outs: Vec<(usize, usize)> = segments.iter().map(|s| (s.ptrs[0], s.count)).collect();
-        stage_out(dtype, recv, &outs, avg);
-        Ok(())
+        let (mut walk_in, mut walk_out) = (Walk::default(), Walk::default());
+        let comm = self.comm_of(channel);
+        let done = self.run_pieces(
+            "MPI_Iallreduce",
+            pieces,
+            |i, request| {
+                stage_in(dtype, segments, &mut walk_in, range(i), at(i, 0));
+                ffi::MPI_Iallreduce(
+                    at(i, 0).cast(),
+                    at(i, 1).cast(),
+                    count_of(range(i).1),
+                    datatype,
+                    ffi::RSMPI_SUM,
+                    comm,
+                    request,
+                )
+            },
+            |i| stage_out(dtype, at(i, 1), (&outs, &mut walk_out), range(i), avg),
+        );
+        if done.is_err() {
+            // Pieces still pending may read and write their stages.
+            std::mem::forget(std::mem::take(&mut *scratch));
+        }
+        done
     }
 
     unsafe fn start(
@@ -702,7 +818,7 @@ impl Ranks for MpiRanks {
             // A stand-in for another rank's bucket (draining): zeros of its size.
             std::ptr::write_bytes(send, 0, count * size);
         }
-        stage_in(dtype, segments, send);
+        stage_in(dtype, segments, &mut Walk::default(), (0, count), send);
         let piece = piece_of(size);
         for i in 0..count.div_ceil(piece) {
             let mut request = MaybeUninit::<ffi::MPI_Request>::uninit();
@@ -744,16 +860,19 @@ impl Ranks for MpiRanks {
         let Ok(mut started) = ticket.0.downcast::<Started>() else {
             unreachable!("a ticket of another engine");
         };
-        let since = Instant::now();
+        let mut since = None;
         for request in &mut started.requests {
-            if let Err(e) = poll(request, since, self.timeout, "MPI_Iallreduce") {
+            let request = std::slice::from_mut(request);
+            if let Err(e) = poll(request, &mut since, self.timeout, "MPI_Iallreduce") {
                 return Err(self.failing(e)); // the stages leak on drop: MPI may still write
             }
         }
         started.done = true;
         if write {
             let recv = started.recv.as_ptr().cast::<u8>();
-            stage_out(started.dtype, recv, &started.outs, started.avg);
+            let count = started.outs.iter().map(|o| o.1).sum();
+            let outs = (&started.outs[..], &mut Walk::default());
+            stage_out(started.dtype, recv, outs, (0, count), started.avg);
         }
         let mut spare = self.spare.lock();
         spare.push(std::mem::take(&mut started.send));
@@ -764,70 +883,120 @@ impl Ranks for MpiRanks {
     unsafe fn broadcast(&self, spans: &[(usize, usize)], root: usize) -> Result<()> {
         self.refuse_if_failed()?;
         let bytes: usize = spans.iter().map(|&(_, n)| n).sum();
-        let mut scratch = self.scratch.lock();
-        let buffer = stage(&mut scratch[0], bytes);
-        let mine = root == self.rank;
-        let mut at = 0;
-        for &(ptr, n) in spans.iter().filter(|_| mine) {
-            std::ptr::copy_nonoverlapping(ptr as *const u8, buffer.add(at), n);
-            at += n;
+        if bytes == 0 {
+            return Ok(());
         }
-        for start in (0..bytes).step_by(CHUNK) {
-            let n = CHUNK.min(bytes - start);
-            let sent = self.run("MPI_Ibcast", |request| {
+        // Pieces through cache-sized stages, as in `allreduce`: slot `i % DEPTH` of piece `i`.
+        let piece = PIECE.min(bytes);
+        let pieces = bytes.div_ceil(piece);
+        let mut scratch = self.scratch.lock();
+        let stages = stage(&mut scratch, piece * DEPTH.min(pieces));
+        let at = |i: usize| stages.add((i % DEPTH) * piece);
+        let range = |i: usize| (i * piece, piece.min(bytes - i * piece));
+        let mine = root == self.rank;
+        let (mut walk_in, mut walk_out) = (Walk::default(), Walk::default());
+        let sent = self.run_pieces(
+            "MPI_Ibcast",
+            pieces,
+            |i, request| {
+                if mine {
+                    copy_spans((spans, &mut walk_in), range(i), at(i), false);
+                }
                 ffi::MPI_Ibcast(
-                    buffer.add(start).cast(),
-                    count_of(n),
+                    at(i).cast(),
+                    count_of(range(i).1),
                     ffi::RSMPI_UINT8_T,
                     root as c_int,
                     self.comm.0,
                     request,
                 )
-            });
-            if let Err(e) = sent {
-                std::mem::forget(std::mem::take(&mut *scratch));
-                return Err(e);
-            }
+            },
+            |i| {
+                if !mine {
+                    copy_spans((spans, &mut walk_out), range(i), at(i), true);
+                }
+            },
+        );
+        if sent.is_err() {
+            std::mem::forget(std::mem::take(&mut *scratch));
         }
-        let mut at = 0;
-        for &(ptr, n) in spans.iter().filter(|_| !mine) {
-            std::ptr::copy_nonoverlapping(buffer.add(at), ptr as *mut u8, n);
-            at += n;
-        }
-        Ok(())
+        sent
     }
 
-    fn allgather_fixed(&self, bytes: &[u8]) -> Result<Vec<u8>> {
+    fn allgather_fixed(&self, words: &[u64]) -> Result<Vec<u64>> {
         self.refuse_if_failed()?;
-        // Leaked on failure, as in `allgather`.
-        let send = bytes.to_vec();
-        let mut all = vec![0u8; bytes.len() * self.size];
-        // SAFETY: `bytes.len()` bytes sent, as many received per rank.
-        let done = self.run("MPI_Iallgather", |request| unsafe {
-            ffi::MPI_Iallgather(
-                send.as_ptr().cast(),
-                count_of(bytes.len()),
-                ffi::RSMPI_UINT8_T,
-                all.as_mut_ptr().cast(),
-                count_of(bytes.len()),
-                ffi::RSMPI_UINT8_T,
-                self.comm.0,
-                request,
-            )
-        });
-        if let Err(e) = done {
-            std::mem::forget((send, all));
-            return Err(e);
+        let (n, len) = (self.size, words.len() * 8);
+        // Bruck's allgather, point to point: after each round this rank holds the records of
+        // ranks rank, rank + 1, ... (mod n), twice as many as before; ceil(log2 n) rounds, one
+        // exchange with 2 ranks. Open MPI's non-blocking allgather (libnbc) spends about as long
+        // building its schedule as the exchange of a small record takes (docs/PERFORMANCE.md).
+        // `held` is leaked on failure: a pending receive may still write it.
+        let mut held = vec![0u64; words.len() * n];
+        held[..words.len()].copy_from_slice(words);
+        let base = held.as_mut_ptr().cast::<u8>();
+        let mut since = None;
+        let mut rounds = || -> Result<()> {
+            let (mut have, mut dist) = (1, 1);
+            while have < n {
+                let blocks = dist.min(n - have);
+                let (to, from) = ((self.rank + n - dist) % n, (self.rank + dist) % n);
+                // SAFETY: link-time constants.
+                let mut requests = unsafe { [ffi::RSMPI_REQUEST_NULL; 2] };
+                // SAFETY: the receive fills records `have..have + blocks` of `held` (within it:
+                // `have + blocks <= n`), the send reads the first `blocks <= have`: disjoint.
+                unsafe {
+                    let count = count_of(blocks * len);
+                    check(
+                        "MPI_Irecv",
+                        ffi::MPI_Irecv(
+                            base.add(have * len).cast(),
+                            count,
+                            ffi::RSMPI_UINT8_T,
+                            from as c_int,
+                            TAG_GATHER,
+                            self.comm.0,
+                            &mut requests[0],
+                        ),
+                    )?;
+                    check(
+                        "MPI_Isend",
+                        ffi::MPI_Isend(
+                            base.cast_const().cast(),
+                            count,
+                            ffi::RSMPI_UINT8_T,
+                            to as c_int,
+                            TAG_GATHER,
+                            self.comm.0,
+                            &mut requests[1],
+                        ),
+                    )?;
+                }
+                poll(
+                    &mut requests,
+                    &mut since,
+                    self.timeout,
+                    "MPI_Isend/MPI_Irecv",
+                )?;
+                have += blocks;
+                dist *= 2;
+            }
+            Ok(())
+        };
+        if let Err(e) = rounds() {
+            std::mem::forget(held);
+            return Err(self.failing(e));
         }
-        Ok(all)
+        // `held` starts at this rank's record: rotated into rank order.
+        held.rotate_right(self.rank * words.len());
+        Ok(held)
     }
 
     fn allgather(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
         self.refuse_if_failed()?;
         // The lengths first (a fixed-size exchange), then the bytes at their offsets.
-        let lengths: Vec<u64> = (self.allgather_fixed(&(bytes.len() as u64).to_le_bytes())?)
-            .chunks_exact(8)
-            .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
+        let lengths: Vec<u64> = (self.allgather_fixed(&[(bytes.len() as u64).to_le()])?)
+            .into_iter()
+            .map(u64::from_le)
             .collect();
         let total: u64 = lengths.iter().sum();
         if total == 0 {

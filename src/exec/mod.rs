@@ -540,7 +540,7 @@ impl Executor {
         per_rank: &[usize],
     ) -> Result<()> {
         let block = inline_bytes(tensors);
-        let mut world_blocks = Vec::new();
+        let mut world_blocks = Vec::with_capacity(per_rank.iter().sum());
         for (r, &n) in per_rank.iter().enumerate() {
             let base = world::inline_of(&mut records, r);
             world_blocks.extend((0..n).map(|k| base + k * block));
@@ -548,9 +548,14 @@ impl Executor {
         let members: Vec<usize> = (0..world_blocks.len()).collect();
         let avg = (op == ReduceOp::Avg && divisor > 1).then_some(divisor);
         let backend = self.backend_for(Memory::Host);
+        // One list of pointers for every tensor: its world blocks to sum, then the result's
+        // first block and this rank's replicas to spread it to.
+        let locals = tensors.first().map_or(0, |t| t.ptrs.len());
+        let mut ptrs: Vec<usize> = Vec::with_capacity(world_blocks.len().max(1 + locals));
         let mut offset = 0;
         for t in tensors {
-            let ptrs: Vec<usize> = world_blocks.iter().map(|p| p + offset).collect();
+            ptrs.clear();
+            ptrs.extend(world_blocks.iter().map(|p| p + offset));
             let sum = BucketView {
                 dtype: t.dtype,
                 segments: vec![Segment {
@@ -560,13 +565,13 @@ impl Executor {
             };
             // Every block of the records ends with the result; the first is copied out.
             backend.reduce(0, &members, &sum, avg)?;
-            let out: Vec<usize> = std::iter::once(ptrs[0])
-                .chain(t.ptrs.iter().copied())
-                .collect();
+            drop(sum);
+            ptrs.truncate(1);
+            ptrs.extend_from_slice(&t.ptrs);
             let spread = BucketView {
                 dtype: t.dtype,
                 segments: vec![Segment {
-                    ptrs: &out,
+                    ptrs: &ptrs,
                     count: t.count,
                 }],
             };

@@ -1,0 +1,340 @@
+/* Ways to move what the MPI engine moves, in plain C against Open MPI (2 ranks), for the design
+ * figures of docs/PERFORMANCE.md ("Worlds over MPI"). Not built by cargo:
+ *
+ *   mpicc -O2 -pthread benches/mpi_pieces.c -o /tmp/mpi_pieces
+ *   mpirun --allow-run-as-root --oversubscribe -n 2 /tmp/mpi_pieces [large|small]
+ *
+ * large: an allreduce (sum) of the ResNet-50 gradient set (25.6 M f32, benches/data) — one
+ * MPI_Allreduce, 161 (one per tensor), blocking MPI_Allreduce in pieces on the caller's buffers,
+ * the same through a small stage per piece, the same on a helper thread (the caller waiting on a
+ * condition variable), the engine's former way (the whole buffer staged, MPI_Iallreduce in
+ * pieces, 4 in flight), MPI_Iallreduce pieces on the caller's buffers, the engine's way now
+ * (each piece staged in just before its MPI_Iallreduce and out as it completes, through DEPTH
+ * small stages), and a ring reduce-scatter + allgather over MPI_Isend/MPI_Irecv summing on the
+ * host. Then a broadcast of the same bytes: blocking, whole-staged MPI_Ibcast, staged pieces.
+ * small: a 256-byte allgather (the agreement record): MPI_Iallgather polled, MPI_Allgather,
+ * Bruck's allgather over MPI_Isend/MPI_Irecv polled, and a raw 1-float MPI_Allreduce.
+ * Medians of 7 alternating repetitions, each started by a barrier; rank 0 prints. */
+#include <mpi.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define TENSORS 161
+#define KIB 1024
+static size_t N;
+static int sizes[TENSORS];
+static int rank, size;
+static float *src, *dst, *whole_s, *whole_r, *st[8][2];
+
+static double now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+static void wait_on(MPI_Request *q) {
+  int done = 0;
+  while (!done) MPI_Test(q, &done, MPI_STATUS_IGNORE);
+}
+
+static size_t len_of(size_t at, size_t p) { return N - at < p ? N - at : p; }
+
+static void one_call(size_t piece, int depth) {
+  (void)piece, (void)depth;
+  MPI_Allreduce(src, dst, (int)N, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+}
+
+static void per_tensor(size_t piece, int depth) {
+  (void)piece, (void)depth;
+  size_t at = 0;
+  for (int i = 0; i < TENSORS; i++) {
+    MPI_Allreduce(src + at, dst + at, sizes[i], MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+    at += sizes[i];
+  }
+}
+
+static void blocking_pieces(size_t piece, int depth) {
+  (void)depth;
+  for (size_t at = 0; at < N; at += piece)
+    MPI_Allreduce(src + at, dst + at, (int)len_of(at, piece), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+}
+
+static void blocking_staged(size_t piece, int depth) {
+  (void)depth;
+  for (size_t at = 0; at < N; at += piece) {
+    size_t n = len_of(at, piece);
+    memcpy(st[0][0], src + at, n * 4);
+    MPI_Allreduce(st[0][0], st[0][1], (int)n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+    memcpy(dst + at, st[0][1], n * 4);
+  }
+}
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t posted = PTHREAD_COND_INITIALIZER, finished = PTHREAD_COND_INITIALIZER;
+static int job, done;
+static size_t job_piece;
+
+static void *helper(void *unused) {
+  (void)unused;
+  for (;;) {
+    pthread_mutex_lock(&mu);
+    while (!job) pthread_cond_wait(&posted, &mu);
+    job = 0;
+    pthread_mutex_unlock(&mu);
+    blocking_staged(job_piece, 1);
+    pthread_mutex_lock(&mu);
+    done = 1;
+    pthread_cond_signal(&finished);
+    pthread_mutex_unlock(&mu);
+  }
+  return NULL;
+}
+
+static void on_helper(size_t piece, int depth) {
+  (void)depth;
+  pthread_mutex_lock(&mu);
+  job_piece = piece, job = 1, done = 0;
+  pthread_cond_signal(&posted);
+  while (!done) pthread_cond_wait(&finished, &mu);
+  pthread_mutex_unlock(&mu);
+}
+
+/* MPI_Iallreduce pieces of `s` into `r`, `depth` in flight. */
+static void ipieces(float *s, float *r, size_t piece, int depth) {
+  MPI_Request q[8];
+  size_t pieces = (N + piece - 1) / piece;
+  for (size_t i = 0; i < pieces + depth; i++) {
+    if (i >= (size_t)depth) wait_on(&q[(i - depth) % depth]);
+    if (i < pieces) {
+      size_t at = i * piece;
+      MPI_Iallreduce(s + at, r + at, (int)len_of(at, piece), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD,
+                     &q[i % depth]);
+    }
+  }
+}
+
+static void whole_staged(size_t piece, int depth) {
+  memcpy(whole_s, src, N * 4);
+  ipieces(whole_s, whole_r, piece, depth);
+  memcpy(dst, whole_r, N * 4);
+}
+
+static void caller_buffers(size_t piece, int depth) { ipieces(src, dst, piece, depth); }
+
+static void staged_pieces(size_t piece, int depth) {
+  MPI_Request q[8];
+  size_t pieces = (N + piece - 1) / piece;
+  for (size_t i = 0; i < pieces + depth; i++) {
+    if (i >= (size_t)depth) {
+      size_t k = i - depth, at = k * piece;
+      wait_on(&q[k % depth]);
+      memcpy(dst + at, st[k % depth][1], len_of(at, piece) * 4);
+    }
+    if (i < pieces) {
+      size_t at = i * piece, n = len_of(at, piece);
+      memcpy(st[i % depth][0], src + at, n * 4);
+      MPI_Iallreduce(st[i % depth][0], st[i % depth][1], (int)n, MPI_FLOAT, MPI_SUM,
+                     MPI_COMM_WORLD, &q[i % depth]);
+    }
+  }
+}
+
+/* Block b of n elements split in `size` blocks. */
+static void block(size_t n, int b, size_t *off, size_t *len) {
+  size_t base = n / size, rem = n % size;
+  *off = b * base + ((size_t)b < rem ? (size_t)b : rem);
+  *len = base + ((size_t)b < rem);
+}
+
+/* Ring reduce-scatter then allgather of each staged piece, pieces one after another. */
+static void ring(size_t piece, int depth) {
+  (void)depth;
+  int right = (rank + 1) % size, left = (rank + size - 1) % size;
+  float *work = st[0][0], *tmp = st[0][1];
+  for (size_t at = 0; at < N; at += piece) {
+    size_t n = len_of(at, piece);
+    memcpy(work, src + at, n * 4);
+    for (int step = 0; step < 2 * (size - 1); step++) {
+      int reduce = step < size - 1, a = reduce ? step : step - (size - 1);
+      int out = reduce ? rank - a : rank + 1 - a, in = reduce ? rank - a - 1 : rank - a;
+      size_t so, sl, ro, rl;
+      block(n, ((out % size) + size) % size, &so, &sl);
+      block(n, ((in % size) + size) % size, &ro, &rl);
+      MPI_Request q[2];
+      MPI_Irecv(reduce ? tmp : work + ro, (int)rl, MPI_FLOAT, left, 7, MPI_COMM_WORLD, &q[0]);
+      MPI_Isend(work + so, (int)sl, MPI_FLOAT, right, 7, MPI_COMM_WORLD, &q[1]);
+      wait_on(&q[0]);
+      wait_on(&q[1]);
+      if (reduce)
+        for (size_t i = 0; i < rl; i++) work[ro + i] += tmp[i];
+    }
+    memcpy(dst + at, work, n * 4);
+  }
+}
+
+static void bcast_blocking(size_t piece, int depth) {
+  (void)piece, (void)depth;
+  MPI_Bcast(rank == 0 ? src : dst, (int)N, MPI_FLOAT, 0, MPI_COMM_WORLD);
+}
+
+static void bcast_whole(size_t piece, int depth) {
+  (void)piece, (void)depth;
+  MPI_Request q;
+  if (rank == 0) memcpy(whole_s, src, N * 4);
+  MPI_Ibcast(whole_s, (int)N, MPI_FLOAT, 0, MPI_COMM_WORLD, &q);
+  wait_on(&q);
+  if (rank != 0) memcpy(dst, whole_s, N * 4);
+}
+
+static void bcast_pieces(size_t piece, int depth) {
+  MPI_Request q[8];
+  size_t pieces = (N + piece - 1) / piece;
+  for (size_t i = 0; i < pieces + depth; i++) {
+    if (i >= (size_t)depth) {
+      size_t k = i - depth, at = k * piece;
+      wait_on(&q[k % depth]);
+      if (rank != 0) memcpy(dst + at, st[k % depth][0], len_of(at, piece) * 4);
+    }
+    if (i < pieces) {
+      size_t at = i * piece, n = len_of(at, piece);
+      if (rank == 0) memcpy(st[i % depth][0], src + at, n * 4);
+      MPI_Ibcast(st[i % depth][0], (int)n, MPI_FLOAT, 0, MPI_COMM_WORLD, &q[i % depth]);
+    }
+  }
+}
+
+static char record[256], records[256 * 64];
+
+static void raw_one_float(void) {
+  float x = 1, y;
+  MPI_Allreduce(&x, &y, 1, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+}
+
+static void iallgather(void) {
+  MPI_Request q;
+  MPI_Iallgather(record, 256, MPI_BYTE, records, 256, MPI_BYTE, MPI_COMM_WORLD, &q);
+  wait_on(&q);
+}
+
+static void allgather(void) {
+  MPI_Allgather(record, 256, MPI_BYTE, records, 256, MPI_BYTE, MPI_COMM_WORLD);
+}
+
+static void bruck(void) {
+  memcpy(records, record, 256);
+  for (int have = 1, dist = 1; have < size; have += dist < size - have ? dist : size - have,
+           dist *= 2) {
+    int blocks = dist < size - have ? dist : size - have, flag = 0;
+    MPI_Request q[2];
+    MPI_Irecv(records + have * 256, blocks * 256, MPI_BYTE, (rank + dist) % size, 9,
+              MPI_COMM_WORLD, &q[0]);
+    MPI_Isend(records, blocks * 256, MPI_BYTE, (rank + size - dist) % size, 9, MPI_COMM_WORLD,
+              &q[1]);
+    while (!flag) MPI_Testall(2, q, &flag, MPI_STATUSES_IGNORE);
+  }
+}
+
+static int by_value(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+#define REPS 7
+typedef struct {
+  const char *name;
+  void (*run)(size_t, int);
+  size_t kib;
+  int depth;
+} Variant;
+
+static void measure(const Variant *v, int n, double unit, const char *units) {
+  double t[64][REPS];
+  for (int r = 0; r < REPS; r++)
+    for (int i = 0; i < n; i++) {
+      MPI_Barrier(MPI_COMM_WORLD);
+      double t0 = now();
+      v[i].run(v[i].kib * KIB / 4, v[i].depth);
+      t[i][r] = now() - t0;
+    }
+  for (int i = 0; rank == 0 && i < n; i++) {
+    qsort(t[i], REPS, sizeof(double), by_value);
+    printf("%-52s", v[i].name);
+    if (v[i].kib) printf(" %4zu KiB x %d", v[i].kib, v[i].depth);
+    else printf("            ");
+    printf("  %7.2f %s\n", t[i][REPS / 2] * unit, units);
+  }
+}
+
+int main(int argc, char **argv) {
+  int provided;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  const char *part = argc > 1 ? argv[1] : "large";
+  if (!strcmp(part, "small")) {
+    void (*runs[])(void) = {raw_one_float, iallgather, allgather, bruck};
+    const char *names[] = {"raw MPI_Allreduce of 1 float", "256 B: MPI_Iallgather, polled",
+                           "256 B: MPI_Allgather",
+                           "256 B: Bruck over MPI_Isend/MPI_Irecv, polled"};
+    for (int i = 0; i < 4; i++) {
+      double t[REPS];
+      for (int r = 0; r < REPS; r++) {
+        MPI_Barrier(MPI_COMM_WORLD);
+        double t0 = now();
+        for (int k = 0; k < 5000; k++) runs[i]();
+        t[r] = (now() - t0) / 5000;
+      }
+      qsort(t, REPS, sizeof(double), by_value);
+      if (rank == 0) printf("%-52s  %7.3f us\n", names[i], t[REPS / 2] * 1e6);
+    }
+    MPI_Finalize();
+    return 0;
+  }
+  FILE *f = fopen("benches/data/resnet50_params.tsv", "r");
+  if (!f) {
+    fprintf(stderr, "run from the repository root (benches/data/resnet50_params.tsv)\n");
+    MPI_Abort(MPI_COMM_WORLD, 1);
+  }
+  char line[512];
+  int t = 0;
+  while (t < TENSORS && fgets(line, sizeof line, f)) {
+    char *last = strrchr(line, '\t');
+    if (line[0] == '#' || !last) continue;
+    sizes[t] = atoi(last + 1);
+    N += sizes[t++];
+  }
+  fclose(f);
+  float **bufs[] = {&src, &dst, &whole_s, &whole_r};
+  for (int i = 0; i < 4; i++) {
+    *bufs[i] = malloc(N * 4);
+    for (size_t k = 0; k < N; k++) (*bufs[i])[k] = (float)(k % 7);
+  }
+  for (int i = 0; i < 8; i++)
+    for (int j = 0; j < 2; j++) st[i][j] = calloc(1, 4 << 20);
+  pthread_t thread;
+  pthread_create(&thread, NULL, helper, NULL);
+  Variant v[] = {
+      {"one MPI_Allreduce", one_call, 0, 0},
+      {"161 MPI_Allreduce (one per tensor)", per_tensor, 0, 0},
+      {"blocking MPI_Allreduce pieces, caller's buffers", blocking_pieces, 512, 1},
+      {"blocking MPI_Allreduce pieces, staged", blocking_staged, 512, 1},
+      {"the same on a helper thread", on_helper, 512, 1},
+      {"whole buffer staged, MPI_Iallreduce pieces", whole_staged, 1024, 4},
+      {"MPI_Iallreduce pieces, caller's buffers", caller_buffers, 512, 4},
+      {"MPI_Iallreduce pieces, each staged", staged_pieces, 256, 2},
+      {"MPI_Iallreduce pieces, each staged", staged_pieces, 512, 2},
+      {"MPI_Iallreduce pieces, each staged", staged_pieces, 512, 4},
+      {"MPI_Iallreduce pieces, each staged", staged_pieces, 1024, 2},
+      {"ring over MPI_Isend/MPI_Irecv, staged, host sum", ring, 512, 1},
+      {"broadcast: one MPI_Bcast", bcast_blocking, 0, 0},
+      {"broadcast: whole buffer staged, one MPI_Ibcast", bcast_whole, 0, 0},
+      {"broadcast: MPI_Ibcast pieces, each staged", bcast_pieces, 512, 2},
+  };
+  if (rank == 0) printf("%zu f32 (%d tensors), %d ranks, medians of %d\n", N, TENSORS, size, REPS);
+  measure(v, sizeof v / sizeof v[0], 1e3, "ms");
+  MPI_Finalize();
+  return 0;
+}
