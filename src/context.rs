@@ -74,7 +74,7 @@ impl Context {
                 let local = opened
                     .as_ref()
                     .map_err(Clone::clone)
-                    .and_then(|o| world_part(o, ranks.rank() == 0));
+                    .and_then(|o| world_part(o, ranks.rank() == 0, options.transport));
                 let settled = world::settle(&*ranks, options, local)?;
                 Some((ranks, settled))
             }
@@ -574,18 +574,18 @@ impl Context {
 
 /// What this rank brings to its world: its replicas and, where its backend can join a
 /// collective across the ranks, its replicas' device groups (and on rank 0 the clique's id).
-fn world_part(opened: &backend::Opened, first: bool) -> Result<world::Local> {
+fn world_part(opened: &backend::Opened, first: bool, transport: Transport) -> Result<world::Local> {
     let topology = &opened.topology;
     let collective = match opened.backend.world_collective() {
         None => None,
         Some(c) => {
-            let mut group_of = vec![0; topology.replicas()];
-            for (g, members) in crate::plan::device_groups(topology).iter().enumerate() {
-                members.iter().for_each(|&r| group_of[r] = g);
-            }
-            // Without an id from rank 0 no rank joins (AUTO stages; NCCL asked fails below).
+            let groups = crate::plan::device_groups(topology);
+            let group_of = crate::plan::group_of(&groups, topology.replicas());
+            // Without an id from rank 0 no rank joins: AUTO stages; NCCL asked fails creation
+            // (this rank's own part failed, so every rank fails with it).
             match first.then(|| c.new_id()).transpose() {
                 Ok(id) => Some((group_of, id)),
+                Err(e) if transport == Transport::Nccl => return Err(e),
                 Err(e) => {
                     log::warn(|| format!("no NCCL unique id: {}", e.message));
                     None

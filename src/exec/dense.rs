@@ -27,6 +27,7 @@ use crate::backend::{
 use crate::error::Result;
 use crate::plan::{Across, Levels, Step, StepOp, Via};
 use crate::timeline::{self, Tracer};
+use crate::types::DType;
 use serde_json::json;
 
 /// Every replica of `site` ends with the sum of `bucket` over all replicas (divided by `avg`).
@@ -132,11 +133,7 @@ pub(super) unsafe fn finish_started(
 
 /// A failed step's stand-in for a bucket other ranks started and this one did not: the same
 /// collective over buffers of `count` elements of `dtype`, read by nobody.
-pub(super) fn stand_in_groups(
-    site: Site<'_>,
-    dtype: crate::types::DType,
-    count: usize,
-) -> Result<()> {
+pub(super) fn stand_in_groups(site: Site<'_>, dtype: DType, count: usize) -> Result<()> {
     let (_, collective) = world_links(site.backend);
     let buffers = own_buffers(site, dtype.size() * count)?;
     let ptrs: Vec<u64> = buffers.iter().map(|b| b.ptr() as u64).collect();

@@ -114,7 +114,8 @@ impl Levels {
     }
 }
 
-fn group_of(groups: &[Vec<usize>], replicas: usize) -> Vec<usize> {
+/// The group of each of `replicas` replicas, from the groups' members.
+pub fn group_of(groups: &[Vec<usize>], replicas: usize) -> Vec<usize> {
     let mut of = vec![0; replicas];
     for (g, members) in groups.iter().enumerate() {
         members.iter().for_each(|&r| of[r] = g);

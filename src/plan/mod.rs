@@ -12,7 +12,7 @@ mod topology;
 
 pub use buckets::{plan_buckets, Bucket};
 pub use describe::describe;
-pub use levels::{Across, Levels};
+pub use levels::{group_of, Across, Levels};
 pub use steps::{allreduce_steps, device_groups, Step, StepOp, Via};
 pub use topology::{Topology, TransportChoice, WorldGroups};
 

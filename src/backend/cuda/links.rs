@@ -196,11 +196,9 @@ impl WorldCollective for CudaBackend {
     }
 
     fn ready(&self) -> Result<()> {
-        let set = self.comms.lock().clone();
-        match set {
-            Some(set) => set.ready(setup_deadline(Instant::now(), self.timeout)),
-            None => self.comms(Instant::now()).map(drop),
-        }
+        // After `issue`: the slot holds the world's set (or it was aborted since).
+        let set = self.comms(Instant::now())?;
+        set.ready(setup_deadline(Instant::now(), self.timeout))
     }
 
     fn leave(&self) {
