@@ -10,8 +10,9 @@
  * condition variable), the engine's former way (the whole buffer staged, MPI_Iallreduce in
  * pieces, 4 in flight), MPI_Iallreduce pieces on the caller's buffers, the engine's way now
  * (each piece staged in just before its MPI_Iallreduce and out as it completes, through DEPTH
- * small stages), and a ring reduce-scatter + allgather over MPI_Isend/MPI_Irecv summing on the
- * host. Then a broadcast of the same bytes: blocking, whole-staged MPI_Ibcast, staged pieces.
+ * small stages), a ring reduce-scatter + allgather over MPI_Isend/MPI_Irecv summing on the
+ * host, and the pairwise exchange of two ranks (staged, or sending from the caller's buffer).
+ * Then a broadcast of the same bytes: blocking, whole-staged MPI_Ibcast, staged pieces.
  * small: a 256-byte allgather (the agreement record): MPI_Iallgather polled, MPI_Allgather,
  * Bruck's allgather over MPI_Isend/MPI_Irecv polled, and a raw 1-float MPI_Allreduce.
  * Medians of 7 alternating repetitions, each started by a barrier; rank 0 prints. */
@@ -38,6 +39,11 @@ static double now(void) {
 static void wait_on(MPI_Request *q) {
   int done = 0;
   while (!done) MPI_Test(q, &done, MPI_STATUS_IGNORE);
+}
+
+static void wait_all(MPI_Request *q) {
+  int done = 0;
+  while (!done) MPI_Testall(2, q, &done, MPI_STATUSES_IGNORE);
 }
 
 static size_t len_of(size_t at, size_t p) { return N - at < p ? N - at : p; }
@@ -172,6 +178,53 @@ static void ring(size_t piece, int depth) {
         for (size_t i = 0; i < rl; i++) work[ro + i] += tmp[i];
     }
     memcpy(dst + at, work, n * 4);
+  }
+}
+
+/* 2 ranks: each staged piece sent to the peer while the peer's is received, then both summed
+ * in rank order on each rank (the same bytes on both), `depth` pieces in flight. */
+static void pairwise(size_t piece, int depth) {
+  int peer = 1 - rank;
+  MPI_Request q[8][2];
+  size_t pieces = (N + piece - 1) / piece;
+  for (size_t i = 0; i < pieces + depth; i++) {
+    if (i >= (size_t)depth) {
+      size_t k = i - depth, at = k * piece, n = len_of(at, piece);
+      int s = k % depth;
+      wait_all(q[s]);
+      float *a = rank == 0 ? st[s][0] : st[s][1], *b = rank == 0 ? st[s][1] : st[s][0];
+      for (size_t j = 0; j < n; j++) dst[at + j] = a[j] + b[j];
+    }
+    if (i < pieces) {
+      size_t at = i * piece, n = len_of(at, piece);
+      int s = i % depth;
+      memcpy(st[s][0], src + at, n * 4);
+      MPI_Irecv(st[s][1], (int)n, MPI_FLOAT, peer, 9, MPI_COMM_WORLD, &q[s][0]);
+      MPI_Isend(st[s][0], (int)n, MPI_FLOAT, peer, 9, MPI_COMM_WORLD, &q[s][1]);
+    }
+  }
+}
+
+/* The same, sending straight from the caller's buffer (only the receive staged). */
+static void pairwise_unstaged(size_t piece, int depth) {
+  int peer = 1 - rank;
+  MPI_Request q[8][2];
+  size_t pieces = (N + piece - 1) / piece;
+  for (size_t i = 0; i < pieces + depth; i++) {
+    if (i >= (size_t)depth) {
+      size_t k = i - depth, at = k * piece, n = len_of(at, piece);
+      int s = k % depth;
+      wait_all(q[s]);
+      float *o = src + at, *r = st[s][1];
+      if (rank == 0) for (size_t j = 0; j < n; j++) dst[at + j] = o[j] + r[j];
+      else for (size_t j = 0; j < n; j++) dst[at + j] = r[j] + o[j];
+    }
+    if (i < pieces) {
+      size_t at = i * piece, n = len_of(at, piece);
+      int s = i % depth;
+      MPI_Irecv(st[s][1], (int)n, MPI_FLOAT, peer, 9, MPI_COMM_WORLD, &q[s][0]);
+      MPI_Isend(src + at, (int)n, MPI_FLOAT, peer, 9, MPI_COMM_WORLD, &q[s][1]);
+    }
   }
 }
 
@@ -329,6 +382,11 @@ int main(int argc, char **argv) {
       {"MPI_Iallreduce pieces, each staged", staged_pieces, 512, 4},
       {"MPI_Iallreduce pieces, each staged", staged_pieces, 1024, 2},
       {"ring over MPI_Isend/MPI_Irecv, staged, host sum", ring, 512, 1},
+      {"pairwise exchange, staged, host sum (2 ranks)", pairwise, 512, 2},
+      {"pairwise exchange, staged, host sum (2 ranks)", pairwise, 256, 2},
+      {"pairwise exchange, staged, host sum (2 ranks)", pairwise, 512, 4},
+      {"pairwise, the send from the caller's buffer", pairwise_unstaged, 512, 2},
+      {"pairwise, the send from the caller's buffer", pairwise_unstaged, 1024, 2},
       {"broadcast: one MPI_Bcast", bcast_blocking, 0, 0},
       {"broadcast: whole buffer staged, one MPI_Ibcast", bcast_whole, 0, 0},
       {"broadcast: MPI_Ibcast pieces, each staged", bcast_pieces, 512, 2},

@@ -180,23 +180,45 @@ fn buckets_start_early_across_ranks() {
 /// and a rank that re-registered starts nothing early while the other does.
 #[test]
 fn overlap_body() {
-    let Some((rank, ranks)) = as_rank("overlap_body") else {
+    if let Some((rank, ranks)) = as_rank("overlap_body") {
+        overlap_steps(rank, ranks, 1000);
+    }
+}
+
+/// The early buckets' pieces: each gradient 300 000 f32 (1.2 MB, three of the engine's
+/// 512 KiB pieces), so started buckets cross the ranks a few pieces at a time, stand-ins too.
+#[test]
+fn buckets_cross_the_ranks_piece_by_piece() {
+    if under_mpirun() {
         return;
-    };
+    }
+    launch("overlap_pieces_body", 2, 300, None);
+    launch("overlap_pieces_body", 3, 300, None);
+}
+
+#[test]
+fn overlap_pieces_body() {
+    if let Some((rank, ranks)) = as_rank("overlap_pieces_body") {
+        overlap_steps(rank, ranks, 300_000);
+    }
+}
+
+/// The steps of [`overlap_body`] with gradients of `n` f32, every element checked (values
+/// repeat every 1000 elements, so that sums stay exact in f32).
+fn overlap_steps(rank: usize, ranks: usize, n: usize) {
     let local = rank + 1;
     let total: usize = (1..=ranks).sum();
     let offset: usize = (1..=rank).sum();
     let o = world_options(local);
-    o.set_fusion_bytes(4000); // 1000 f32: a bucket per gradient
+    o.set_fusion_bytes(4 * n); // a bucket per gradient
     let ctx = Context::new(&o);
     let tag = |what: &str| format!("rank {rank}/{ranks}: {what}");
-    let n = 1000;
     let names = ["g0", "g1", "g2", "g3"];
     let fill = |g: &mut Vec<Vec<Vec<f32>>>| {
         for (t, per_replica) in g.iter_mut().enumerate() {
             for (k, buf) in per_replica.iter_mut().enumerate() {
                 for (i, x) in buf.iter_mut().enumerate() {
-                    *x = (value(offset + k, i) as usize * (t + 1)) as f32;
+                    *x = (value(offset + k, i % 1000) as usize * (t + 1)) as f32;
                 }
             }
         }
@@ -209,11 +231,11 @@ fn overlap_body() {
         }
     }
     // Σ over the world of value(w, i) * (t + 1).
-    let sum = |t: usize, i: usize| ((i + 1) * total * (total + 1) / 2 * (t + 1)) as f32;
+    let sum = |t: usize, i: usize| ((i % 1000 + 1) * total * (total + 1) / 2 * (t + 1)) as f32;
     let expect = |g: &Vec<Vec<Vec<f32>>>, div: f32, what: &str| {
         for (t, per_replica) in g.iter().enumerate() {
             for buf in per_replica {
-                for i in [0, 1, n - 1] {
+                for i in 0..n {
                     assert_eq!(
                         buf[i],
                         sum(t, i) / div,
@@ -275,8 +297,10 @@ fn overlap_body() {
     );
     for (t, per_replica) in g.iter().enumerate() {
         for (k, buf) in per_replica.iter().enumerate() {
-            let want = (value(offset + k, 5) as usize * (t + 1)) as f32;
-            assert_eq!(buf[5], want, "{}", tag("step 4: nothing written"));
+            for i in [5, n - 1] {
+                let want = (value(offset + k, i % 1000) as usize * (t + 1)) as f32;
+                assert_eq!(buf[i], want, "{}", tag("step 4: nothing written"));
+            }
         }
     }
     check(ctx.allreduce_grads(AVG), &tag("step 4, again with AVG"));

@@ -466,13 +466,15 @@ pub(crate) trait Ranks: Send {
     ) -> Result<()>;
 
     /// Starts a gradient step's bucket transfer on [`Channel::Steps`] without waiting for it
-    /// (`dpsync_grad_ready` in a world): every segment's contributions (its `ptrs`) are read
-    /// and summed into the engine's own stage now, and [`Ranks::finish`] writes the result into
-    /// every segment's `ptrs[0]`. `count` elements in all; no segments: zeros of that size (a
-    /// stand-in for a bucket another rank started, when a failed step is drained).
+    /// (`dpsync_grad_ready` in a world), after the buckets started before it: every segment's
+    /// contributions (its `ptrs`) are read and summed as its pieces are issued (now, at later
+    /// pokes, or in `finish`), and [`Ranks::finish`] writes the result into every segment's
+    /// `ptrs[0]`. `count` elements in all; no segments: zeros of that size (a stand-in for a
+    /// bucket another rank started, when a failed step is drained). A ticket dropped
+    /// unfinished sends zeros for what is left.
     ///
     /// # Safety
-    /// As for [`Ranks::allreduce`], until `finish` for `ptrs[0]`.
+    /// As for [`Ranks::allreduce`], until `finish` or until the ticket is dropped.
     unsafe fn start(
         &self,
         dtype: DType,
@@ -488,10 +490,10 @@ pub(crate) trait Ranks: Send {
     /// The outputs given to [`Ranks::start`] are still valid.
     unsafe fn finish(&self, ticket: Ticket, write: bool) -> Result<()>;
 
-    /// Lets started transfers advance without waiting: an MPI moves a non-blocking collective
-    /// only inside its calls, so `dpsync_grad_ready` pokes the step's transfers at every mark
-    /// (backward runs meanwhile).
-    fn poke(&self, tickets: &mut [Ticket]);
+    /// Lets started transfers advance without waiting (issuing the next pieces as others
+    /// complete): an MPI moves a non-blocking collective only inside its calls, so
+    /// `dpsync_grad_ready` pokes the step's transfers at every mark (backward runs meanwhile).
+    fn poke(&self);
 
     /// Every span `(ptr, bytes)` := rank `root`'s, as one message.
     ///

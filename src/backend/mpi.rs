@@ -17,6 +17,9 @@ use super::{Channel, Ranks, Segment, Ticket};
 use crate::error::{Error, ErrorKind, Result};
 use crate::options::World;
 use crate::types::DType;
+use steps::{Handle, Queue, Until};
+
+mod steps;
 
 /// Bytes per non-blocking call of a large transfer, and how many are in flight at once. A
 /// waited transfer's pieces go through [`DEPTH`] stages of this size, each staged in just before
@@ -183,7 +186,9 @@ pub(crate) struct MpiRanks {
     /// buckets here in bucket order, some ahead of the step (`dpsync_grad_ready`), so they must
     /// not interleave with the other collectives.
     steps: Comm,
-    /// Stages of finished early transfers, for reuse.
+    /// The buckets started ahead of their step, in order ([`steps`]).
+    queue: Mutex<Queue>,
+    /// Result buffers of finished early transfers, for reuse.
     spare: Mutex<Vec<Vec<u64>>>,
     rank: usize,
     size: usize,
@@ -226,33 +231,6 @@ unsafe fn duplicate(parent: ffi::MPI_Comm, timeout: Option<Duration>) -> Result<
     Ok(comm)
 }
 
-/// A gradient bucket's transfer started ahead ([`Ranks::start`]): its requests, its own stages
-/// and where the result goes.
-struct Started {
-    requests: Vec<ffi::MPI_Request>,
-    send: Vec<u64>,
-    recv: Vec<u64>,
-    dtype: DType,
-    avg: Option<usize>,
-    /// `(ptr, count)` per segment: this rank's output.
-    outs: Vec<(usize, usize)>,
-    /// All requests completed: the stages may be freed.
-    done: bool,
-}
-
-// SAFETY: requests and stages are plain data; MPI_THREAD_MULTIPLE lets any thread wait.
-unsafe impl Send for Started {}
-
-impl Drop for Started {
-    fn drop(&mut self) {
-        if !self.done {
-            // Still pending (a timeout, or a context dropped mid-step): MPI may write later.
-            std::mem::forget(std::mem::take(&mut self.send));
-            std::mem::forget(std::mem::take(&mut self.recv));
-        }
-    }
-}
-
 /// One MPI call's return code as a result.
 fn check(call: &str, rc: c_int) -> Result<()> {
     match rc {
@@ -292,6 +270,7 @@ impl MpiRanks {
         Ok(MpiRanks {
             comm: Comm(comm),
             steps: Comm(steps),
+            queue: Mutex::new(Queue::default()),
             spare: Mutex::new(Vec::new()),
             rank: rank as usize,
             size: size as usize,
@@ -376,6 +355,19 @@ impl MpiRanks {
         e
     }
 
+    /// Moves the steps' queue on as `until` says; a failure fails the world (and leaks the
+    /// queue's buffers: MPI may still use them).
+    fn drive(&self, queue: &mut Queue, until: Until) -> Result<()> {
+        let spare = |held| self.spare.lock().push(held);
+        // SAFETY: queued inputs stay valid until their bucket is finished or its ticket
+        // dropped (`Ranks::start`); the steps' communicator is ours.
+        let driven = unsafe { queue.drive(self.steps.0, until, self.timeout, spare) };
+        driven.map_err(|e| {
+            queue.leak();
+            self.failing(e)
+        })
+    }
+
     /// A stage of at least `bytes`, from the spares if one fits.
     fn spare_stage(&self, bytes: usize) -> Vec<u64> {
         let mut words = self.spare.lock().pop().unwrap_or_default();
@@ -422,30 +414,6 @@ impl Walk {
             k += 1;
         }
     }
-}
-
-/// Issues piece `i` (of `piece` elements) of the allreduce `send → recv` of `count` elements.
-///
-/// # Safety
-/// Both buffers hold `count` elements of the datatype; `request` is writable.
-unsafe fn issue_piece(
-    i: usize,
-    piece: usize,
-    (datatype, size): (ffi::MPI_Datatype, usize),
-    (send, recv, count): (*const u8, *mut u8, usize),
-    comm: ffi::MPI_Comm,
-    request: *mut ffi::MPI_Request,
-) -> c_int {
-    let start = i * piece;
-    ffi::MPI_Iallreduce(
-        send.add(start * size).cast(),
-        recv.add(start * size).cast(),
-        count_of(piece.min(count - start)),
-        datatype,
-        ffi::RSMPI_SUM,
-        comm,
-        request,
-    )
 }
 
 /// `words` grown to at least `bytes` bytes; its first byte.
@@ -752,6 +720,10 @@ impl Ranks for MpiRanks {
         avg: Option<usize>,
     ) -> Result<()> {
         self.refuse_if_failed()?;
+        if channel == Channel::Steps {
+            // After every bucket started ahead, on every rank.
+            self.drive(&mut self.queue.lock(), Until::Empty)?;
+        }
         let (datatype, size) = mpi_type(dtype);
         let count: usize = segments.iter().map(|s| s.count).sum();
         if count == 0 {
@@ -800,83 +772,43 @@ impl Ranks for MpiRanks {
         avg: Option<usize>,
     ) -> Result<Ticket> {
         self.refuse_if_failed()?;
-        let (datatype, size) = mpi_type(dtype);
-        let mut started = Started {
-            requests: Vec::new(),
-            send: self.spare_stage(count * size),
-            recv: self.spare_stage(count * size),
-            dtype,
-            avg,
-            outs: segments.iter().map(|s| (s.ptrs[0], s.count)).collect(),
-            done: false,
-        };
-        let (send, recv) = (
-            started.send.as_mut_ptr().cast::<u8>(),
-            started.recv.as_mut_ptr().cast::<u8>(),
-        );
-        if segments.is_empty() {
-            // A stand-in for another rank's bucket (draining): zeros of its size.
-            std::ptr::write_bytes(send, 0, count * size);
-        }
-        stage_in(dtype, segments, &mut Walk::default(), (0, count), send);
-        let piece = piece_of(size);
-        for i in 0..count.div_ceil(piece) {
-            let mut request = MaybeUninit::<ffi::MPI_Request>::uninit();
-            let rc = issue_piece(
-                i,
-                piece,
-                (datatype, size),
-                (send, recv, count),
-                self.steps.0,
-                request.as_mut_ptr(),
-            );
-            if let Err(e) = check("MPI_Iallreduce", rc) {
-                return Err(self.failing(e)); // `started` leaks its stages on drop
-            }
-            started.requests.push(request.assume_init());
-        }
-        Ok(Ticket(Box::new(started)))
+        let held = self.spare_stage(count * mpi_type(dtype).1);
+        let mut queue = self.queue.lock();
+        let handle = queue.push((dtype, segments, count), avg, held);
+        self.drive(&mut queue, Until::Idle)?;
+        Ok(Ticket(Box::new(handle)))
     }
 
-    fn poke(&self, tickets: &mut [Ticket]) {
-        for ticket in tickets {
-            let Some(started) = ticket.0.downcast_mut::<Started>() else {
-                continue;
-            };
-            // The first unfinished request of each: testing it runs MPI's progress engine for
-            // all of them. A completed request becomes MPI_REQUEST_NULL, which tests complete.
-            for request in &mut started.requests {
-                let mut flag: c_int = 0;
-                // SAFETY: a request of this process (or MPI_REQUEST_NULL once complete).
-                unsafe { ffi::MPI_Test(request, &mut flag, ffi::RSMPI_STATUS_IGNORE) };
-                if flag == 0 {
-                    break;
-                }
-            }
+    fn poke(&self) {
+        if self.refuse_if_failed().is_ok() {
+            // A failure is kept in `failed`: the step's allreduce_grads reports it.
+            let _ = self.drive(&mut self.queue.lock(), Until::Idle);
         }
     }
 
     unsafe fn finish(&self, ticket: Ticket, write: bool) -> Result<()> {
-        let Ok(mut started) = ticket.0.downcast::<Started>() else {
+        let Ok(handle) = ticket.0.downcast::<Handle>() else {
             unreachable!("a ticket of another engine");
         };
-        let mut since = None;
-        for request in &mut started.requests {
-            let request = std::slice::from_mut(request);
-            if let Err(e) = poll(request, &mut since, self.timeout, "MPI_Iallreduce") {
-                return Err(self.failing(e)); // the stages leak on drop: MPI may still write
-            }
-        }
-        started.done = true;
+        self.refuse_if_failed()?;
+        let mut queue = self.queue.lock();
         if write {
-            let recv = started.recv.as_ptr().cast::<u8>();
-            let count = started.outs.iter().map(|o| o.1).sum();
-            let outs = (&started.outs[..], &mut Walk::default());
-            stage_out(started.dtype, recv, outs, (0, count), started.avg);
+            queue.release(&handle);
         }
-        let mut spare = self.spare.lock();
-        spare.push(std::mem::take(&mut started.send));
-        spare.push(std::mem::take(&mut started.recv));
+        self.drive(&mut queue, Until::Done(handle.seq()))?;
+        let item = queue.take(&handle).ok_or_else(|| {
+            Error::new(
+                ErrorKind::InvalidState,
+                "a bucket started early is no longer queued in this context's world",
+            )
+        })?;
+        if write {
+            // The pieces that completed before the step agreed (the others are written).
+            let recv = item.held.as_ptr().cast::<u8>();
+            let outs = (&item.outs[..], &mut Walk::default());
+            stage_out(item.dtype, recv, outs, (0, item.held_count()), item.avg);
+        }
+        self.spare.lock().push(item.held);
         Ok(())
     }
 
@@ -1054,6 +986,11 @@ impl Drop for MpiRanks {
             }
         } else {
             std::mem::forget(std::mem::take(&mut *self.scratch.lock()));
+        }
+        let queue = self.queue.get_mut();
+        if queue.busy() {
+            // Pieces in flight may still use the queue's buffers.
+            queue.leak();
         }
     }
 }

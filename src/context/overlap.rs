@@ -190,7 +190,9 @@ impl Context {
             if let Some(op) = self.overlap.op {
                 self.start_world_buckets(&snapshot.tensors, &plan, op)?;
             }
-            self.executor.poke_early(&mut self.overlap.started);
+            if !self.overlap.started.is_empty() {
+                self.executor.poke_early();
+            }
         }
         Ok(())
     }
@@ -259,7 +261,8 @@ impl Context {
         Err(Error::new(
             ErrorKind::InvalidState,
             format!(
-                "dpsync_grad_ready started {started} gradient bucket(s) of this step on the NCCL                  clique across the ranks: call dpsync_allreduce_grads before other collectives"
+                "dpsync_grad_ready started {started} gradient bucket(s) of this step on the NCCL \
+                 clique across the ranks: call dpsync_allreduce_grads before other collectives"
             ),
         ))
     }

@@ -322,8 +322,8 @@ impl Executor {
     }
 
     /// A world's gradient bucket started ahead of `dpsync_allreduce_grads` (`dpsync_grad_ready`,
-    /// host memory): every local replica's data summed into the engine's own stage and the
-    /// transfer issued on the steps' channel, in bucket order; nothing is written until
+    /// host memory): queued on the engine's steps channel in bucket order, every local
+    /// replica's data summed piece by piece as the pieces go; nothing is written until
     /// [`Executor::finish_early`].
     ///
     /// # Safety
@@ -383,9 +383,9 @@ impl Executor {
     }
 
     /// Lets a world's started transfers advance (`Ranks::poke`).
-    pub fn poke_early(&self, tickets: &mut [Ticket]) {
+    pub fn poke_early(&self) {
         if let Some(ranks) = self.ranks() {
-            ranks.poke(tickets);
+            ranks.poke();
         }
     }
 

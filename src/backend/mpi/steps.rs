@@ -1,0 +1,307 @@
+//! The gradient steps' queue ([`Channel::Steps`](crate::backend::Channel)): buckets started
+//! ahead of `dpsync_allreduce_grads` by `dpsync_grad_ready` go across the ranks piece by piece,
+//! strictly in (bucket, piece) order on every rank, at most [`DEPTH`] pieces in flight. Each
+//! piece is summed from the local replicas into a small send stage just before its call (so it
+//! is in cache when MPI reads it) and its result lands in the bucket's own result buffer, held
+//! there until the step agrees ([`MpiRanks::finish`](super::MpiRanks)). Every mark, and the
+//! step itself, moves the queue on ([`Queue::drive`]): an MPI moves a transfer only inside its
+//! calls.
+
+use std::collections::VecDeque;
+use std::mem::MaybeUninit;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use mpi::ffi;
+
+use super::{
+    check, count_of, mpi_type, piece_of, poll, stage, stage_in, stage_out, Walk, DEPTH, PIECE,
+};
+use crate::backend::Segment;
+use crate::error::Result;
+use crate::types::DType;
+
+/// A started bucket, until [`MpiRanks::finish`](super::MpiRanks) takes its result.
+pub(super) struct Item {
+    seq: u64,
+    pub(super) dtype: DType,
+    /// Per segment: every local contribution's pointer, and the count. Read as the pieces
+    /// are issued (the caller declared them final); none: a stand-in of zeros.
+    inputs: Vec<(Vec<usize>, usize)>,
+    /// Per segment `(ptr, count)`: this rank's output, written by `finish`.
+    pub(super) outs: Vec<(usize, usize)>,
+    pub(super) count: usize,
+    pub(super) avg: Option<usize>,
+    /// The results, in MPI's type, pieces landing in place until the step agrees.
+    pub(super) held: Vec<u64>,
+    piece: usize,
+    pieces: usize,
+    issued: usize,
+    done: usize,
+    walk: Walk,
+    /// The step agreed (`finish` with its result wanted): the pieces issued from then on go
+    /// through a small receive stage straight into the outputs, as a waited transfer's do.
+    /// The first piece issued so.
+    direct_from: Option<usize>,
+    walk_out: Walk,
+    /// Its ticket was dropped unfinished: the pieces not yet issued go as zeros (the ranks'
+    /// order stays the same, and the caller's memory is not read any more).
+    abandoned: Arc<AtomicBool>,
+}
+
+impl Item {
+    fn finished(&self) -> bool {
+        self.done == self.pieces
+    }
+
+    /// Piece `i`'s first element and length.
+    fn range(&self, i: usize) -> (usize, usize) {
+        (i * self.piece, self.piece.min(self.count - i * self.piece))
+    }
+
+    /// The elements whose results are in `held` (the rest are written already).
+    pub(super) fn held_count(&self) -> usize {
+        match self.direct_from {
+            None => self.count,
+            Some(d) => (d * self.piece).min(self.count),
+        }
+    }
+}
+
+/// What a [`Ticket`](crate::backend::Ticket) of the queue holds.
+pub(super) struct Handle {
+    seq: u64,
+    abandoned: Arc<AtomicBool>,
+}
+
+impl Handle {
+    pub(super) fn seq(&self) -> u64 {
+        self.seq
+    }
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        // Harmless once finished: the item is gone then.
+        self.abandoned.store(true, Ordering::Relaxed);
+    }
+}
+
+/// How far [`Queue::drive`] goes.
+#[derive(Clone, Copy)]
+pub(super) enum Until {
+    /// Completes what is complete and issues what may be, never waiting.
+    Idle,
+    /// Waits until this item's pieces are all done.
+    Done(u64),
+    /// Waits until nothing is queued or in flight.
+    Empty,
+}
+
+#[derive(Default)]
+pub(super) struct Queue {
+    items: VecDeque<Item>,
+    next_seq: u64,
+    /// Pieces issued and completed so far, all items together: piece `k` uses slot
+    /// `k % DEPTH`.
+    issued: usize,
+    done: usize,
+    /// `(item seq, piece, request)` of the pieces in flight, oldest first.
+    inflight: VecDeque<(u64, usize, ffi::MPI_Request)>,
+    /// [`DEPTH`] slots of [`PIECE`] bytes each way: send stages, then receive stages.
+    stages: Vec<u64>,
+}
+
+// SAFETY: requests, pointers and stages are plain data; MPI_THREAD_MULTIPLE lets any thread
+// test a request, and the engine's lock keeps one thread at a time here.
+unsafe impl Send for Queue {}
+
+impl Queue {
+    /// Queues a bucket of `count` elements (its contributions per segment, or none for a
+    /// stand-in) whose results go to `held`; its handle.
+    pub(super) fn push(
+        &mut self,
+        (dtype, segments, count): (DType, &[Segment<'_>], usize),
+        avg: Option<usize>,
+        held: Vec<u64>,
+    ) -> Handle {
+        let piece = piece_of(mpi_type(dtype).1);
+        let abandoned = Arc::new(AtomicBool::new(false));
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.items.push_back(Item {
+            seq,
+            dtype,
+            inputs: segments
+                .iter()
+                .map(|s| (s.ptrs.to_vec(), s.count))
+                .collect(),
+            outs: segments.iter().map(|s| (s.ptrs[0], s.count)).collect(),
+            count,
+            avg,
+            held,
+            piece,
+            pieces: count.div_ceil(piece),
+            issued: 0,
+            done: 0,
+            walk: Walk::default(),
+            direct_from: None,
+            walk_out: Walk::default(),
+            abandoned: abandoned.clone(),
+        });
+        Handle { seq, abandoned }
+    }
+
+    /// Issues the next pieces in order while fewer than [`DEPTH`] are in flight.
+    ///
+    /// # Safety
+    /// Every queued item's inputs are valid (unless abandoned) and `comm` is the steps'.
+    unsafe fn issue(&mut self, comm: ffi::MPI_Comm) -> Result<()> {
+        while self.inflight.len() < DEPTH {
+            let Some(item) = self.items.iter_mut().find(|i| i.issued < i.pieces) else {
+                return Ok(());
+            };
+            let (datatype, size) = mpi_type(item.dtype);
+            let slot = self.issued % DEPTH;
+            let send = stage(&mut self.stages, 2 * PIECE * DEPTH).add(slot * PIECE);
+            let (start, n) = item.range(item.issued);
+            if item.inputs.is_empty() || item.abandoned.load(Ordering::Relaxed) {
+                std::ptr::write_bytes(send, 0, n * size);
+            } else {
+                let segments: Vec<Segment<'_>> = (item.inputs.iter())
+                    .map(|(ptrs, count)| Segment {
+                        ptrs,
+                        count: *count,
+                    })
+                    .collect();
+                stage_in(item.dtype, &segments, &mut item.walk, (start, n), send);
+            }
+            let recv = match item.direct_from {
+                Some(_) => send.add(DEPTH * PIECE),
+                None => item.held.as_mut_ptr().cast::<u8>().add(start * size),
+            };
+            let mut request = MaybeUninit::<ffi::MPI_Request>::uninit();
+            let rc = ffi::MPI_Iallreduce(
+                send.cast_const().cast(),
+                recv.cast(),
+                count_of(n),
+                datatype,
+                ffi::RSMPI_SUM,
+                comm,
+                request.as_mut_ptr(),
+            );
+            check("MPI_Iallreduce", rc)?;
+            // SAFETY: the call succeeded, so it wrote the request.
+            self.inflight
+                .push_back((item.seq, item.issued, request.assume_init()));
+            item.issued += 1;
+            self.issued += 1;
+        }
+        Ok(())
+    }
+
+    /// Moves the queue on: completes the oldest pieces in flight as they finish and issues
+    /// the next ones, waiting (polled within `timeout`) as `until` says. Finished items whose
+    /// tickets were dropped go, their result buffers to `spare`.
+    ///
+    /// # Safety
+    /// As for [`Queue::issue`].
+    pub(super) unsafe fn drive(
+        &mut self,
+        comm: ffi::MPI_Comm,
+        until: Until,
+        timeout: Option<Duration>,
+        spare: impl FnMut(Vec<u64>),
+    ) -> Result<()> {
+        let mut since: Option<Instant> = None;
+        loop {
+            self.issue(comm)?;
+            let reached = match until {
+                Until::Idle => false,
+                Until::Done(seq) => self.item(seq).is_none_or(|i| i.finished()),
+                Until::Empty => self.inflight.is_empty(),
+            };
+            let Some((seq, piece, request)) = self.inflight.front_mut() else {
+                break;
+            };
+            if reached {
+                break;
+            }
+            if let Until::Idle = until {
+                let mut flag = 0;
+                let rc = ffi::MPI_Test(request, &mut flag, ffi::RSMPI_STATUS_IGNORE);
+                check("MPI_Test", rc)?;
+                if flag == 0 {
+                    break;
+                }
+            } else {
+                poll(
+                    std::slice::from_mut(request),
+                    &mut since,
+                    timeout,
+                    "MPI_Iallreduce",
+                )?;
+            }
+            let (seq, piece) = (*seq, *piece);
+            self.inflight.pop_front();
+            // Its slot, free again once this returns: pieces complete in the order issued.
+            let recv = self
+                .stages
+                .as_ptr()
+                .cast::<u8>()
+                .add((DEPTH + self.done % DEPTH) * PIECE);
+            self.done += 1;
+            if let Some(item) = self.item(seq) {
+                item.done += 1;
+                if item.direct_from.is_some_and(|d| piece >= d) {
+                    let range = item.range(piece);
+                    let outs = (&item.outs[..], &mut item.walk_out);
+                    stage_out(item.dtype, recv, outs, range, item.avg);
+                }
+            }
+        }
+        self.prune(spare);
+        Ok(())
+    }
+
+    fn item(&mut self, seq: u64) -> Option<&mut Item> {
+        self.items.iter_mut().find(|i| i.seq == seq)
+    }
+
+    /// Finished items whose tickets were dropped: gone, their buffers to `spare`.
+    fn prune(&mut self, mut spare: impl FnMut(Vec<u64>)) {
+        while let Some(at) =
+            (self.items.iter()).position(|i| i.finished() && i.abandoned.load(Ordering::Relaxed))
+        {
+            let item = self.items.remove(at).expect("found");
+            spare(item.held);
+        }
+    }
+
+    /// The step agreed: the pieces of `handle`'s bucket not yet issued are written straight
+    /// into its outputs as they complete.
+    pub(super) fn release(&mut self, handle: &Handle) {
+        if let Some(item) = self.item(handle.seq) {
+            item.direct_from = Some(item.issued);
+        }
+    }
+
+    /// The finished item of `handle`, out of the queue.
+    pub(super) fn take(&mut self, handle: &Handle) -> Option<Item> {
+        let at = self.items.iter().position(|i| i.seq == handle.seq)?;
+        self.items.remove(at)
+    }
+
+    /// After a failure: pieces in flight may still read the stages and write the result
+    /// buffers, so all are leaked, and nothing more is issued.
+    pub(super) fn leak(&mut self) {
+        std::mem::forget(std::mem::take(&mut self.items));
+        std::mem::forget(std::mem::take(&mut self.stages));
+        self.inflight.clear();
+    }
+
+    pub(super) fn busy(&self) -> bool {
+        !self.items.is_empty() || !self.inflight.is_empty()
+    }
+}
