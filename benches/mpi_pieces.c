@@ -181,9 +181,10 @@ static void ring(size_t piece, int depth) {
   }
 }
 
-/* 2 ranks: each staged piece sent to the peer while the peer's is received, then both summed
- * in rank order on each rank (the same bytes on both), `depth` pieces in flight. */
-static void pairwise(size_t piece, int depth) {
+/* 2 ranks: each piece sent to the peer while the peer's is received, then both summed in rank
+ * order on each rank (the same bytes on both), `depth` pieces in flight; the send staged, or
+ * straight from the caller's buffer. */
+static void exchange(size_t piece, int depth, int staged) {
   int peer = 1 - rank;
   MPI_Request q[8][2];
   size_t pieces = (N + piece - 1) / piece;
@@ -192,41 +193,23 @@ static void pairwise(size_t piece, int depth) {
       size_t k = i - depth, at = k * piece, n = len_of(at, piece);
       int s = k % depth;
       wait_all(q[s]);
-      float *a = rank == 0 ? st[s][0] : st[s][1], *b = rank == 0 ? st[s][1] : st[s][0];
+      float *mine = staged ? st[s][0] : src + at, *theirs = st[s][1];
+      float *a = rank == 0 ? mine : theirs, *b = rank == 0 ? theirs : mine;
       for (size_t j = 0; j < n; j++) dst[at + j] = a[j] + b[j];
     }
     if (i < pieces) {
       size_t at = i * piece, n = len_of(at, piece);
       int s = i % depth;
-      memcpy(st[s][0], src + at, n * 4);
+      float *send = src + at;
+      if (staged) send = memcpy(st[s][0], src + at, n * 4);
       MPI_Irecv(st[s][1], (int)n, MPI_FLOAT, peer, 9, MPI_COMM_WORLD, &q[s][0]);
-      MPI_Isend(st[s][0], (int)n, MPI_FLOAT, peer, 9, MPI_COMM_WORLD, &q[s][1]);
+      MPI_Isend(send, (int)n, MPI_FLOAT, peer, 9, MPI_COMM_WORLD, &q[s][1]);
     }
   }
 }
 
-/* The same, sending straight from the caller's buffer (only the receive staged). */
-static void pairwise_unstaged(size_t piece, int depth) {
-  int peer = 1 - rank;
-  MPI_Request q[8][2];
-  size_t pieces = (N + piece - 1) / piece;
-  for (size_t i = 0; i < pieces + depth; i++) {
-    if (i >= (size_t)depth) {
-      size_t k = i - depth, at = k * piece, n = len_of(at, piece);
-      int s = k % depth;
-      wait_all(q[s]);
-      float *o = src + at, *r = st[s][1];
-      if (rank == 0) for (size_t j = 0; j < n; j++) dst[at + j] = o[j] + r[j];
-      else for (size_t j = 0; j < n; j++) dst[at + j] = r[j] + o[j];
-    }
-    if (i < pieces) {
-      size_t at = i * piece, n = len_of(at, piece);
-      int s = i % depth;
-      MPI_Irecv(st[s][1], (int)n, MPI_FLOAT, peer, 9, MPI_COMM_WORLD, &q[s][0]);
-      MPI_Isend(src + at, (int)n, MPI_FLOAT, peer, 9, MPI_COMM_WORLD, &q[s][1]);
-    }
-  }
-}
+static void pairwise(size_t piece, int depth) { exchange(piece, depth, 1); }
+static void pairwise_unstaged(size_t piece, int depth) { exchange(piece, depth, 0); }
 
 static void bcast_blocking(size_t piece, int depth) {
   (void)piece, (void)depth;
