@@ -5,7 +5,7 @@
  *   mpirun --allow-run-as-root --oversubscribe -n 2 /tmp/mpi_pieces [large|small]
  *
  * large: an allreduce (sum) of the ResNet-50 gradient set (25.6 M f32, benches/data) — one
- * MPI_Allreduce, 161 (one per tensor), blocking MPI_Allreduce in pieces on the caller's buffers,
+ * MPI_Allreduce, 161 (one per tensor), both also with MPI_IN_PLACE, blocking MPI_Allreduce in pieces on the caller's buffers,
  * the same through a small stage per piece, the same on a helper thread (the caller waiting on a
  * condition variable), the engine's former way (the whole buffer staged, MPI_Iallreduce in
  * pieces, 4 in flight), MPI_Iallreduce pieces on the caller's buffers, the engine's way now
@@ -58,6 +58,20 @@ static void per_tensor(size_t piece, int depth) {
   size_t at = 0;
   for (int i = 0; i < TENSORS; i++) {
     MPI_Allreduce(src + at, dst + at, sizes[i], MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+    at += sizes[i];
+  }
+}
+
+static void one_call_in_place(size_t piece, int depth) {
+  (void)piece, (void)depth;
+  MPI_Allreduce(MPI_IN_PLACE, dst, (int)N, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+}
+
+static void per_tensor_in_place(size_t piece, int depth) {
+  (void)piece, (void)depth;
+  size_t at = 0;
+  for (int i = 0; i < TENSORS; i++) {
+    MPI_Allreduce(MPI_IN_PLACE, dst + at, sizes[i], MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
     at += sizes[i];
   }
 }
@@ -354,7 +368,9 @@ int main(int argc, char **argv) {
   pthread_create(&thread, NULL, helper, NULL);
   Variant v[] = {
       {"one MPI_Allreduce", one_call, 0, 0},
+      {"one MPI_Allreduce, MPI_IN_PLACE", one_call_in_place, 0, 0},
       {"161 MPI_Allreduce (one per tensor)", per_tensor, 0, 0},
+      {"161 MPI_Allreduce (one per tensor), MPI_IN_PLACE", per_tensor_in_place, 0, 0},
       {"blocking MPI_Allreduce pieces, caller's buffers", blocking_pieces, 512, 1},
       {"blocking MPI_Allreduce pieces, staged", blocking_staged, 512, 1},
       {"the same on a helper thread", on_helper, 512, 1},
