@@ -17,6 +17,7 @@ use super::{Channel, Ranks, Segment, Ticket};
 use crate::error::{Error, ErrorKind, Result};
 use crate::options::World;
 use crate::types::DType;
+use ring::Ring;
 use steps::{Handle, Queue, Until};
 
 mod steps;
@@ -359,9 +360,10 @@ impl MpiRanks {
     /// queue's buffers: MPI may still use them).
     fn drive(&self, queue: &mut Queue, until: Until) -> Result<()> {
         let spare = |held| self.spare.lock().push(held);
+        let ring = Ring::new(self.steps.0, self.rank, self.size);
         // SAFETY: queued inputs stay valid until their bucket is finished or its ticket
         // dropped (`Ranks::start`); the steps' communicator is ours.
-        let driven = unsafe { queue.drive(self.steps.0, until, self.timeout, spare) };
+        let driven = unsafe { queue.drive(&ring, until, self.timeout, spare) };
         driven.map_err(|e| {
             queue.leak();
             self.failing(e)
@@ -536,6 +538,9 @@ macro_rules! by_dtype {
     };
 }
 
+// After `by_dtype!`, which it uses.
+mod ring;
+
 /// The MPI type a dtype is summed in, and its size (f16/bf16: f32, rounded once at the end).
 fn mpi_type(dtype: DType) -> (ffi::MPI_Datatype, usize) {
     // SAFETY: link-time constants of the MPI library.
@@ -654,7 +659,7 @@ fn poll(
     timeout: Option<Duration>,
     what: &str,
 ) -> Result<()> {
-    let mut start = None;
+    let mut idle = Idle::default();
     loop {
         let mut flag: c_int = 0;
         // SAFETY: requests of this process (MPI_REQUEST_NULL once complete).
@@ -670,6 +675,26 @@ fn poll(
         if flag != 0 {
             return Ok(());
         }
+        idle.wait(since, timeout, what)?;
+    }
+}
+
+/// The back-off of [`poll`] between tests that found nothing finished.
+#[derive(Default)]
+struct Idle {
+    start: Option<Instant>,
+}
+
+impl Idle {
+    /// Spins, yields or sleeps as long as this wait has lasted; TIMEOUT once `timeout` has
+    /// passed since `since` (set by the first call).
+    #[inline(always)]
+    fn wait(
+        &mut self,
+        since: &mut Option<Instant>,
+        timeout: Option<Duration>,
+        what: &str,
+    ) -> Result<()> {
         let now = Instant::now();
         if let Some(limit) = timeout {
             if now - *since.get_or_insert(now) > limit {
@@ -683,7 +708,7 @@ fn poll(
                 ));
             }
         }
-        let waited = now - *start.get_or_insert(now);
+        let waited = now - *self.start.get_or_insert(now);
         if waited < BUSY {
             std::hint::spin_loop();
         } else if waited < SPIN {
@@ -691,6 +716,12 @@ fn poll(
         } else {
             std::thread::sleep(Duration::from_micros(50));
         }
+        Ok(())
+    }
+
+    /// Something finished: the next wait starts spinning again.
+    fn reset(&mut self) {
+        self.start = None;
     }
 }
 
@@ -720,15 +751,24 @@ impl Ranks for MpiRanks {
         avg: Option<usize>,
     ) -> Result<()> {
         self.refuse_if_failed()?;
-        if channel == Channel::Steps {
-            // After every bucket started ahead, on every rank.
-            self.drive(&mut self.queue.lock(), Until::Empty)?;
-        }
         let (datatype, size) = mpi_type(dtype);
         let count: usize = segments.iter().map(|s| s.count).sum();
+        let comm = self.comm_of(channel);
+        let ring = Ring::new(comm, self.rank, self.size);
+        let mut queue = (channel == Channel::Steps).then(|| self.queue.lock());
+        if let Some(queue) = &mut queue {
+            // After every bucket started ahead, on every rank.
+            self.drive(queue, Until::Empty)?;
+        }
         if count == 0 {
             return Ok(());
         }
+        if ring.takes(count * size) {
+            // The steps' ring pieces are numbered across the queue's and these.
+            let first = queue.map_or(0, |mut q| q.ring_pieces(count.div_ceil(piece_of(size))));
+            return self.ring_allreduce((comm, first), (dtype, segments, count), avg);
+        }
+        drop(queue);
         let piece = piece_of(size).min(count);
         let pieces = count.div_ceil(piece);
         // Slot `i % DEPTH` of piece `i`: a send area, then a receive area.
@@ -739,7 +779,6 @@ impl Ranks for MpiRanks {
         let range = |i: usize| (i * piece, piece.min(count - i * piece));
         let outs: Vec<(usize, usize)> = segments.iter().map(|s| (s.ptrs[0], s.count)).collect();
         let (mut walk_in, mut walk_out) = (Walk::default(), Walk::default());
-        let comm = self.comm_of(channel);
         let done = self.run_pieces(
             "MPI_Iallreduce",
             pieces,

@@ -15,8 +15,9 @@ use std::time::{Duration, Instant};
 
 use mpi::ffi;
 
+use super::ring::{Flight, Ring};
 use super::{
-    check, count_of, mpi_type, piece_of, poll, stage, stage_in, stage_out, Walk, DEPTH, PIECE,
+    check, count_of, mpi_type, piece_of, stage, stage_in, stage_out, Idle, Walk, DEPTH, PIECE,
 };
 use crate::backend::Segment;
 use crate::error::Result;
@@ -107,10 +108,20 @@ pub(super) struct Queue {
     /// `k % DEPTH`.
     issued: usize,
     done: usize,
-    /// `(item seq, piece, request)` of the pieces in flight, oldest first.
-    inflight: VecDeque<(u64, usize, ffi::MPI_Request)>,
+    /// `(item seq, piece, transfer)` of the pieces in flight, oldest first.
+    inflight: VecDeque<(u64, usize, Transfer)>,
+    /// Ring pieces the steps' communicator carried so far, the queue's and waited transfers'
+    /// ([`Queue::ring_pieces`]): their tags follow this count on every rank.
+    ring_pieces: usize,
     /// [`DEPTH`] slots of [`PIECE`] bytes each way: send stages, then receive stages.
     stages: Vec<u64>,
+}
+
+/// A piece in flight: one non-blocking allreduce, or a flight round the ring (a bucket of
+/// [`RING_BYTES`](super::ring::RING_BYTES) or more, as waited transfers send it).
+enum Transfer {
+    Collective(ffi::MPI_Request),
+    Ring(Flight),
 }
 
 // SAFETY: requests, pointers and stages are plain data; MPI_THREAD_MULTIPLE lets any thread
@@ -153,11 +164,19 @@ impl Queue {
         Handle { seq, abandoned }
     }
 
+    /// Numbers `pieces` ring pieces of a waited transfer on the steps' communicator: the first
+    /// one's number.
+    pub(super) fn ring_pieces(&mut self, pieces: usize) -> usize {
+        self.ring_pieces += pieces;
+        self.ring_pieces - pieces
+    }
+
     /// Issues the next pieces in order while fewer than [`DEPTH`] are in flight.
     ///
     /// # Safety
-    /// Every queued item's inputs are valid (unless abandoned) and `comm` is the steps'.
-    unsafe fn issue(&mut self, comm: ffi::MPI_Comm) -> Result<()> {
+    /// Every queued item's inputs are valid (unless abandoned); `ring` is the steps'
+    /// communicator's.
+    unsafe fn issue(&mut self, ring: &Ring) -> Result<()> {
         while self.inflight.len() < DEPTH {
             let Some(item) = self.items.iter_mut().find(|i| i.issued < i.pieces) else {
                 return Ok(());
@@ -177,87 +196,108 @@ impl Queue {
                     .collect();
                 stage_in(item.dtype, &segments, &mut item.walk, (start, n), send);
             }
-            let recv = match item.direct_from {
-                Some(_) => send.add(DEPTH * PIECE),
-                None => item.held.as_mut_ptr().cast::<u8>().add(start * size),
+            let transfer = if ring.takes(item.count * size) {
+                // In place in the send stage, the receive stage holding a block.
+                let key = (item.dtype, n, self.ring_pieces);
+                self.ring_pieces += 1;
+                Transfer::Ring(Flight::start(ring, key, send, send.add(DEPTH * PIECE))?)
+            } else {
+                let recv = match item.direct_from {
+                    Some(_) => send.add(DEPTH * PIECE),
+                    None => item.held.as_mut_ptr().cast::<u8>().add(start * size),
+                };
+                let mut request = MaybeUninit::<ffi::MPI_Request>::uninit();
+                let rc = ffi::MPI_Iallreduce(
+                    send.cast_const().cast(),
+                    recv.cast(),
+                    count_of(n),
+                    datatype,
+                    ffi::RSMPI_SUM,
+                    ring.comm(),
+                    request.as_mut_ptr(),
+                );
+                check("MPI_Iallreduce", rc)?;
+                // SAFETY: the call succeeded, so it wrote the request.
+                Transfer::Collective(request.assume_init())
             };
-            let mut request = MaybeUninit::<ffi::MPI_Request>::uninit();
-            let rc = ffi::MPI_Iallreduce(
-                send.cast_const().cast(),
-                recv.cast(),
-                count_of(n),
-                datatype,
-                ffi::RSMPI_SUM,
-                comm,
-                request.as_mut_ptr(),
-            );
-            check("MPI_Iallreduce", rc)?;
-            // SAFETY: the call succeeded, so it wrote the request.
-            self.inflight
-                .push_back((item.seq, item.issued, request.assume_init()));
+            self.inflight.push_back((item.seq, item.issued, transfer));
             item.issued += 1;
             self.issued += 1;
         }
         Ok(())
     }
 
-    /// Moves the queue on: completes the oldest pieces in flight as they finish and issues
-    /// the next ones, waiting (polled within `timeout`) as `until` says. Finished items whose
-    /// tickets were dropped go, their result buffers to `spare`.
+    /// Moves the queue on: moves every piece in flight as far as it goes without waiting,
+    /// completes the oldest as they finish and issues the next, waiting (polled within
+    /// `timeout`) as `until` says. Finished items whose tickets were dropped go, their result
+    /// buffers to `spare`.
     ///
     /// # Safety
     /// As for [`Queue::issue`].
     pub(super) unsafe fn drive(
         &mut self,
-        comm: ffi::MPI_Comm,
+        ring: &Ring,
         until: Until,
         timeout: Option<Duration>,
         spare: impl FnMut(Vec<u64>),
     ) -> Result<()> {
-        let mut since: Option<Instant> = None;
+        let (mut since, mut idle) = (None::<Instant>, Idle::default());
         loop {
-            self.issue(comm)?;
+            self.issue(ring)?;
             let reached = match until {
                 Until::Idle => false,
                 Until::Done(seq) => self.item(seq).is_none_or(|i| i.finished()),
                 Until::Empty => self.inflight.is_empty(),
             };
-            let Some((seq, piece, request)) = self.inflight.front_mut() else {
-                break;
-            };
-            if reached {
+            if reached || self.inflight.is_empty() {
                 break;
             }
-            if let Until::Idle = until {
-                let mut flag = 0;
-                let rc = ffi::MPI_Test(request, &mut flag, ffi::RSMPI_STATUS_IGNORE);
-                check("MPI_Test", rc)?;
-                if flag == 0 {
-                    break;
+            let mut moved = false;
+            for (_, _, transfer) in self.inflight.iter_mut() {
+                if let Transfer::Ring(flight) = transfer {
+                    moved |= flight.advance(ring)?;
                 }
-            } else {
-                poll(
-                    std::slice::from_mut(request),
-                    &mut since,
-                    timeout,
-                    "MPI_Iallreduce",
-                )?;
             }
+            let (seq, piece, front) = self.inflight.front_mut().expect("not empty");
+            let finished = match front {
+                Transfer::Ring(flight) => flight.finished(ring),
+                Transfer::Collective(request) => {
+                    let mut flag = 0;
+                    let rc = ffi::MPI_Test(request, &mut flag, ffi::RSMPI_STATUS_IGNORE);
+                    check("MPI_Test", rc)?;
+                    flag != 0
+                }
+            };
+            if !finished {
+                match (moved, until) {
+                    (true, _) => idle.reset(),
+                    (false, Until::Idle) => break,
+                    (false, _) => idle.wait(&mut since, timeout, "the early buckets' pieces")?,
+                }
+                continue;
+            }
+            idle.reset();
             let (seq, piece) = (*seq, *piece);
+            let ring_piece = matches!(front, Transfer::Ring(_));
             self.inflight.pop_front();
-            // Its slot, free again once this returns: pieces complete in the order issued.
-            let recv = self
-                .stages
-                .as_ptr()
-                .cast::<u8>()
-                .add((DEPTH + self.done % DEPTH) * PIECE);
+            // Its slot, free again once this returns: pieces complete in the order issued. A
+            // ring piece's result is in the send stage, a collective's in the receive stage
+            // (or already in `held`).
+            let slot = self.stages.as_ptr().cast::<u8>();
+            let send = slot.add((self.done % DEPTH) * PIECE);
+            let recv = slot.add((DEPTH + self.done % DEPTH) * PIECE);
             self.done += 1;
             if let Some(item) = self.item(seq) {
                 item.done += 1;
+                let range = item.range(piece);
+                let result = if ring_piece { send } else { recv };
                 if item.direct_from.is_some_and(|d| piece >= d) {
-                    let range = item.range(piece);
                     let outs = (&item.outs[..], &mut item.walk_out);
-                    stage_out(item.dtype, recv, outs, range, item.avg);
+                    stage_out(item.dtype, result, outs, range, item.avg);
+                } else if ring_piece {
+                    let size = mpi_type(item.dtype).1;
+                    let held = item.held.as_mut_ptr().cast::<u8>().add(range.0 * size);
+                    std::ptr::copy_nonoverlapping(result, held, range.1 * size);
                 }
             }
         }

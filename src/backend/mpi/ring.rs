@@ -1,0 +1,257 @@
+//! Large allreduces as a ring over point-to-point calls: each piece split into one block per
+//! rank, reduce-scatter then allgather around the ring (2 (n − 1) steps, each rank sending one
+//! block to the next rank and receiving one from the previous), a few pieces in flight. Every
+//! rank sends and sums 1/n of a piece per step. Open MPI's non-blocking allreduce of 2 ranks
+//! reduces at one rank and sends the result back, and its time jumped between runs on the
+//! development VM (docs/PERFORMANCE.md). Each block is summed once, at one rank, then copied:
+//! the same bytes on every rank. Waited transfers ([`MpiRanks::ring_allreduce`]) and the steps
+//! queue's pieces (`steps.rs`) both go this way from [`RING_BYTES`] on, so a bucket meets the
+//! same protocol on every rank whichever way each rank sends it.
+
+use std::collections::VecDeque;
+use std::ffi::c_int;
+use std::time::Instant;
+
+use half::{bf16, f16};
+use mpi::ffi;
+
+use super::{
+    check, count_of, mpi_type, piece_of, stage, stage_in, stage_out, Idle, MpiRanks, Walk, DEPTH,
+};
+use crate::backend::Segment;
+use crate::error::Result;
+use crate::types::DType;
+
+/// From this many bytes on, a bucket's allreduce goes round the ring; smaller ones, which
+/// latency rules, are one non-blocking allreduce per piece.
+pub(super) const RING_BYTES: usize = 64 << 10;
+
+/// Tags of the ring's messages, `TAG_RING + k % DEPTH` for the `k`-th ring piece on a
+/// communicator: pieces in flight never match each other's messages (messages of one tag
+/// between two ranks arrive in order), and every rank numbers them alike.
+const TAG_RING: c_int = 0x6480;
+
+/// Where a rank sits in the ring of a communicator.
+#[derive(Clone, Copy)]
+pub(super) struct Ring {
+    comm: ffi::MPI_Comm,
+    n: usize,
+    me: usize,
+}
+
+impl Ring {
+    pub(super) fn new(comm: ffi::MPI_Comm, me: usize, n: usize) -> Ring {
+        Ring { comm, n, me }
+    }
+
+    pub(super) fn comm(&self) -> ffi::MPI_Comm {
+        self.comm
+    }
+
+    /// Whether a bucket of `bytes` goes round the ring.
+    pub(super) fn takes(&self, bytes: usize) -> bool {
+        self.n > 1 && bytes >= RING_BYTES
+    }
+
+    fn steps(&self) -> usize {
+        2 * (self.n - 1)
+    }
+
+    /// Step `s`'s (block sent, block received).
+    fn blocks(&self, s: usize) -> (usize, usize) {
+        let (n, me) = (self.n, self.me);
+        match s < n - 1 {
+            true => ((me + n - s) % n, (me + 2 * n - s - 1) % n),
+            false => ((me + 2 * n - s) % n, (me + 2 * n - 1 - s) % n),
+        }
+    }
+}
+
+/// Block `b` of `m` elements split into `n`: its first element and length.
+fn block(m: usize, n: usize, b: usize) -> (usize, usize) {
+    let (q, rem) = (m / n, m % n);
+    (b * q + b.min(rem), q + usize::from(b < rem))
+}
+
+/// `dst[..count] += src[..count]` in MPI's type for `dtype`.
+///
+/// # Safety
+/// Both hold `count` aligned elements of that type.
+unsafe fn add_into(dtype: DType, dst: *mut u8, src: *const u8, count: usize) {
+    unsafe fn add<A: Copy>(dst: *mut u8, src: *const u8, count: usize, f: impl Fn(A, A) -> A) {
+        let d = std::slice::from_raw_parts_mut(dst.cast::<A>(), count);
+        let s = std::slice::from_raw_parts(src.cast::<A>(), count);
+        d.iter_mut().zip(s).for_each(|(d, &s)| *d = f(*d, s));
+    }
+    by_dtype!(dtype, |_widen, plus, _divide, _narrow| add(
+        dst, src, count, plus
+    ));
+}
+
+/// One piece on its way round the ring: `m` elements in MPI's type at `work`, reduced in
+/// place, and room for one block at `block_in`.
+pub(super) struct Flight {
+    dtype: DType,
+    m: usize,
+    work: *mut u8,
+    block_in: *mut u8,
+    tag: c_int,
+    /// Steps done; [`Ring::steps`]: finished.
+    step: usize,
+    requests: [ffi::MPI_Request; 2],
+}
+
+impl Flight {
+    /// Sends the `k`-th ring piece of the communicator off (its first step).
+    ///
+    /// # Safety
+    /// `work` holds `m` elements and `block_in` a block of them until the flight finishes.
+    pub(super) unsafe fn start(
+        ring: &Ring,
+        (dtype, m, k): (DType, usize, usize),
+        work: *mut u8,
+        block_in: *mut u8,
+    ) -> Result<Flight> {
+        let mut flight = Flight {
+            dtype,
+            m,
+            work,
+            block_in,
+            tag: TAG_RING + (k % DEPTH) as c_int,
+            step: 0,
+            // SAFETY: link-time constants.
+            requests: [ffi::RSMPI_REQUEST_NULL; 2],
+        };
+        flight.issue(ring)?;
+        Ok(flight)
+    }
+
+    pub(super) fn finished(&self, ring: &Ring) -> bool {
+        self.step == ring.steps()
+    }
+
+    unsafe fn issue(&mut self, ring: &Ring) -> Result<()> {
+        let (datatype, size) = mpi_type(self.dtype);
+        let (sent, received) = ring.blocks(self.step);
+        let (so, sl) = block(self.m, ring.n, sent);
+        let (ro, rl) = block(self.m, ring.n, received);
+        let into = match self.step < ring.n - 1 {
+            true => self.block_in,
+            false => self.work.add(ro * size),
+        };
+        let (left, right) = ((ring.me + ring.n - 1) % ring.n, (ring.me + 1) % ring.n);
+        let [recv, send] = &mut self.requests;
+        let (count, tag, comm) = (count_of(rl), self.tag, ring.comm);
+        let rc = ffi::MPI_Irecv(into.cast(), count, datatype, left as c_int, tag, comm, recv);
+        check("MPI_Irecv", rc)?;
+        let from = self.work.add(so * size);
+        let rc = ffi::MPI_Isend(
+            from.cast(),
+            count_of(sl),
+            datatype,
+            right as c_int,
+            tag,
+            comm,
+            send,
+        );
+        check("MPI_Isend", rc)
+    }
+
+    /// Tests the step under way; once it is done, sums what it received (while reducing) and
+    /// issues the next. Whether it moved.
+    ///
+    /// # Safety
+    /// As for [`Flight::start`].
+    pub(super) unsafe fn advance(&mut self, ring: &Ring) -> Result<bool> {
+        if self.finished(ring) {
+            return Ok(false);
+        }
+        let mut flag: c_int = 0;
+        let requests = self.requests.as_mut_ptr();
+        let rc = ffi::MPI_Testall(2, requests, &mut flag, ffi::RSMPI_STATUSES_IGNORE);
+        check("MPI_Testall", rc)?;
+        if flag == 0 {
+            return Ok(false);
+        }
+        if self.step < ring.n - 1 {
+            let (ro, rl) = block(self.m, ring.n, ring.blocks(self.step).1);
+            let size = mpi_type(self.dtype).1;
+            add_into(self.dtype, self.work.add(ro * size), self.block_in, rl);
+        }
+        self.step += 1;
+        if !self.finished(ring) {
+            self.issue(ring)?;
+        }
+        Ok(true)
+    }
+}
+
+// SAFETY: stages of the engine and requests of this process; one thread at a time (the
+// engine's locks).
+unsafe impl Send for Flight {}
+
+impl MpiRanks {
+    /// [`Ranks::allreduce`](crate::backend::Ranks) of `segments` (`count` elements) round the
+    /// ring of `comm`, its pieces numbered from `first` (the ring pieces the communicator
+    /// carried before); [`DEPTH`] pieces in flight, each staged in and out through the
+    /// engine's stages as a waited `MPI_Iallreduce` piece is.
+    ///
+    /// # Safety
+    /// As for [`Ranks::allreduce`](crate::backend::Ranks).
+    pub(super) unsafe fn ring_allreduce(
+        &self,
+        (comm, first): (ffi::MPI_Comm, usize),
+        (dtype, segments, count): (DType, &[Segment<'_>], usize),
+        avg: Option<usize>,
+    ) -> Result<()> {
+        let ring = Ring::new(comm, self.rank, self.size);
+        let size = mpi_type(dtype).1;
+        let piece = piece_of(size).min(count);
+        let pieces = count.div_ceil(piece);
+        // Slot `i % DEPTH` of piece `i`: the piece, then room for one received block.
+        let work = (piece * size).next_multiple_of(64);
+        let slot = work + (piece.div_ceil(ring.n) * size).next_multiple_of(64);
+        let mut scratch = self.scratch.lock();
+        let base = stage(&mut scratch, slot * DEPTH.min(pieces));
+        let at = |i: usize| base.add((i % DEPTH) * slot);
+        let range = |i: usize| (i * piece, piece.min(count - i * piece));
+        let outs: Vec<(usize, usize)> = segments.iter().map(|s| (s.ptrs[0], s.count)).collect();
+        let (mut walk_in, mut walk_out) = (Walk::default(), Walk::default());
+        let what = "MPI_Isend/MPI_Irecv (ring allreduce)";
+        let mut flights: VecDeque<(usize, Flight)> = VecDeque::with_capacity(DEPTH);
+        let (mut next, mut since, mut idle) = (0, None::<Instant>, Idle::default());
+        let mut run = || -> Result<()> {
+            loop {
+                while flights.len() < DEPTH && next < pieces {
+                    stage_in(dtype, segments, &mut walk_in, range(next), at(next));
+                    let key = (dtype, range(next).1, first + next);
+                    let flight = Flight::start(&ring, key, at(next), at(next).add(work))?;
+                    flights.push_back((next, flight));
+                    next += 1;
+                }
+                let mut moved = false;
+                for (_, flight) in flights.iter_mut() {
+                    moved |= flight.advance(&ring)?;
+                }
+                // Out in piece order: a later piece that finished first keeps its slot.
+                while flights.front().is_some_and(|(_, f)| f.finished(&ring)) {
+                    let (i, _) = flights.pop_front().expect("a front");
+                    stage_out(dtype, at(i), (&outs, &mut walk_out), range(i), avg);
+                }
+                if flights.is_empty() && next == pieces {
+                    return Ok(());
+                }
+                match moved {
+                    true => idle.reset(),
+                    false => idle.wait(&mut since, self.timeout, what)?,
+                }
+            }
+        };
+        let done = run().map_err(|e| self.failing(e));
+        if done.is_err() {
+            // Pieces still pending may read and write their stages.
+            std::mem::forget(std::mem::take(&mut *scratch));
+        }
+        done
+    }
+}
