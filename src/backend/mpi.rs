@@ -755,6 +755,7 @@ impl Ranks for MpiRanks {
         let count: usize = segments.iter().map(|s| s.count).sum();
         let comm = self.comm_of(channel);
         let ring = Ring::new(comm, self.rank, self.size);
+        // Held to the end: the steps' communicator carries this transfer alone meanwhile.
         let mut queue = (channel == Channel::Steps).then(|| self.queue.lock());
         if let Some(queue) = &mut queue {
             // After every bucket started ahead, on every rank.
@@ -765,10 +766,10 @@ impl Ranks for MpiRanks {
         }
         if ring.takes(count * size) {
             // The steps' ring pieces are numbered across the queue's and these.
-            let first = queue.map_or(0, |mut q| q.ring_pieces(count.div_ceil(piece_of(size))));
+            let pieces = count.div_ceil(piece_of(size));
+            let first = queue.as_mut().map_or(0, |q| q.ring_pieces(pieces));
             return self.ring_allreduce((comm, first), (dtype, segments, count), avg);
         }
-        drop(queue);
         let piece = piece_of(size).min(count);
         let pieces = count.div_ceil(piece);
         // Slot `i % DEPTH` of piece `i`: a send area, then a receive area.
