@@ -11,7 +11,8 @@
  * pieces, 4 in flight), MPI_Iallreduce pieces on the caller's buffers, the engine's way now
  * (each piece staged in just before its MPI_Iallreduce and out as it completes, through DEPTH
  * small stages), a ring reduce-scatter + allgather over MPI_Isend/MPI_Irecv summing on the
- * host, and the pairwise exchange of two ranks (staged, or sending from the caller's buffer).
+ * host (one piece at a time, and pipelined as the engine runs it), and the pairwise exchange of
+ * two ranks (staged, or sending from the caller's buffer).
  * Then a broadcast of the same bytes: blocking, whole-staged MPI_Ibcast, staged pieces.
  * small: a 256-byte allgather (the agreement record): MPI_Iallgather polled, MPI_Allgather,
  * Bruck's allgather over MPI_Isend/MPI_Irecv polled, and a raw 1-float MPI_Allreduce.
@@ -192,6 +193,61 @@ static void ring(size_t piece, int depth) {
         for (size_t i = 0; i < rl; i++) work[ro + i] += tmp[i];
     }
     memcpy(dst + at, work, n * 4);
+  }
+}
+
+/* The same ring as the engine runs it: `depth` pieces in flight, each advanced a step as its
+ * sends and receives complete (all flights tested in turn), out in piece order. */
+typedef struct {
+  size_t at, n;
+  int step, slot;
+  MPI_Request q[2];
+} Flight;
+
+static void ring_issue(Flight *f) {
+  int right = (rank + 1) % size, left = (rank + size - 1) % size, s = f->step;
+  int reduce = s < size - 1, a = reduce ? s : s - (size - 1);
+  int out = reduce ? rank - a : rank + 1 - a, in = reduce ? rank - a - 1 : rank - a;
+  size_t so, sl, ro, rl;
+  block(f->n, ((out % size) + size) % size, &so, &sl);
+  block(f->n, ((in % size) + size) % size, &ro, &rl);
+  float *work = st[f->slot][0], *tmp = st[f->slot][1];
+  MPI_Irecv(reduce ? tmp : work + ro, (int)rl, MPI_FLOAT, left, 20 + f->slot, MPI_COMM_WORLD,
+            &f->q[0]);
+  MPI_Isend(work + so, (int)sl, MPI_FLOAT, right, 20 + f->slot, MPI_COMM_WORLD, &f->q[1]);
+}
+
+static void ring_pipelined(size_t piece, int depth) {
+  Flight fl[8];
+  int head = 0, count = 0, steps = 2 * (size - 1);
+  size_t next = 0;
+  while (next < N || count > 0) {
+    while (count < depth && next < N) {
+      Flight *f = &fl[(head + count) % depth];
+      f->at = next, f->n = len_of(next, piece), f->step = 0, f->slot = (head + count) % depth;
+      memcpy(st[f->slot][0], src + f->at, f->n * 4);
+      ring_issue(f);
+      count++, next += piece;
+    }
+    for (int k = 0; k < count; k++) {
+      Flight *f = &fl[(head + k) % depth];
+      int done = 0;
+      if (f->step == steps) continue;
+      MPI_Testall(2, f->q, &done, MPI_STATUSES_IGNORE);
+      if (!done) continue;
+      if (f->step < size - 1) {
+        int in = rank - f->step - 1;
+        size_t ro, rl;
+        block(f->n, ((in % size) + size) % size, &ro, &rl);
+        float *work = st[f->slot][0], *tmp = st[f->slot][1];
+        for (size_t i = 0; i < rl; i++) work[ro + i] += tmp[i];
+      }
+      if (++f->step < steps) ring_issue(f);
+    }
+    while (count > 0 && fl[head].step == steps) {
+      memcpy(dst + fl[head].at, st[fl[head].slot][0], fl[head].n * 4);
+      head = (head + 1) % depth, count--;
+    }
   }
 }
 
@@ -381,6 +437,7 @@ int main(int argc, char **argv) {
       {"MPI_Iallreduce pieces, each staged", staged_pieces, 512, 4},
       {"MPI_Iallreduce pieces, each staged", staged_pieces, 1024, 2},
       {"ring over MPI_Isend/MPI_Irecv, staged, host sum", ring, 512, 1},
+      {"the same ring, pieces in flight (the engine's)", ring_pipelined, 512, 2},
       {"pairwise exchange, staged, host sum (2 ranks)", pairwise, 512, 2},
       {"pairwise exchange, staged, host sum (2 ranks)", pairwise, 256, 2},
       {"pairwise exchange, staged, host sum (2 ranks)", pairwise, 512, 4},
