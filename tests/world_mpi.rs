@@ -444,16 +444,7 @@ fn stopped_body() {
     ctx.reg("pids", STATE, 0, &mut pids, I64);
     check(ctx.allreduce("pids", SUM), "pids");
     if rank == 1 {
-        let mut st = ctx.allreduce("x", SUM);
-        if st == OK {
-            st = ctx.allreduce("x", SUM);
-        }
-        assert!(
-            st == TIMEOUT || st == INVALID_STATE,
-            "stopped rank: {st:?} {}",
-            last_error()
-        );
-        drop(ctx);
+        finds_the_world_failed(ctx, "stopped rank");
         return;
     }
     let peer = pids[1];
@@ -488,6 +479,23 @@ fn stopped_body() {
 
 /// Options for `replicas` host replicas in the MPI_COMM_WORLD world; a timeout, so that a rank
 /// that fails an assertion makes the others fail too instead of hanging.
+/// The rank that was stopped or late while the other timed out: its `dpsync_allreduce` of the
+/// STATE "x" fails with TIMEOUT or INVALID_STATE, at the latest the second time (the first may
+/// complete against the exchange the other rank abandoned: a small allreduce's data rides in
+/// the agreement the other had sent); then the context goes.
+fn finds_the_world_failed(ctx: Context, who: &str) {
+    let mut st = ctx.allreduce("x", SUM);
+    if st == OK {
+        st = ctx.allreduce("x", SUM);
+    }
+    assert!(
+        st == TIMEOUT || st == INVALID_STATE,
+        "{who}: {st:?} {}",
+        last_error()
+    );
+    drop(ctx);
+}
+
 fn world_options(replicas: usize) -> Options {
     let o = Options::host(replicas);
     o.set_timeout_ms(120_000);
@@ -921,18 +929,7 @@ fn stuck_body() {
     ctx.reg("x", STATE, 0, &mut x, F32);
     if rank == 1 {
         std::thread::sleep(std::time::Duration::from_secs(6));
-        // Its call may still complete against the exchange rank 0 abandoned (a small
-        // allreduce's data rides in the agreement rank 0 had sent); then its next one fails.
-        let mut st = ctx.allreduce("x", SUM);
-        if st == OK {
-            st = ctx.allreduce("x", SUM);
-        }
-        assert!(
-            st == TIMEOUT || st == INVALID_STATE,
-            "late rank: {st:?} {}",
-            last_error()
-        );
-        drop(ctx);
+        finds_the_world_failed(ctx, "late rank");
         return;
     }
     let start = std::time::Instant::now();
