@@ -49,18 +49,30 @@ fn cuda_worlds_of_two_and_three_ranks() {
 }
 
 /// The transport the launcher asked for, and how the ranks must then be crossed: staged with
-/// PEER_COPY, NCCL when asked (or by AUTO where the fake NCCL is loaded).
-fn transport() -> (u32, &'static str) {
+/// PEER_COPY, NCCL when asked, and by AUTO where NCCL takes every rank's GPUs: the fake NCCL
+/// always; a real NCCL refuses ranks sharing the one GPU ("Duplicate GPU detected") unless
+/// NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL >= 2.30), and AUTO then stages.
+fn transport(ranks: usize) -> (u32, &'static str) {
+    let shared_gpu = ranks > 1
+        && common::place::device_count() == 1
+        && std::env::var_os("NCCL_MULTI_RANK_GPU_ENABLE").is_none();
     match std::env::var("DPSYNC_TEST_TRANSPORT").as_deref() {
         Ok("nccl") => (T_NCCL, "nccl"),
+        Ok("auto") if shared_gpu => (T_AUTO, "mpi_staged"),
         Ok("auto") => (T_AUTO, "nccl"),
         _ => (T_PEER_COPY, "mpi_staged"),
     }
 }
 
-/// Each rank's CUDA ordinals.
-fn layout(rank: usize) -> &'static [i32] {
+/// Each rank's CUDA ordinals. On a machine with one GPU (a real one: the fakes give each rank
+/// two) every replica is on GPU 0: the staged path runs as it does across GPUs, while NCCL then
+/// needs several ranks on one GPU (NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1).
+fn layout(rank: usize) -> Vec<i32> {
+    let gpus = common::place::device_count().clamp(1, 2) as i32;
     [&[0, 0][..], &[0, 1][..], &[1][..]][rank]
+        .iter()
+        .map(|&d| d % gpus)
+        .collect()
 }
 
 /// Options of a world over MPI_COMM_WORLD with `transport` (a 2-minute timeout).
@@ -82,7 +94,7 @@ fn counts(rank: usize, ranks: usize) -> (usize, usize, usize) {
 
 /// Distinct GPUs of a rank: its NCCL ranks.
 fn local_groups(rank: usize) -> usize {
-    let mut o = layout(rank).to_vec();
+    let mut o = layout(rank);
     o.dedup();
     o.len()
 }
@@ -109,12 +121,12 @@ fn cuda_rank_body() {
     let Some((rank, ranks)) = as_rank("cuda_rank_body") else {
         return;
     };
-    let Some(place) = Place::gpus("cuda_rank_body", 2) else {
+    let Some(place) = Place::gpus("cuda_rank_body", 1) else {
         return;
     };
     let (local, total, offset) = counts(rank, ranks);
-    let ordinals = layout(rank);
-    let (asked, cross) = transport();
+    let ordinals = &layout(rank);
+    let (asked, cross) = transport(ranks);
     let Some(ctx) = cuda_context("cuda_rank_body", ordinals, |o| world(o, asked)) else {
         return;
     };
@@ -123,7 +135,7 @@ fn cuda_rank_body() {
     assert_eq!(d["world"]["cross_rank"], cross, "{d}");
     let levels = d["levels"].as_array().unwrap();
     assert_eq!(levels.last().unwrap()["via"], cross, "{d}");
-    if cross == "nccl" {
+    if cross == "nccl" && ranks > 1 {
         // One NCCL rank per distinct GPU of each rank (each process's fake GPUs are its own).
         let groups: usize = (0..ranks).map(local_groups).sum();
         assert_eq!(levels.last().unwrap()["nccl_ranks"], groups, "{d}");
@@ -295,7 +307,7 @@ fn rows_of(w: usize) -> (Vec<i64>, Vec<f32>) {
 /// every replica of the world gives (plain and coalesced).
 fn sparse_across_ranks(place: &Place, rank: usize, ranks: usize, coalesce: bool) {
     let (local, total, offset) = counts(rank, ranks);
-    let ordinals = layout(rank);
+    let ordinals = &layout(rank);
     let tag = |what: &str| format!("rank {rank}/{ranks}, coalesce {coalesce}: {what}");
     let ctx = cuda_context("cuda_rank_body", ordinals, |o| {
         o.set_timeout_ms(120_000);
@@ -438,11 +450,11 @@ fn nccl_overlap_body() {
     let Some((rank, ranks)) = as_rank("nccl_overlap_body") else {
         return;
     };
-    let Some(place) = Place::gpus("nccl_overlap_body", 2) else {
+    let Some(place) = Place::gpus("nccl_overlap_body", 1) else {
         return;
     };
     let (local, total, offset) = counts(rank, ranks);
-    let ordinals = layout(rank);
+    let ordinals = &layout(rank);
     let Some(ctx) = cuda_context("nccl_overlap_body", ordinals, |o| {
         world(o, T_AUTO);
         // 1000 f32: a bucket per gradient.
