@@ -355,6 +355,36 @@ fn overlap_steps(rank: usize, ranks: usize, n: usize) {
             tag("step 7: the started buckets were kept")
         );
     }
+
+    // Step 8: every rank marks everything, then stays away from dpsync (its backward pass):
+    // where the engine's progress thread runs, the buckets cross the ranks meanwhile.
+    fill(&mut g);
+    mark(&[3, 2, 1, 0]);
+    let world = |d: serde_json::Value| d["world"].clone();
+    let thread = world(ctx.describe_json())["progress_thread"].clone();
+    if thread == "running" {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        loop {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            let queue = world(ctx.describe_json())["early_buckets"].clone();
+            assert_eq!(queue["queued"], 4, "{}", tag("step 8"));
+            if queue["pieces_done"] == queue["pieces"] {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{}",
+                tag(&format!("step 8: the early buckets stalled: {queue}"))
+            );
+        }
+    } else {
+        println!(
+            "{}",
+            tag(&format!("step 8 skipped: progress thread {thread}"))
+        );
+    }
+    check(ctx.allreduce_grads(AVG), &tag("step 8"));
+    expect(&g, total as f32, "step 8");
 }
 
 #[test]

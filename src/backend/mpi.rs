@@ -6,11 +6,14 @@
 use std::collections::VecDeque;
 use std::ffi::{c_int, c_void, CStr};
 use std::mem::{size_of, MaybeUninit};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
 use mpi::ffi;
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex, RwLock};
 use serde_json::json;
 
 use super::{Channel, Ranks, Segment, Ticket};
@@ -44,7 +47,16 @@ extern "C" {
     fn atexit(callback: extern "C" fn()) -> c_int;
 }
 
+/// Set by the exit hook before it finalises MPI: progress threads make no MPI call after it.
+static EXITING: AtomicBool = AtomicBool::new(false);
+
+/// Held shared by a progress thread while it calls MPI, exclusive by the exit hook while it
+/// finalises: Open MPI's MPI_Finalize crashes with another thread inside MPI.
+static IN_MPI: RwLock<()> = RwLock::new(());
+
 extern "C" fn finalize_at_exit() {
+    EXITING.store(true, Ordering::SeqCst);
+    let _alone = IN_MPI.write();
     // SAFETY: MPI calls allowed at any time; finalised once, only if nobody did it before.
     unsafe {
         if !finalized() {
@@ -178,8 +190,45 @@ struct Comm(ffi::MPI_Comm);
 // SAFETY: MPI_THREAD_MULTIPLE (checked at join) allows any thread to use a communicator; the
 // context's lock keeps one call at a time on it.
 unsafe impl Send for Comm {}
+// SAFETY: likewise: shared with the progress thread, which uses the steps' communicator only
+// under the queue's lock, as every other user of it does.
+unsafe impl Sync for Comm {}
 
+/// A context's engine: the [`Engine`], and the progress thread that moves the buckets started
+/// early while the caller computes (Open MPI moves a transfer only inside its calls). The
+/// thread starts with the first early bucket, sleeps while none is queued, and stops with the
+/// context.
 pub(crate) struct MpiRanks {
+    engine: Arc<Engine>,
+    progress: Mutex<Progress>,
+}
+
+enum Progress {
+    NotYet,
+    Running(JoinHandle<()>),
+    /// Why there is none: marks and the step move the queue then.
+    Off(&'static str),
+}
+
+impl Progress {
+    fn describe(&self) -> &'static str {
+        match self {
+            Progress::NotYet => "starts with the first early bucket",
+            Progress::Running(_) => "running",
+            Progress::Off(why) => why,
+        }
+    }
+}
+
+impl std::ops::Deref for MpiRanks {
+    type Target = Engine;
+
+    fn deref(&self) -> &Engine {
+        &self.engine
+    }
+}
+
+pub(crate) struct Engine {
     /// Agreements, broadcasts, gathers and the transfers of every collective but the gradient
     /// steps'.
     comm: Comm,
@@ -189,6 +238,9 @@ pub(crate) struct MpiRanks {
     steps: Comm,
     /// The buckets started ahead of their step, in order ([`steps`]).
     queue: Mutex<Queue>,
+    /// Wakes the progress thread: a bucket was queued, or the context goes (`stop`).
+    wake: Condvar,
+    stop: AtomicBool,
     /// Result buffers of finished early transfers, for reuse.
     spare: Mutex<Vec<Vec<u64>>>,
     rank: usize,
@@ -268,10 +320,12 @@ impl MpiRanks {
             ffi::MPI_Comm_rank(comm, &mut rank);
             ffi::MPI_Comm_size(comm, &mut size);
         }
-        Ok(MpiRanks {
+        let engine = Engine {
             comm: Comm(comm),
             steps: Comm(steps),
             queue: Mutex::new(Queue::default()),
+            wake: Condvar::new(),
+            stop: AtomicBool::new(false),
             spare: Mutex::new(Vec::new()),
             rank: rank as usize,
             size: size as usize,
@@ -280,7 +334,71 @@ impl MpiRanks {
             library: library_version(),
             call: Mutex::new("dpsync_context_create".to_owned()),
             scratch: Mutex::new(Vec::new()),
+        };
+        Ok(MpiRanks {
+            engine: Arc::new(engine),
+            progress: Mutex::new(Progress::NotYet),
         })
+    }
+
+    /// Wakes the progress thread for a bucket just queued, starting it the first time. None
+    /// where this process may run on one CPU only (`mpirun` binds each of 2 ranks to a core by
+    /// default): there it would only take turns with the caller's backward pass, so marks and
+    /// the step move the queue, as they do where no thread can be made.
+    fn wake_progress(&self) {
+        let mut progress = self.progress.lock();
+        if let Progress::NotYet = *progress {
+            let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let engine = Arc::clone(&self.engine);
+            *progress = if cpus < 2 {
+                Progress::Off("off: this process may run on one CPU only")
+            } else {
+                match (std::thread::Builder::new().name("dpsync-mpi".into()))
+                    .spawn(move || engine.progress())
+                {
+                    Ok(thread) => Progress::Running(thread),
+                    Err(_) => Progress::Off("off: the thread could not be made"),
+                }
+            };
+        }
+        self.wake.notify_one();
+    }
+}
+
+impl Engine {
+    /// The progress thread: while buckets are queued, moves them on without waiting, then
+    /// backs off as a waited transfer does (spin, yield, 50 µs sleeps) until something moves
+    /// again; sleeps while nothing is queued or the world failed.
+    fn progress(&self) {
+        let (mut idle, mut since) = (Idle::default(), None);
+        loop {
+            let mut queue = self.queue.lock();
+            while !self.stop.load(Ordering::Relaxed)
+                && (!queue.busy() || self.failed.lock().is_some())
+            {
+                idle.reset();
+                self.wake.wait(&mut queue);
+            }
+            if self.stop.load(Ordering::Relaxed) {
+                return;
+            }
+            let before = queue.moves();
+            {
+                let _mpi = IN_MPI.read();
+                if EXITING.load(Ordering::SeqCst) {
+                    return;
+                }
+                // A failure is kept in `failed` (the step reports it) and leaks the queue.
+                let _ = self.drive(&mut queue, Until::Idle);
+            }
+            let moved = queue.moves() != before;
+            drop(queue);
+            if moved {
+                idle.reset();
+            }
+            // No timeout: never an error.
+            let _ = idle.wait(&mut since, None, "");
+        }
     }
 
     fn refuse_if_failed(&self) -> Result<()> {
@@ -735,8 +853,11 @@ impl Ranks for MpiRanks {
     }
 
     fn describe(&self) -> serde_json::Value {
+        let (queued, pieces, done) = self.queue.lock().state();
         json!({"engine": "mpi", "mpi_library": self.library,
-               "failed": *self.failed.lock()})
+               "failed": *self.failed.lock(),
+               "progress_thread": self.progress.lock().describe(),
+               "early_buckets": {"queued": queued, "pieces": pieces, "pieces_done": done}})
     }
 
     fn begin(&self, call: &str) {
@@ -816,13 +937,18 @@ impl Ranks for MpiRanks {
         let mut queue = self.queue.lock();
         let handle = queue.push((dtype, segments, count), avg, held);
         self.drive(&mut queue, Until::Idle)?;
+        drop(queue);
+        self.wake_progress();
         Ok(Ticket(Box::new(handle)))
     }
 
     fn poke(&self) {
         if self.refuse_if_failed().is_ok() {
-            // A failure is kept in `failed`: the step's allreduce_grads reports it.
-            let _ = self.drive(&mut self.queue.lock(), Until::Idle);
+            // Busy: the progress thread is moving the queue. A failure is kept in `failed`:
+            // the step's allreduce_grads reports it.
+            if let Some(mut queue) = self.queue.try_lock() {
+                let _ = self.drive(&mut queue, Until::Idle);
+            }
         }
     }
 
@@ -1015,6 +1141,22 @@ impl Ranks for MpiRanks {
 }
 
 impl Drop for MpiRanks {
+    fn drop(&mut self) {
+        // The progress thread first: it may be inside MPI with the queue.
+        self.stop.store(true, Ordering::Relaxed);
+        {
+            let _queue = self.queue.lock();
+            self.wake.notify_all();
+        }
+        if let Progress::Running(thread) =
+            std::mem::replace(self.progress.get_mut(), Progress::NotYet)
+        {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for Engine {
     fn drop(&mut self) {
         // A failed world may have a lost rank: freeing could wait on it, so the communicator is
         // left to MPI_Finalize. After MPI_Finalize nothing may be called.

@@ -4,7 +4,7 @@
 //! rank sends and sums 1/n of a piece per step. Open MPI's non-blocking allreduce of 2 ranks
 //! reduces at one rank and sends the result back, and its time jumped between runs on the
 //! development VM (docs/PERFORMANCE.md). Each block is summed once, at one rank, then copied:
-//! the same bytes on every rank. Waited transfers ([`MpiRanks::ring_allreduce`]) and the steps
+//! the same bytes on every rank. Waited transfers ([`Engine::ring_allreduce`]) and the steps
 //! queue's pieces (`steps.rs`) both go this way from [`RING_BYTES`] on, so a bucket meets the
 //! same protocol on every rank whichever way each rank sends it.
 
@@ -16,7 +16,7 @@ use half::{bf16, f16};
 use mpi::ffi;
 
 use super::{
-    check, count_of, mpi_type, piece_of, stage, stage_in, stage_out, Idle, MpiRanks, Walk, DEPTH,
+    check, count_of, mpi_type, piece_of, stage, stage_in, stage_out, Engine, Idle, Walk, DEPTH,
 };
 use crate::backend::Segment;
 use crate::error::Result;
@@ -190,7 +190,7 @@ impl Flight {
 // engine's locks).
 unsafe impl Send for Flight {}
 
-impl MpiRanks {
+impl Engine {
     /// [`Ranks::allreduce`](crate::backend::Ranks) of `segments` (`count` elements) round the
     /// ring of `comm`, its pieces numbered from `first` (the ring pieces the communicator
     /// carried before); [`DEPTH`] pieces in flight, each staged in and out through the

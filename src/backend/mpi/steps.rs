@@ -108,6 +108,8 @@ pub(super) struct Queue {
     /// `k % DEPTH`.
     issued: usize,
     done: usize,
+    /// Ring steps taken so far ([`Queue::moves`]).
+    steps: usize,
     /// `(item seq, piece, transfer)` of the pieces in flight, oldest first.
     inflight: VecDeque<(u64, usize, Transfer)>,
     /// Ring pieces the steps' communicator carried so far, the queue's and waited transfers'
@@ -258,6 +260,7 @@ impl Queue {
                     moved |= flight.advance(ring)?;
                 }
             }
+            self.steps += usize::from(moved);
             let (seq, piece, front) = self.inflight.front_mut().expect("not empty");
             let finished = match front {
                 Transfer::Ring(flight) => flight.finished(ring),
@@ -339,6 +342,18 @@ impl Queue {
         std::mem::forget(std::mem::take(&mut self.items));
         std::mem::forget(std::mem::take(&mut self.stages));
         self.inflight.clear();
+    }
+
+    /// The buckets queued, their pieces, and how many of those have crossed the ranks.
+    pub(super) fn state(&self) -> (usize, usize, usize) {
+        let sum = |f: fn(&Item) -> usize| self.items.iter().map(f).sum();
+        (self.items.len(), sum(|i| i.pieces), sum(|i| i.done))
+    }
+
+    /// Grows whenever the queue moves (a piece issued or completed, a ring step taken): the
+    /// progress thread backs off while it stays the same.
+    pub(super) fn moves(&self) -> usize {
+        self.issued + self.done + self.steps
     }
 
     pub(super) fn busy(&self) -> bool {
