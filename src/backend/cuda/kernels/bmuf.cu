@@ -8,29 +8,51 @@
 // mode 0: W := widen(params), D := 0                  (bmuf_init)
 // mode 1: classical block momentum                    (bmuf_step)
 // mode 2: Nesterov block momentum                     (bmuf_step)
+
+// N elements of one segment, i0 + k * step within it, k < N; `q` its three pointers. All the
+// loads are issued before any is used.
+template <int N, class T>
+__device__ __forceinline__ void bmuf_items(const u64* q, int mode, typename Num<T>::A mu,
+                                           typename Num<T>::A eta, u64 i0, u64 step) {
+  typedef typename Num<T>::A S;
+  T* p = (T*)q[0];
+  S* w = (S*)q[1];
+  S* d = (S*)q[2];
+  if (mode == 0) {
+    for (int k = 0; k < N; ++k) {
+      w[i0 + k * step] = Num<T>::load(p[i0 + k * step]);
+      d[i0 + k * step] = (S)0;
+    }
+    return;
+  }
+  S a[N], w0[N], d0[N];
+  for (int k = 0; k < N; ++k) {
+    a[k] = Num<T>::load(p[i0 + k * step]);
+    w0[k] = w[i0 + k * step];
+    d0[k] = d[i0 + k * step];
+  }
+  for (int k = 0; k < N; ++k) {
+    const S wg = mode == 2 ? w0[k] + mu * d0[k] : w0[k];
+    const S g = a[k] - wg;
+    const S d1 = mu * d0[k] + eta * g;
+    const S w1 = w0[k] + d1;
+    d[i0 + k * step] = d1;
+    w[i0 + k * step] = w1;
+    p[i0 + k * step] = Num<T>::store(mode == 2 ? w1 + mu * d1 : w1);
+  }
+}
+
 template <class T>
 __device__ void bmuf(const Seg* segs, const u64* ptrs, int nseg, u64 total, int mode,
                      double mu_in, double eta_in) {
   typedef typename Num<T>::A S;
   const S mu = (S)mu_in, eta = (S)eta_in;
-  for_each_element(segs, nseg, total, [&](int s, u64 e, u64 i) {
-    T* p = (T*)ptrs[3 * (u64)s] + i;
-    S* w = (S*)ptrs[3 * (u64)s + 1] + i;
-    S* d = (S*)ptrs[3 * (u64)s + 2] + i;
-    if (mode == 0) {
-      *w = Num<T>::load(*p);
-      *d = (S)0;
-      return;
-    }
-    const S a = Num<T>::load(*p), w0 = *w, d0 = *d;
-    const S wg = mode == 2 ? w0 + mu * d0 : w0;
-    const S g = a - wg;
-    const S d1 = mu * d0 + eta * g;
-    const S w1 = w0 + d1;
-    *d = d1;
-    *w = w1;
-    *p = Num<T>::store(mode == 2 ? w1 + mu * d1 : w1);
-  });
+  for_each_chunk(
+      segs, nseg, total,
+      [&](int s, u64, u64 i0) {
+        bmuf_items<ITEMS_PER_THREAD, T>(ptrs + 3 * (u64)s, mode, mu, eta, i0, blockDim.x);
+      },
+      [&](int s, u64, u64 i) { bmuf_items<1, T>(ptrs + 3 * (u64)s, mode, mu, eta, i, 0); });
 }
 
 #define BMUF_KERNELS(T, NAME)                                                                 \

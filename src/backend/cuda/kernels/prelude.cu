@@ -16,7 +16,7 @@ __device__ __forceinline__ unsigned short f32_to_f16(float a) {
 #define DPSYNC_KERNEL(name)
 #endif
 
-// Elements each thread takes of a chunk (for_each_element). dpsync passes
+// Elements each thread takes of a chunk (for_each_chunk). dpsync passes
 // -DITEMS_PER_THREAD=<ITEMS of kernels.rs> to NVRTC and to the emulator's build; this default,
 // which a unit test in kernels.rs keeps equal to ITEMS, serves a build that passes none (the fake
 // CUDA driver of scripts/fake-cuda.sh).
@@ -99,12 +99,18 @@ __device__ __forceinline__ int find(const Seg* segs, int nseg, u64 e) {
 }
 
 
-// Calls f(segment, bucket element, element within the segment) for every element of a table
-// of `nseg` segments holding `total` elements. Blocks take chunks of blockDim.x *
-// ITEMS_PER_THREAD consecutive elements (grid-stride), threads take every blockDim.x-th element
-// of a chunk, so neighbouring threads touch neighbouring addresses.
-template <class F>
-__device__ __forceinline__ void for_each_element(const Seg* segs, int nseg, u64 total, F f) {
+// Visits every element of a table of `nseg` segments holding `total` elements. Blocks take
+// chunks of blockDim.x * ITEMS_PER_THREAD consecutive elements (grid-stride), threads take every
+// blockDim.x-th element of a chunk, so neighbouring threads touch neighbouring addresses. A
+// chunk that lies inside one segment (the usual case: tensors are far larger than a chunk) goes
+// to whole(segment, the thread's first bucket element, that element within the segment): its
+// elements are those plus k * blockDim.x, k < ITEMS_PER_THREAD, so the thread can have all
+// their loads in flight (one load at a time left an H100's memory idle part of the time).
+// Other chunks go element by element to f(segment, bucket element, element within the
+// segment). The branch is the same for every thread of a block.
+template <class W, class F>
+__device__ __forceinline__ void for_each_chunk(const Seg* segs, int nseg, u64 total, W whole,
+                                               F f) {
   const u64 chunk = (u64)blockDim.x * ITEMS_PER_THREAD;
   const u64 chunks = (total + chunk - 1) / chunk;
   __shared__ int first;
@@ -113,8 +119,13 @@ __device__ __forceinline__ void for_each_element(const Seg* segs, int nseg, u64 
     if (threadIdx.x == 0) first = find(segs, nseg, c * chunk);
     __syncthreads();
     int s = first;
+    const u64 begin = c * chunk, end = begin + chunk;
+    if (end <= total && end <= segs[s].offset + segs[s].count) {
+      whole(s, begin + threadIdx.x, begin + threadIdx.x - segs[s].offset);
+      continue;
+    }
     for (int k = 0; k < ITEMS_PER_THREAD; ++k) {
-      u64 e = c * chunk + (u64)k * blockDim.x + threadIdx.x;
+      u64 e = begin + (u64)k * blockDim.x + threadIdx.x;
       if (e >= total) break;
       s = seek(segs, nseg, s, e);
       f(s, e, e - segs[s].offset);
