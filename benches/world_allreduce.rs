@@ -324,10 +324,12 @@ fn main() {
     }
 }
 
-/// torch.distributed's Gloo on the same sizes, when Debian's PyTorch is installed: the figure a
-/// user would otherwise get (benches/gloo_allreduce.py, 2 ranks).
+/// torch.distributed's Gloo on the same sizes, when Debian's PyTorch is installed (or the Python
+/// named by DPSYNC_BENCH_PYTHON has torch): the figure a user would otherwise get
+/// (benches/gloo_allreduce.py, 2 ranks).
 fn gloo(quick: bool) {
-    let python = "/usr/bin/python3";
+    let python = std::env::var("DPSYNC_BENCH_PYTHON").unwrap_or("/usr/bin/python3".into());
+    let python = python.as_str();
     let has_torch = Command::new(python)
         .args(["-c", "import torch.distributed"])
         .output()

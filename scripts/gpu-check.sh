@@ -7,7 +7,7 @@
 #   bash scripts/gpu-check.sh --run [DIR [PART...]]   # there: run the bundle, report to
 #                                             # $OUT/REPORT.md (else DIR/REPORT.md)
 #
-# PARTs run in the order given (default: bench examples python tests ranks) — to split the check
+# PARTs run in the order given (default: bench examples python tests ranks world) — to split the check
 # over several device calls, each under the tool's 10-minute limit. Every binary runs under a
 # timeout (GPU_CHECK_TIMEOUT, 240 s), cut to what is left of the whole run's budget
 # (GPU_CHECK_BUDGET, 560 s); a step the budget no longer allows is reported as NOT RUN.
@@ -48,9 +48,22 @@ for line in sys.stdin:
   # What was built: .git does not travel to the GPU machine.
   { git rev-parse HEAD 2>/dev/null || echo unknown; git status --porcelain 2>/dev/null | grep -q . && echo "(with uncommitted changes)"; } >"$BUNDLE/VERSION"
   cp -r tests/python "$BUNDLE/python"
+  # Worlds (--features mpi): the GPU machine's own Open MPI runs them (libmpi.so.40).
+  ensure_mpi
+  mkdir -p "$BUNDLE/mpi"
+  cargo test --release --features mpi --target-dir target/mpi --no-run --message-format=json \
+    --test world_cuda --test world_mpi --test world_comm 2>/dev/null |
+    python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        print(m["executable"])' | while read -r exe; do cp "$exe" "$BUNDLE/mpi/$(basename "${exe%-*}")"; done
+  cargo bench --features mpi --target-dir target/mpi --bench world_allreduce --no-run 2>/dev/null
+  cp "$(ls -t target/mpi/release/deps/world_allreduce-* | grep -v '\.d$' | head -1)" "$BUNDLE/mpi/world_allreduce"
   # Only what the GPU run uses, without debug info: the device tool carries at most 64 MiB.
   rm -f "$BUNDLE"/tests/{checkpoint,concurrency,equivalence,header,host_threads,bmuf,overlap,sequences,sparse}-* "$BUNDLE"/benches/host_allreduce-*
-  strip "$BUNDLE"/tests/* "$BUNDLE"/benches/* "$BUNDLE"/libdpsync.so "$BUNDLE"/cuda_train \
+  strip "$BUNDLE"/tests/* "$BUNDLE"/benches/* "$BUNDLE"/mpi/* "$BUNDLE"/libdpsync.so "$BUNDLE"/cuda_train \
     "$BUNDLE"/bmuf_train "$BUNDLE"/train_dense "$BUNDLE"/checkpoint_sync
   du -sh "$BUNDLE"; ls -la "$BUNDLE" "$BUNDLE/tests" "$BUNDLE/benches"
 )
@@ -87,7 +100,7 @@ run() {
   local dir=${1:-$BUNDLE}
   shift || true
   local parts=("$@")
-  [ ${#parts[@]} -gt 0 ] || parts=(bench examples python tests ranks)
+  [ ${#parts[@]} -gt 0 ] || parts=(bench examples python tests ranks world)
   local deadline=$((SECONDS + BUDGET))
   # The report grows in $OUT when the device tool runs this: a command killed at its limit
   # still brings back every section written so far.
@@ -218,11 +231,45 @@ run() {
     nvidia-smi --query-gpu=clocks.sm,clocks.mem,clocks.max.sm,temperature.gpu,power.draw,clocks_throttle_reasons.active --format=csv >>"$report" 2>&1
     endsection
   }
+  # Worlds over MPI on this machine's Open MPI: CUDA replicas across ranks (tests/world_cuda.rs
+  # bodies; on one GPU every replica is on GPU 0, so NCCL worlds have one rank and AUTO stages
+  # across several), the host world tests, and the world benchmark (its overlap also with
+  # --bind-to none: mpirun binds each of 2 ranks to one core, which leaves the engine's progress
+  # thread off).
+  part_world() {
+    local m="mpirun --allow-run-as-root --oversubscribe" spec
+    if ! command -v mpirun >/dev/null; then
+      section "worlds"; echo "skipped: no mpirun on this machine" >>"$report"; endsection; return
+    fi
+    for spec in "2 peer_copy" "3 peer_copy" "1 nccl" "1 auto" "2 auto" "3 auto"; do
+      set -- $spec
+      section "world_cuda cuda_rank_body, $1 ranks, transport $2"
+      DPSYNC_TEST_RANKS=$1 DPSYNC_TEST_TRANSPORT=$2 timed $m -n "$1" "$dir/mpi/world_cuda" \
+        cuda_rank_body --exact --nocapture --test-threads=1 || failures=$((failures + 1))
+      endsection
+    done
+    section "world_cuda nccl_overlap_body, 1 rank"
+    DPSYNC_TEST_RANKS=1 timed $m -n 1 "$dir/mpi/world_cuda" nccl_overlap_body --exact \
+      --nocapture --test-threads=1 || failures=$((failures + 1))
+    endsection
+    for t in world_mpi world_comm; do
+      section "test binary $t"
+      timed "$dir/mpi/$t" --test-threads=1 || failures=$((failures + 1))
+      endsection
+    done
+    section "world benchmark"
+    # PyTorch's Gloo for comparison: the Python that has torch here.
+    (cd "$dir" && DPSYNC_BENCH_PYTHON=$(command -v python3) timed ./mpi/world_allreduce --bench) ||
+      failures=$((failures + 1))
+    echo "-- overlap, mpirun --bind-to none" >>"$report"
+    (cd "$dir" && timed $m --bind-to none -n 2 ./mpi/world_allreduce --part overlap) || failures=$((failures + 1))
+    endsection
+  }
   local part
   for part in "${parts[@]}"; do
     case $part in
-      tests|ranks|examples|python|bench) "part_$part" ;;
-      *) echo "unknown part '$part' (tests ranks examples python bench)" >>"$report"; failures=$((failures + 1)) ;;
+      tests|ranks|examples|python|bench|world) "part_$part" ;;
+      *) echo "unknown part '$part' (tests ranks examples python bench world)" >>"$report"; failures=$((failures + 1)) ;;
     esac
   done
   section "targets (the benchmarks' TARGET lines)"
@@ -240,5 +287,5 @@ case "${1:-}" in
   --bundle) bundle ;;
   --run) shift; run "${1:-$BUNDLE}" "${@:2}" ;;
   "") bundle && run "$BUNDLE" ;;
-  *) echo "usage: $0 [--bundle | --run [DIR [PART...]]]  (PART: tests ranks examples python bench)" >&2; exit 2 ;;
+  *) echo "usage: $0 [--bundle | --run [DIR [PART...]]]  (PART: tests ranks examples python bench world)" >&2; exit 2 ;;
 esac
