@@ -968,6 +968,8 @@ impl Ranks for MpiRanks {
                 "a bucket started early is no longer queued in this context's world",
             )
         })?;
+        // The item is ours now: the next buckets move on (progress thread) while it is copied.
+        drop(queue);
         if write {
             // The pieces that completed before the step agreed (the others are written).
             let recv = item.held.as_ptr().cast::<u8>();
