@@ -490,6 +490,15 @@ pub(crate) trait Ranks: Send {
     /// The outputs given to [`Ranks::start`] are still valid.
     unsafe fn finish(&self, ticket: Ticket, write: bool) -> Result<()>;
 
+    /// The step of a started transfer agreed ([`Ranks::finish`] will write its result): its
+    /// pieces completing from now on may be written into the outputs at once. Called for
+    /// every started transfer of the step before the first is finished, so that the later
+    /// buckets' results land in place while the earlier are finished.
+    ///
+    /// # Safety
+    /// As for [`Ranks::finish`] with `write`.
+    unsafe fn release(&self, ticket: &Ticket);
+
     /// Lets started transfers advance without waiting (issuing the next pieces as others
     /// complete): an MPI moves a non-blocking collective only inside its calls, so
     /// `dpsync_grad_ready` pokes the step's transfers at every mark (backward runs meanwhile).

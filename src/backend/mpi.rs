@@ -942,6 +942,12 @@ impl Ranks for MpiRanks {
         Ok(Ticket(Box::new(handle)))
     }
 
+    unsafe fn release(&self, ticket: &Ticket) {
+        if let Some(handle) = ticket.0.downcast_ref::<Handle>() {
+            self.queue.lock().release(handle);
+        }
+    }
+
     fn poke(&self) {
         if self.refuse_if_failed().is_ok() {
             // Busy: the progress thread is moving the queue. A failure is kept in `failed`:

@@ -233,6 +233,10 @@ impl Context {
         all: &[TensorView],
         plan: &Plan,
     ) -> Result<()> {
+        for ticket in &started {
+            // SAFETY: as in start_world_buckets; every one is finished below.
+            unsafe { self.executor.release_early(ticket) };
+        }
         for (b, ticket) in started.into_iter().enumerate() {
             let (bucket, tensors) = own_bucket(&plan.buckets[b], all);
             // SAFETY: as in start_world_buckets.

@@ -382,6 +382,18 @@ impl Executor {
         Ok(())
     }
 
+    /// The step agreed: a transfer [`Executor::start_early`] started may write its result as its
+    /// pieces complete (`Ranks::release`; NCCL's started buckets are written in
+    /// [`Executor::finish_early`]).
+    ///
+    /// # Safety
+    /// As for [`Executor::finish_early`].
+    pub unsafe fn release_early(&self, ticket: &Ticket) {
+        if let (Some(ranks), false) = (self.ranks(), ticket.0.is::<StartedInGroups>()) {
+            ranks.release(ticket);
+        }
+    }
+
     /// Lets a world's started transfers advance (`Ranks::poke`).
     pub fn poke_early(&self) {
         if let Some(ranks) = self.ranks() {
