@@ -19,6 +19,20 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 BUNDLE=gpu-bundle
 
+# The executables of cargo's JSON messages on stdin: test binaries ($1 = test) or benchmarks
+# ($1 = bench).
+executables() {
+  python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") != "compiler-artifact" or not m.get("executable"):
+        continue
+    kind = "bench" if m["target"]["kind"] == ["bench"] else "test" if m["profile"]["test"] else None
+    if kind == sys.argv[1]:
+        print(m["executable"])' "$1"
+}
+
 # A subshell: its `set -e` must not leak into `run` (no-argument mode runs both).
 bundle() (
   set -e
@@ -27,20 +41,10 @@ bundle() (
   build_library
   step "test and bench binaries"
   rm -rf "$BUNDLE" && mkdir -p "$BUNDLE/tests" "$BUNDLE/benches"
-  cargo test --release --no-run --message-format=json 2>/dev/null |
-    python3 -c '
-import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
-        print(m["executable"])' | while read -r exe; do cp "$exe" "$BUNDLE/tests/"; done
-  cargo bench --no-run --message-format=json 2>/dev/null |
-    python3 -c '
-import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["bench"]:
-        print(m["executable"])' | while read -r exe; do cp "$exe" "$BUNDLE/benches/"; done
+  cargo test --release --no-run --message-format=json 2>/dev/null | executables test |
+    while read -r exe; do cp "$exe" "$BUNDLE/tests/"; done
+  cargo bench --no-run --message-format=json 2>/dev/null | executables bench |
+    while read -r exe; do cp "$exe" "$BUNDLE/benches/"; done
   build_examples
   cp target/release/libdpsync.so "$BUNDLE/"
   cp build/examples/{cuda_train,bmuf_train,train_dense,checkpoint_sync} "$BUNDLE/"
@@ -51,16 +55,14 @@ for line in sys.stdin:
   # Worlds (--features mpi): the GPU machine's own Open MPI runs them (libmpi.so.40).
   ensure_mpi
   mkdir -p "$BUNDLE/mpi"
-  cargo test --release --features mpi --target-dir target/mpi --no-run --message-format=json \
-    --test world_cuda --test world_mpi --test world_comm 2>/dev/null |
-    python3 -c '
-import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
-        print(m["executable"])' | while read -r exe; do cp "$exe" "$BUNDLE/mpi/$(basename "${exe%-*}")"; done
-  cargo bench --features mpi --target-dir target/mpi --bench world_allreduce --no-run 2>/dev/null
-  cp "$(ls -t target/mpi/release/deps/world_allreduce-* | grep -v '\.d$' | head -1)" "$BUNDLE/mpi/world_allreduce"
+  # Named without cargo's hash: the world part calls them by name.
+  {
+    cargo test --release --features mpi --target-dir target/mpi --no-run \
+      --message-format=json --test world_cuda --test world_mpi --test world_comm 2>/dev/null |
+      executables test
+    cargo bench --features mpi --target-dir target/mpi --bench world_allreduce --no-run \
+      --message-format=json 2>/dev/null | executables bench
+  } | while read -r exe; do cp "$exe" "$BUNDLE/mpi/$(basename "${exe%-*}")"; done
   # Only what the GPU run uses, without debug info: the device tool carries at most 64 MiB.
   rm -f "$BUNDLE"/tests/{checkpoint,concurrency,equivalence,header,host_threads,bmuf,overlap,sequences,sparse}-* "$BUNDLE"/benches/host_allreduce-*
   strip "$BUNDLE"/tests/* "$BUNDLE"/benches/* "$BUNDLE"/mpi/* "$BUNDLE"/libdpsync.so "$BUNDLE"/cuda_train \

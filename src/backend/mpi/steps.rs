@@ -323,9 +323,8 @@ impl Queue {
     }
 
     /// The step agreed: the pieces of `handle`'s bucket not yet issued are written straight
-    /// into its outputs as they complete.
-    /// Once per item: a second release would take the pieces written directly since the first
-    /// for held ones.
+    /// into its outputs as they complete. Once per item: a second release would take the
+    /// pieces written directly since the first for held ones.
     pub(super) fn release(&mut self, handle: &Handle) {
         if let Some(item) = self.item(handle.seq) {
             item.direct_from.get_or_insert(item.issued);
