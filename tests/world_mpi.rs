@@ -362,6 +362,11 @@ fn overlap_steps(rank: usize, ranks: usize, n: usize) {
     mark(&[3, 2, 1, 0]);
     let world = |d: serde_json::Value| d["world"].clone();
     let thread = world(ctx.describe_json())["progress_thread"].clone();
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if cpus >= 2 {
+        // A process that may use two CPUs gets the thread.
+        assert_eq!(thread, "running", "{}", tag("step 8"));
+    }
     if thread == "running" {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
         loop {
