@@ -104,7 +104,7 @@ fi
 # over the veth. TCP only, on the veth's subnet.
 out=$work/out
 ip netns exec "$nsA" unshare --uts sh -c "hostname hostA; exec \"\$@\"" sh \
-  mpirun --allow-run-as-root --oversubscribe -n 2 --hostfile "$work/hosts" \
+  mpirun --allow-run-as-root --oversubscribe --bind-to none -n 2 --hostfile "$work/hosts" \
   --mca plm_rsh_agent "$work/agent" --mca btl tcp,self \
   --mca oob_tcp_if_include 10.77.0.0/24 --mca btl_tcp_if_include 10.77.0.0/24 \
   "$@" 2>&1 | tee "$out"
