@@ -12,7 +12,9 @@
  * (each piece staged in just before its MPI_Iallreduce and out as it completes, through DEPTH
  * small stages), a ring reduce-scatter + allgather over MPI_Isend/MPI_Irecv summing on the
  * host (one piece at a time, and pipelined as the engine runs it), and the pairwise exchange of
- * two ranks (staged, or sending from the caller's buffer).
+ * two ranks (staged, or sending from the caller's buffer), the same pieces through a shared-memory
+ * window with the ranks' own sum, and the floor of any staged way (each piece copied to a slot
+ * and back, no peer).
  * Then a broadcast of the same bytes: blocking, whole-staged MPI_Ibcast, staged pieces.
  * small: a 256-byte allgather (the agreement record): MPI_Iallgather polled, MPI_Allgather,
  * Bruck's allgather over MPI_Isend/MPI_Irecv polled, and a raw 1-float MPI_Allreduce.
@@ -281,6 +283,102 @@ static void exchange(size_t piece, int depth, int staged) {
 static void pairwise(size_t piece, int depth) { exchange(piece, depth, 1); }
 static void pairwise_unstaged(size_t piece, int depth) { exchange(piece, depth, 0); }
 
+
+/* Ranks on one host through a shared-memory window (MPI_Win_allocate_shared), as the engine's
+ * shared-memory path does: each rank copies a piece of the caller's buffer into its own slot,
+ * sums its block of the piece from every rank's slot into its slot, then copies the others'
+ * summed blocks out; per-rank counters, polled, say how far each rank got. No MPI call moves
+ * data. `depth` pieces in flight; in place (the caller's buffer read and written, as
+ * MPI_IN_PLACE), or through a private stage on either side (the extra copies cost). */
+typedef struct {
+  volatile long in, red, out;
+  char pad[64 - 3 * sizeof(long)];
+} Flags;
+static Flags *flags[64];
+static float *slots[64];
+static long shm_seq;
+
+static void shm_setup(void) {
+  MPI_Comm node;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+  MPI_Win win;
+  char *base;
+  MPI_Aint bytes = 64 + 8 * (4 << 20);
+  MPI_Win_allocate_shared(bytes, 64, MPI_INFO_NULL, node, &base, &win);
+  for (int r = 0; r < size; r++) {
+    MPI_Aint len;
+    int unit;
+    char *at;
+    MPI_Win_shared_query(win, r, &len, &unit, &at);
+    flags[r] = (Flags *)at, slots[r] = (float *)(at + 64);
+  }
+  memset(base, 0, bytes);
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+static long least(int which) {
+  long m = -1;
+  for (int r = 0; r < size; r++) {
+    long v = __atomic_load_n(which == 0 ? &flags[r]->in : which == 1 ? &flags[r]->red : &flags[r]->out,
+                             __ATOMIC_ACQUIRE);
+    if (m < 0 || v < m) m = v;
+  }
+  return m;
+}
+
+static void shm_run(float *from, size_t piece, int depth, int staged) {
+  size_t pieces = (N + piece - 1) / piece, slot = (4 << 20) / 4 / depth;
+  long first = shm_seq;
+  size_t started = 0, reduced = 0, out = 0;
+  while (out < pieces) {
+    /* start: my slot is free once every rank copied piece k - depth out */
+    while (started < pieces && started < out + depth && least(2) >= first + (long)started - depth + 1) {
+      size_t at = started * piece, n = len_of(at, piece);
+      float *stage = st[started % depth][0];
+      if (staged) memcpy(stage, from + at, n * 4);
+      memcpy(slots[rank] + (started % depth) * slot, staged ? stage : from + at, n * 4);
+      __atomic_store_n(&flags[rank]->in, first + started + 1, __ATOMIC_RELEASE);
+      started++;
+    }
+    if (reduced < started && least(0) >= first + (long)reduced + 1) {
+      size_t n = len_of(reduced * piece, piece), o, l;
+      block(n, rank, &o, &l);
+      float *mine = slots[rank] + (reduced % depth) * slot + o;
+      for (int r = 0; r < size; r++)
+        if (r != rank) {
+          float *theirs = slots[r] + (reduced % depth) * slot + o;
+          for (size_t i = 0; i < l; i++) mine[i] += theirs[i];
+        }
+      __atomic_store_n(&flags[rank]->red, first + reduced + 1, __ATOMIC_RELEASE);
+      reduced++;
+    }
+    if (out < reduced && least(1) >= first + (long)out + 1) {
+      size_t at = out * piece, n = len_of(at, piece);
+      for (int r = 0; r < size; r++) {
+        size_t o, l;
+        block(n, r, &o, &l);
+        memcpy((staged ? st[out % depth][0] : dst + at) + o, slots[r] + (out % depth) * slot + o, l * 4);
+      }
+      if (staged) memcpy(dst + at, st[out % depth][0], n * 4);
+      __atomic_store_n(&flags[rank]->out, first + out + 1, __ATOMIC_RELEASE);
+      out++;
+    }
+  }
+  shm_seq = first + pieces;
+}
+
+/* The floor of any staged way on this machine: each piece copied into a slot and back, no peer. */
+static void floor_copies(size_t piece, int depth) {
+  for (size_t at = 0, k = 0; at < N; at += piece, k++) {
+    float *slot = slots[rank] + (k % depth) * ((4 << 20) / 4 / depth);
+    memcpy(slot, dst + at, len_of(at, piece) * 4);
+    memcpy(dst + at, slot, len_of(at, piece) * 4);
+  }
+}
+
+static void shm_in_place(size_t piece, int depth) { shm_run(dst, piece, depth, 0); }
+static void shm_staged(size_t piece, int depth) { shm_run(dst, piece, depth, 1); }
+
 static void bcast_blocking(size_t piece, int depth) {
   (void)piece, (void)depth;
   MPI_Bcast(rank == 0 ? src : dst, (int)N, MPI_FLOAT, 0, MPI_COMM_WORLD);
@@ -420,6 +518,7 @@ int main(int argc, char **argv) {
   }
   for (int i = 0; i < 8; i++)
     for (int j = 0; j < 2; j++) st[i][j] = calloc(1, 4 << 20);
+  shm_setup();
   pthread_t thread;
   pthread_create(&thread, NULL, helper, NULL);
   Variant v[] = {
@@ -443,6 +542,10 @@ int main(int argc, char **argv) {
       {"pairwise exchange, staged, host sum (2 ranks)", pairwise, 512, 4},
       {"pairwise, the send from the caller's buffer", pairwise_unstaged, 512, 2},
       {"pairwise, the send from the caller's buffer", pairwise_unstaged, 1024, 2},
+      {"shared-memory window, in place", shm_in_place, 512, 2},
+      {"shared-memory window, in place", shm_in_place, 128, 4},
+      {"shared-memory window, in place, through stages", shm_staged, 128, 4},
+      {"floor: each piece copied to a slot and back", floor_copies, 128, 4},
       {"broadcast: one MPI_Bcast", bcast_blocking, 0, 0},
       {"broadcast: whole buffer staged, one MPI_Ibcast", bcast_whole, 0, 0},
       {"broadcast: MPI_Ibcast pieces, each staged", bcast_pieces, 512, 2},

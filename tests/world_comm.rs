@@ -4,7 +4,8 @@
 //! own: ranks and replica counts of that half, sums over that half only, and the caller's own MPI
 //! calls on the same communicator before and after dpsync's still match (dpsync duplicates it).
 //! `three_ranks_split_in_two` starts this binary under `mpirun -n 3`, once over shared memory and
-//! once with `--mca btl tcp,self` (TCP over loopback).
+//! once with `--mca btl tcp,self` (TCP over loopback, and `DPSYNC_MPI_SHM=0`: no shared memory
+//! between the ranks either).
 #![cfg(feature = "mpi")]
 
 mod common {
@@ -35,7 +36,8 @@ fn three_ranks_split_in_two() {
         let mut cmd = Command::new("mpirun");
         cmd.args(["--allow-run-as-root", "--oversubscribe", "-n", "3"]);
         if let Some(btl) = btl {
-            cmd.args(["--mca", "btl", btl]);
+            // TCP carries every transfer: no shared memory between the ranks either.
+            cmd.args(["--mca", "btl", btl]).env("DPSYNC_MPI_SHM", "0");
         }
         let status = cmd
             .arg(&exe)

@@ -44,7 +44,11 @@ fn large_buckets_cross_the_engines_pieces() {
         return;
     }
     for n in [2, 3] {
-        launch("pieces_body", n, 300, None);
+        // Through shared memory (every rank on this host), and over MPI's ring as across hosts.
+        for shm in ["1", "0"] {
+            let env = Some(("DPSYNC_MPI_SHM", std::path::Path::new(shm)));
+            launch("pieces_body", n, 300, env);
+        }
     }
 }
 
@@ -61,6 +65,14 @@ fn pieces_body() {
     let offset: usize = (1..=rank).sum();
     let ctx = Context::new(&world_options(local));
     let tag = |what: &str| format!("rank {rank}/{ranks}: {what}");
+    // The path the large pieces take: shared memory unless a rank turned it off.
+    let shared = ctx.describe_json()["world"]["shared_memory"].clone();
+    let off = std::env::var("DPSYNC_MPI_SHM").is_ok_and(|v| v == "0");
+    let expected = match off {
+        true => "off: DPSYNC_MPI_SHM=0 on a rank".to_owned(),
+        false => format!("on: all {ranks} ranks on this host"),
+    };
+    assert_eq!(shared, expected.as_str(), "{}", tag("shared memory"));
     // Small integers (sums exact in every dtype): world replica w's element i of tensor t.
     let v = |w: usize, t: usize, i: usize, m: usize| ((w + 1) * ((i + t) % m + 1)) as f32;
     // Σ over the world's replicas.
@@ -186,7 +198,8 @@ fn overlap_body() {
 }
 
 /// The early buckets' pieces: each gradient 300 000 f32 (1.2 MB, three of the engine's
-/// 512 KiB pieces), so started buckets cross the ranks a few pieces at a time, stand-ins too.
+/// 512 KiB pieces), so started buckets cross the ranks a few pieces at a time, stand-ins too;
+/// through shared memory, and over MPI's ring (as across hosts) with 2 ranks.
 #[test]
 fn buckets_cross_the_ranks_piece_by_piece() {
     if under_mpirun() {
@@ -194,6 +207,8 @@ fn buckets_cross_the_ranks_piece_by_piece() {
     }
     launch("overlap_pieces_body", 2, 300, None);
     launch("overlap_pieces_body", 3, 300, None);
+    let no_shm = Some(("DPSYNC_MPI_SHM", std::path::Path::new("0")));
+    launch("overlap_pieces_body", 2, 300, no_shm);
 }
 
 #[test]

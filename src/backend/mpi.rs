@@ -6,7 +6,7 @@
 use std::collections::VecDeque;
 use std::ffi::{c_int, c_void, CStr};
 use std::mem::{size_of, MaybeUninit};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -21,8 +21,10 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::options::World;
 use crate::types::DType;
 use ring::Ring;
+use shm::Shared;
 use steps::{Handle, Queue, Until};
 
+mod shm;
 mod steps;
 
 /// Bytes per non-blocking call of a large transfer, and how many are in flight at once. A
@@ -172,6 +174,18 @@ fn backend_error(call: &str, code: c_int) -> Error {
     )
 }
 
+/// Ranks with the same key run on the same host (FNV-1a of the host name and the kernel's boot
+/// id): simulated hosts of one machine (namespaces with their own names) count as several.
+fn host_key() -> u64 {
+    let mut name = [0u8; 256];
+    // SAFETY: the buffer's length is passed; gethostname NUL-terminates what fits.
+    unsafe { libc::gethostname(name.as_mut_ptr().cast(), name.len()) };
+    let boot = std::fs::read("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    (name.iter().chain(b"\0").chain(&boot)).fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
 fn library_version() -> String {
     // MPI_MAX_LIBRARY_VERSION_STRING is 256 in Open MPI and 8192 in MPICH.
     let mut buf = vec![0u8; 8192];
@@ -258,6 +272,13 @@ pub(crate) struct Engine {
     /// caller's memory (and MPI_IN_PLACE's value differs between MPI implementations, so dpsync
     /// never passes it).
     scratch: Mutex<Vec<u64>>,
+    /// Ring pieces the collectives' communicator carried so far: they number the pieces'
+    /// tags and shared-memory slots alike on every rank (the steps' are the queue's).
+    calls_pieces: AtomicUsize,
+    /// Where every rank runs on this host: the shared memory the ring pieces cross (`shm.rs`).
+    shared: Option<Shared>,
+    /// What `dpsync_describe` says of it: on, or why not.
+    shared_note: String,
 }
 
 /// A duplicate of `parent` (non-blocking, polled within `timeout`) whose errors are returned.
@@ -334,10 +355,88 @@ impl MpiRanks {
             library: library_version(),
             call: Mutex::new("dpsync_context_create".to_owned()),
             scratch: Mutex::new(Vec::new()),
+            calls_pieces: AtomicUsize::new(0),
+            shared: None,
+            shared_note: String::new(),
         };
-        Ok(MpiRanks {
+        let mut ranks = MpiRanks {
             engine: Arc::new(engine),
             progress: Mutex::new(Progress::NotYet),
+        };
+        let (shared, note) = ranks.share_memory()?;
+        let engine = Arc::get_mut(&mut ranks.engine).expect("not shared before join returns");
+        (engine.shared, engine.shared_note) = (shared, note);
+        Ok(ranks)
+    }
+
+    /// Sets up the shared memory of a world whose ranks all run on this host (collective): two
+    /// exchanges of a small record. Off where `DPSYNC_MPI_SHM=0` on any rank, across hosts,
+    /// beyond [`shm::MAX_RANKS`] ranks, or where a rank cannot map rank 0's object (another
+    /// user, a container with its own /dev/shm): MPI carries the pieces then.
+    fn share_memory(&self) -> Result<(Option<Shared>, String)> {
+        const WILLING: u64 = 1;
+        const CREATED: u64 = 2;
+        static OBJECTS: AtomicUsize = AtomicUsize::new(0);
+        let (n, me) = (self.size, self.rank);
+        let willing = (2..=shm::MAX_RANKS).contains(&n)
+            && std::env::var("DPSYNC_MPI_SHM").map_or(true, |v| v != "0");
+        let pid = u64::from(std::process::id());
+        let clock = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+        let nonce = clock.map_or(0, |d| d.as_nanos() as u64)
+            ^ (OBJECTS.fetch_add(1, Ordering::Relaxed) as u64).rotate_left(48);
+        // This rank's mapping, and why there is none.
+        let (mut mine, mut note) = (None, String::new());
+        if willing && me == 0 {
+            match Shared::create(pid, nonce, n) {
+                Ok(s) => mine = Some(s),
+                Err(e) => note = format!("off: rank 0 could not create it ({e})"),
+            }
+        }
+        let created = mine.is_some();
+        let unlink = || {
+            if created {
+                Shared::unlink(pid, nonce);
+            }
+        };
+        let flags = u64::from(willing) * WILLING + u64::from(created) * CREATED;
+        let record = [host_key(), pid, nonce, flags];
+        let records = self.allgather_fixed(&record).inspect_err(|_| unlink())?;
+        let of = |r: usize| &records[r * record.len()..(r + 1) * record.len()];
+        let why_not = if n < 2 {
+            Some("off: one rank".to_owned())
+        } else if n > shm::MAX_RANKS {
+            Some(format!("off: more than {} ranks", shm::MAX_RANKS))
+        } else if (0..n).any(|r| of(r)[3] & WILLING == 0) {
+            Some("off: DPSYNC_MPI_SHM=0 on a rank".to_owned())
+        } else if (0..n).any(|r| of(r)[0] != of(0)[0]) {
+            Some("off: the ranks run on several hosts".to_owned())
+        } else if of(0)[3] & CREATED == 0 {
+            Some(match note.is_empty() {
+                true => "off: rank 0 could not create it".to_owned(),
+                false => std::mem::take(&mut note),
+            })
+        } else {
+            None
+        };
+        match &why_not {
+            Some(_) => mine = None,
+            None if me != 0 => match Shared::open(of(0)[1], of(0)[2], n, me) {
+                Ok(s) => mine = Some(s),
+                Err(e) => note = format!("off: rank {me} could not map rank 0's object ({e})"),
+            },
+            None => {}
+        }
+        // Every rank mapped it, or all stay on MPI; then the name goes.
+        let mapped = self.allgather_fixed(&[u64::from(mine.is_some())]);
+        unlink();
+        let mapped = mapped?;
+        if let Some(why) = why_not {
+            return Ok((None, why));
+        }
+        Ok(match mapped.iter().position(|&m| m == 0) {
+            Some(r) if r == me => (None, note),
+            Some(r) => (None, format!("off: rank {r} could not map rank 0's object")),
+            None => (mine, format!("on: all {n} ranks on this host")),
         })
     }
 
@@ -467,6 +566,12 @@ impl Engine {
         }
     }
 
+    /// The ring of `channel`'s communicator, through its shared memory where there is some.
+    fn ring(&self, channel: Channel) -> Ring {
+        let slots = self.shared.as_ref().map(|s| s.slots(channel));
+        Ring::new(self.comm_of(channel), self.rank, self.size, slots)
+    }
+
     /// Marks the world failed (a timeout or an MPI error mid-transfer) and names the call.
     fn failing(&self, mut e: Error) -> Error {
         e.message = format!("{}: {}", self.call.lock(), e.message);
@@ -478,7 +583,7 @@ impl Engine {
     /// queue's buffers: MPI may still use them).
     fn drive(&self, queue: &mut Queue, until: Until) -> Result<()> {
         let spare = |held| self.spare.lock().push(held);
-        let ring = Ring::new(self.steps.0, self.rank, self.size);
+        let ring = self.ring(Channel::Steps);
         // SAFETY: queued inputs stay valid until their bucket is finished or its ticket
         // dropped (`Ranks::start`); the steps' communicator is ours.
         let driven = unsafe { queue.drive(&ring, until, self.timeout, spare) };
@@ -545,12 +650,17 @@ fn stage(words: &mut Vec<u64>, bytes: usize) -> *mut u8 {
     words.as_mut_ptr().cast()
 }
 
+/// Whether `T` and `A` are one type (then widening and narrowing are the identity).
+fn same_type<T: 'static, A: 'static>() -> bool {
+    std::any::TypeId::of::<T>() == std::any::TypeId::of::<A>()
+}
+
 /// `dst[..count]` := the sum of `count` elements of `T` from element `skip` of every pointer of
 /// `srcs`, widened to `A` (the type MPI sums).
 ///
 /// # Safety
 /// Every source holds `skip + count` aligned `T`, `dst` room for `count` aligned `A`.
-unsafe fn gather_in<T: Copy, A: Copy>(
+unsafe fn gather_in<T: Copy + 'static, A: Copy + 'static>(
     (srcs, skip): (&[usize], usize),
     dst: *mut u8,
     count: usize,
@@ -560,7 +670,11 @@ unsafe fn gather_in<T: Copy, A: Copy>(
     let out = std::slice::from_raw_parts_mut(dst.cast::<A>(), count);
     for (k, &src) in srcs.iter().enumerate() {
         let xs = std::slice::from_raw_parts((src as *const T).add(skip), count);
-        if k == 0 {
+        if k == 0 && same_type::<T, A>() {
+            // The widening is the identity: libc's copy is about twice as fast on large
+            // stages as the element loop (docs/PERFORMANCE.md).
+            std::ptr::copy_nonoverlapping(xs.as_ptr().cast::<A>(), out.as_mut_ptr(), count);
+        } else if k == 0 {
             out.iter_mut().zip(xs).for_each(|(o, &x)| *o = widen(x));
         } else {
             out.iter_mut()
@@ -575,7 +689,7 @@ unsafe fn gather_in<T: Copy, A: Copy>(
 ///
 /// # Safety
 /// As for [`gather_in`], the other way round.
-unsafe fn scatter_out<T: Copy, A: Copy>(
+unsafe fn scatter_out<T: Copy + 'static, A: Copy + 'static>(
     src: *const u8,
     (dst, skip): (usize, usize),
     count: usize,
@@ -588,6 +702,9 @@ unsafe fn scatter_out<T: Copy, A: Copy>(
         std::slice::from_raw_parts_mut((dst as *mut T).add(skip), count),
     );
     match avg {
+        None if same_type::<T, A>() => {
+            std::ptr::copy_nonoverlapping(xs.as_ptr().cast::<T>(), out.as_mut_ptr(), count)
+        }
         None => out.iter_mut().zip(xs).for_each(|(o, &x)| *o = narrow(x)),
         Some(d) => (out.iter_mut().zip(xs)).for_each(|(o, &x)| *o = narrow(divide(x, d))),
     }
@@ -857,6 +974,7 @@ impl Ranks for MpiRanks {
         json!({"engine": "mpi", "mpi_library": self.library,
                "failed": *self.failed.lock(),
                "progress_thread": self.progress.lock().describe(),
+               "shared_memory": self.shared_note,
                "early_buckets": {"queued": queued, "pieces": pieces, "pieces_done": done}})
     }
 
@@ -875,7 +993,7 @@ impl Ranks for MpiRanks {
         let (datatype, size) = mpi_type(dtype);
         let count: usize = segments.iter().map(|s| s.count).sum();
         let comm = self.comm_of(channel);
-        let ring = Ring::new(comm, self.rank, self.size);
+        let ring = self.ring(channel);
         // Held to the end: the steps' communicator carries this transfer alone meanwhile.
         let mut queue = (channel == Channel::Steps).then(|| self.queue.lock());
         if let Some(queue) = &mut queue {
@@ -888,8 +1006,11 @@ impl Ranks for MpiRanks {
         if ring.takes(count * size) {
             // The steps' ring pieces are numbered across the queue's and these.
             let pieces = count.div_ceil(piece_of(size));
-            let first = queue.as_mut().map_or(0, |q| q.ring_pieces(pieces));
-            return self.ring_allreduce((comm, first), (dtype, segments, count), avg);
+            let first = match queue.as_mut() {
+                Some(q) => q.ring_pieces(pieces),
+                None => self.calls_pieces.fetch_add(pieces, Ordering::Relaxed),
+            };
+            return self.ring_allreduce((ring, first), (dtype, segments, count), avg);
         }
         let piece = piece_of(size).min(count);
         let pieces = count.div_ceil(piece);

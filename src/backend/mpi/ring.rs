@@ -6,7 +6,9 @@
 //! development VM (docs/PERFORMANCE.md). Each block is summed once, at one rank, then copied:
 //! the same bytes on every rank. Waited transfers ([`Engine::ring_allreduce`]) and the steps
 //! queue's pieces (`steps.rs`) both go this way from [`RING_BYTES`] on, so a bucket meets the
-//! same protocol on every rank whichever way each rank sends it.
+//! same protocol on every rank whichever way each rank sends it. Where every rank runs on one
+//! host, a piece crosses through shared memory instead ([`Slots`], `shm.rs`): the same flights,
+//! staged straight into this rank's slot.
 
 use std::collections::VecDeque;
 use std::ffi::c_int;
@@ -15,6 +17,7 @@ use std::time::Instant;
 use half::{bf16, f16};
 use mpi::ffi;
 
+use super::shm::{Slots, OUT, REDUCED, STAGED};
 use super::{
     check, count_of, mpi_type, piece_of, stage, stage_in, stage_out, Engine, Idle, Walk, DEPTH,
 };
@@ -37,11 +40,13 @@ pub(super) struct Ring {
     comm: ffi::MPI_Comm,
     n: usize,
     me: usize,
+    /// The communicator's slots of shared memory, where every rank shares this host.
+    shm: Option<Slots>,
 }
 
 impl Ring {
-    pub(super) fn new(comm: ffi::MPI_Comm, me: usize, n: usize) -> Ring {
-        Ring { comm, n, me }
+    pub(super) fn new(comm: ffi::MPI_Comm, me: usize, n: usize, shm: Option<Slots>) -> Ring {
+        Ring { comm, n, me, shm }
     }
 
     pub(super) fn comm(&self) -> ffi::MPI_Comm {
@@ -53,8 +58,27 @@ impl Ring {
         self.n > 1 && bytes >= RING_BYTES
     }
 
+    /// Where ring piece `k` is staged: `own` (an engine stage), or this rank's slot of shared
+    /// memory once no rank reads it any more (None: not yet; poll again).
+    pub(super) fn stage_for(&self, k: usize, own: *mut u8) -> Option<*mut u8> {
+        match &self.shm {
+            None => Some(own),
+            Some(slots) => slots.mine_when_free(k),
+        }
+    }
+
+    /// Through shared memory: whether each piece crosses there.
+    pub(super) fn shared(&self) -> bool {
+        self.shm.is_some()
+    }
+
+    /// A flight's steps: sends and receives round the ring, or through shared memory its
+    /// reduction then its copy out.
     fn steps(&self) -> usize {
-        2 * (self.n - 1)
+        match self.shm {
+            Some(_) => 2,
+            None => 2 * (self.n - 1),
+        }
     }
 
     /// Step `s`'s (block sent, block received).
@@ -96,13 +120,16 @@ pub(super) struct Flight {
     work: *mut u8,
     block_in: *mut u8,
     tag: c_int,
+    /// Its number among the communicator's ring pieces.
+    k: usize,
     /// Steps done; [`Ring::steps`]: finished.
     step: usize,
     requests: [ffi::MPI_Request; 2],
 }
 
 impl Flight {
-    /// Sends the `k`-th ring piece of the communicator off (its first step).
+    /// Sends the `k`-th ring piece of the communicator off (its first step); through shared
+    /// memory, says it is staged (`work` is then [`Ring::stage_for`]'s slot).
     ///
     /// # Safety
     /// `work` holds `m` elements and `block_in` a block of them until the flight finishes.
@@ -118,12 +145,21 @@ impl Flight {
             work,
             block_in,
             tag: TAG_RING + (k % DEPTH) as c_int,
+            k,
             step: 0,
             // SAFETY: link-time constants.
             requests: [ffi::RSMPI_REQUEST_NULL; 2],
         };
-        flight.issue(ring)?;
+        match &ring.shm {
+            Some(slots) => slots.publish(STAGED, k),
+            None => flight.issue(ring)?,
+        }
         Ok(flight)
+    }
+
+    /// Where the piece's result is once it finished.
+    pub(super) fn result(&self) -> *mut u8 {
+        self.work
     }
 
     pub(super) fn finished(&self, ring: &Ring) -> bool {
@@ -166,6 +202,9 @@ impl Flight {
         if self.finished(ring) {
             return Ok(false);
         }
+        if let Some(slots) = &ring.shm {
+            return Ok(self.advance_shared(slots));
+        }
         let mut flag: c_int = 0;
         let requests = self.requests.as_mut_ptr();
         let rc = ffi::MPI_Testall(2, requests, &mut flag, ffi::RSMPI_STATUSES_IGNORE);
@@ -184,6 +223,35 @@ impl Flight {
         }
         Ok(true)
     }
+
+    /// Through shared memory: once every rank staged the piece, sums this rank's block from the
+    /// others' slots into its own (ascending rank order); once every rank did, copies their
+    /// blocks from their slots. Whether it moved.
+    unsafe fn advance_shared(&mut self, slots: &Slots) -> bool {
+        let (n, me, size) = (slots.ranks(), slots.me(), mpi_type(self.dtype).1);
+        let at = |b: usize| block(self.m, n, b);
+        match self.step {
+            0 if slots.all_past(STAGED, self.k) => {
+                let (o, l) = at(me);
+                for r in (0..n).filter(|&r| r != me) {
+                    let theirs = slots.slot(r, self.k).add(o * size);
+                    add_into(self.dtype, self.work.add(o * size), theirs, l);
+                }
+                slots.publish(REDUCED, self.k);
+            }
+            1 if slots.all_past(REDUCED, self.k) => {
+                for r in (0..n).filter(|&r| r != me) {
+                    let (o, l) = at(r);
+                    let theirs = slots.slot(r, self.k).add(o * size);
+                    std::ptr::copy_nonoverlapping(theirs, self.work.add(o * size), l * size);
+                }
+                slots.publish(OUT, self.k);
+            }
+            _ => return false,
+        }
+        self.step += 1;
+        true
+    }
 }
 
 // SAFETY: stages of the engine and requests of this process; one thread at a time (the
@@ -191,20 +259,19 @@ impl Flight {
 unsafe impl Send for Flight {}
 
 impl Engine {
-    /// [`Ranks::allreduce`](crate::backend::Ranks) of `segments` (`count` elements) round the
-    /// ring of `comm`, its pieces numbered from `first` (the ring pieces the communicator
-    /// carried before); [`DEPTH`] pieces in flight, each staged in and out through the
-    /// engine's stages as a waited `MPI_Iallreduce` piece is.
+    /// [`Ranks::allreduce`](crate::backend::Ranks) of `segments` (`count` elements) round
+    /// `ring`, its pieces numbered from `first` (the ring pieces the communicator carried
+    /// before); [`DEPTH`] pieces in flight, each staged in and out through the engine's stages
+    /// (or this rank's slots of shared memory) as a waited `MPI_Iallreduce` piece is.
     ///
     /// # Safety
     /// As for [`Ranks::allreduce`](crate::backend::Ranks).
     pub(super) unsafe fn ring_allreduce(
         &self,
-        (comm, first): (ffi::MPI_Comm, usize),
+        (ring, first): (Ring, usize),
         (dtype, segments, count): (DType, &[Segment<'_>], usize),
         avg: Option<usize>,
     ) -> Result<()> {
-        let ring = Ring::new(comm, self.rank, self.size);
         let size = mpi_type(dtype).1;
         let piece = piece_of(size).min(count);
         let pieces = count.div_ceil(piece);
@@ -217,15 +284,21 @@ impl Engine {
         let range = |i: usize| (i * piece, piece.min(count - i * piece));
         let outs: Vec<(usize, usize)> = segments.iter().map(|s| (s.ptrs[0], s.count)).collect();
         let (mut walk_in, mut walk_out) = (Walk::default(), Walk::default());
-        let what = "MPI_Isend/MPI_Irecv (ring allreduce)";
+        let what = match ring.shared() {
+            true => "the ring allreduce through shared memory",
+            false => "MPI_Isend/MPI_Irecv (ring allreduce)",
+        };
         let mut flights: VecDeque<(usize, Flight)> = VecDeque::with_capacity(DEPTH);
         let (mut next, mut since, mut idle) = (0, None::<Instant>, Idle::default());
         let mut run = || -> Result<()> {
             loop {
                 while flights.len() < DEPTH && next < pieces {
-                    stage_in(dtype, segments, &mut walk_in, range(next), at(next));
+                    let Some(stage) = ring.stage_for(first + next, at(next)) else {
+                        break;
+                    };
+                    stage_in(dtype, segments, &mut walk_in, range(next), stage);
                     let key = (dtype, range(next).1, first + next);
-                    let flight = Flight::start(&ring, key, at(next), at(next).add(work))?;
+                    let flight = Flight::start(&ring, key, stage, at(next).add(work))?;
                     flights.push_back((next, flight));
                     next += 1;
                 }
@@ -235,8 +308,9 @@ impl Engine {
                 }
                 // Out in piece order: a later piece that finished first keeps its slot.
                 while flights.front().is_some_and(|(_, f)| f.finished(&ring)) {
-                    let (i, _) = flights.pop_front().expect("a front");
-                    stage_out(dtype, at(i), (&outs, &mut walk_out), range(i), avg);
+                    let (i, flight) = flights.pop_front().expect("a front");
+                    let result = flight.result();
+                    stage_out(dtype, result, (&outs, &mut walk_out), range(i), avg);
                 }
                 if flights.is_empty() && next == pieces {
                     return Ok(());

@@ -173,19 +173,28 @@ impl Queue {
         self.ring_pieces - pieces
     }
 
-    /// Issues the next pieces in order while fewer than [`DEPTH`] are in flight.
+    /// Issues the next pieces in order while fewer than [`DEPTH`] are in flight. Whether the
+    /// next one waits for its slot of shared memory (another rank still reads it).
     ///
     /// # Safety
     /// Every queued item's inputs are valid (unless abandoned); `ring` is the steps'
     /// communicator's.
-    unsafe fn issue(&mut self, ring: &Ring) -> Result<()> {
+    unsafe fn issue(&mut self, ring: &Ring) -> Result<bool> {
         while self.inflight.len() < DEPTH {
             let Some(item) = self.items.iter_mut().find(|i| i.issued < i.pieces) else {
-                return Ok(());
+                return Ok(false);
             };
             let (datatype, size) = mpi_type(item.dtype);
             let slot = self.issued % DEPTH;
-            let send = stage(&mut self.stages, 2 * PIECE * DEPTH).add(slot * PIECE);
+            let own = stage(&mut self.stages, 2 * PIECE * DEPTH).add(slot * PIECE);
+            let on_ring = ring.takes(item.count * size);
+            let send = match on_ring {
+                true => match ring.stage_for(self.ring_pieces, own) {
+                    Some(send) => send,
+                    None => return Ok(true),
+                },
+                false => own,
+            };
             let (start, n) = item.range(item.issued);
             if item.inputs.is_empty() || item.abandoned.load(Ordering::Relaxed) {
                 std::ptr::write_bytes(send, 0, n * size);
@@ -198,14 +207,14 @@ impl Queue {
                     .collect();
                 stage_in(item.dtype, &segments, &mut item.walk, (start, n), send);
             }
-            let transfer = if ring.takes(item.count * size) {
+            let transfer = if on_ring {
                 // In place in the send stage, the receive stage holding a block.
                 let key = (item.dtype, n, self.ring_pieces);
                 self.ring_pieces += 1;
-                Transfer::Ring(Flight::start(ring, key, send, send.add(DEPTH * PIECE))?)
+                Transfer::Ring(Flight::start(ring, key, send, own.add(DEPTH * PIECE))?)
             } else {
                 let recv = match item.direct_from {
-                    Some(_) => send.add(DEPTH * PIECE),
+                    Some(_) => own.add(DEPTH * PIECE),
                     None => item.held.as_mut_ptr().cast::<u8>().add(start * size),
                 };
                 let mut request = MaybeUninit::<ffi::MPI_Request>::uninit();
@@ -226,7 +235,7 @@ impl Queue {
             item.issued += 1;
             self.issued += 1;
         }
-        Ok(())
+        Ok(false)
     }
 
     /// Moves the queue on: moves every piece in flight as far as it goes without waiting,
@@ -245,13 +254,13 @@ impl Queue {
     ) -> Result<()> {
         let (mut since, mut idle) = (None::<Instant>, Idle::default());
         loop {
-            self.issue(ring)?;
+            let blocked = self.issue(ring)?;
             let reached = match until {
                 Until::Idle => false,
                 Until::Done(seq) => self.item(seq).is_none_or(|i| i.finished()),
-                Until::Empty => self.inflight.is_empty(),
+                Until::Empty => self.inflight.is_empty() && !blocked,
             };
-            if reached || self.inflight.is_empty() {
+            if reached || (self.inflight.is_empty() && !blocked) {
                 break;
             }
             let mut moved = false;
@@ -261,7 +270,14 @@ impl Queue {
                 }
             }
             self.steps += usize::from(moved);
-            let (seq, piece, front) = self.inflight.front_mut().expect("not empty");
+            let Some((seq, piece, front)) = self.inflight.front_mut() else {
+                // The next piece waits for its slot of shared memory.
+                match until {
+                    Until::Idle => break,
+                    _ => idle.wait(&mut since, timeout, "the early buckets' pieces")?,
+                }
+                continue;
+            };
             let finished = match front {
                 Transfer::Ring(flight) => flight.finished(ring),
                 Transfer::Collective(request) => {
@@ -281,19 +297,19 @@ impl Queue {
             }
             idle.reset();
             let (seq, piece) = (*seq, *piece);
-            let ring_piece = matches!(front, Transfer::Ring(_));
-            self.inflight.pop_front();
             // Its slot, free again once this returns: pieces complete in the order issued. A
-            // ring piece's result is in the send stage, a collective's in the receive stage
+            // ring piece's result is in its send stage, a collective's in the receive stage
             // (or already in `held`).
             let slot = self.stages.as_ptr().cast::<u8>();
-            let send = slot.add((self.done % DEPTH) * PIECE);
-            let recv = slot.add((DEPTH + self.done % DEPTH) * PIECE);
+            let (ring_piece, result) = match front {
+                Transfer::Ring(flight) => (true, flight.result().cast_const()),
+                Transfer::Collective(_) => (false, slot.add((DEPTH + self.done % DEPTH) * PIECE)),
+            };
+            self.inflight.pop_front();
             self.done += 1;
             if let Some(item) = self.item(seq) {
                 item.done += 1;
                 let range = item.range(piece);
-                let result = if ring_piece { send } else { recv };
                 if item.direct_from.is_some_and(|d| piece >= d) {
                     let outs = (&item.outs[..], &mut item.walk_out);
                     stage_out(item.dtype, result, outs, range, item.avg);
