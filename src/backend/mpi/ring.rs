@@ -226,12 +226,14 @@ impl Flight {
 
     /// Through shared memory: once every rank staged the piece, sums this rank's block from the
     /// others' slots into its own (ascending rank order); once every rank did, copies their
-    /// blocks from their slots. Whether it moved.
+    /// blocks from their slots. Each phase only after this rank's previous piece passed it: a
+    /// counter says every piece before it passed too. Whether it moved.
     unsafe fn advance_shared(&mut self, slots: &Slots) -> bool {
         let (n, me, size) = (slots.ranks(), slots.me(), mpi_type(self.dtype).1);
         let at = |b: usize| block(self.m, n, b);
+        let (k, next) = (self.k, |which| slots.next(which) == self.k);
         match self.step {
-            0 if slots.all_past(STAGED, self.k) => {
+            0 if next(REDUCED) && slots.all_past(STAGED, k) => {
                 let (o, l) = at(me);
                 for r in (0..n).filter(|&r| r != me) {
                     let theirs = slots.slot(r, self.k).add(o * size);
@@ -239,7 +241,7 @@ impl Flight {
                 }
                 slots.publish(REDUCED, self.k);
             }
-            1 if slots.all_past(REDUCED, self.k) => {
+            1 if next(OUT) && slots.all_past(REDUCED, k) => {
                 for r in (0..n).filter(|&r| r != me) {
                     let (o, l) = at(r);
                     let theirs = slots.slot(r, self.k).add(o * size);

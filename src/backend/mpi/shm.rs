@@ -210,6 +210,11 @@ impl Slots {
             .store(k as u64 + 1, Ordering::Release);
     }
 
+    /// The first piece this rank has not taken past phase `which`.
+    pub(super) fn next(&self, which: usize) -> usize {
+        self.counter(self.me, which).load(Ordering::Relaxed) as usize
+    }
+
     /// Whether every rank went past phase `which` of piece `k`.
     pub(super) fn all_past(&self, which: usize, k: usize) -> bool {
         self.least(which) > k as u64
