@@ -197,8 +197,9 @@ fn overlap_body() {
     }
 }
 
-/// The early buckets' pieces: each gradient 300 000 f32 (1.2 MB, three of the engine's
-/// 512 KiB pieces), so started buckets cross the ranks a few pieces at a time, stand-ins too;
+/// The early buckets' pieces: each gradient 300 000 f32 (1.2 MB: three of MPI's 512 KiB
+/// pieces, ten of shared memory's 128 KiB), so started buckets cross the ranks a few pieces at
+/// a time, stand-ins too;
 /// through shared memory, and over MPI's ring (as across hosts) with 2 ranks.
 #[test]
 fn buckets_cross_the_ranks_piece_by_piece() {

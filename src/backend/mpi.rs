@@ -1005,7 +1005,7 @@ impl Ranks for MpiRanks {
         }
         if ring.takes(count * size) {
             // The steps' ring pieces are numbered across the queue's and these.
-            let pieces = count.div_ceil(piece_of(size));
+            let pieces = count.div_ceil(ring.piece_of(size));
             let first = match queue.as_mut() {
                 Some(q) => q.ring_pieces(pieces),
                 None => self.calls_pieces.fetch_add(pieces, Ordering::Relaxed),
@@ -1056,7 +1056,12 @@ impl Ranks for MpiRanks {
         self.refuse_if_failed()?;
         let held = self.spare_stage(count * mpi_type(dtype).1);
         let mut queue = self.queue.lock();
-        let handle = queue.push((dtype, segments, count), avg, held);
+        let ring = self.ring(Channel::Steps);
+        let piece = match ring.takes(count * mpi_type(dtype).1) {
+            true => ring.piece_of(mpi_type(dtype).1),
+            false => piece_of(mpi_type(dtype).1),
+        };
+        let handle = queue.push((dtype, segments, count), (avg, piece), held);
         self.drive(&mut queue, Until::Idle)?;
         drop(queue);
         self.wake_progress();

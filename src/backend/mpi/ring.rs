@@ -67,6 +67,15 @@ impl Ring {
         }
     }
 
+    /// Elements of `size` bytes per piece: through shared memory, [`shm::PIECE`](super::shm)
+    /// bytes, else the engine's [`PIECE`](super::PIECE).
+    pub(super) fn piece_of(&self, size: usize) -> usize {
+        match self.shm {
+            Some(_) => (super::shm::PIECE / size).max(1),
+            None => piece_of(size),
+        }
+    }
+
     /// Through shared memory: whether each piece crosses there.
     pub(super) fn shared(&self) -> bool {
         self.shm.is_some()
@@ -275,7 +284,7 @@ impl Engine {
         avg: Option<usize>,
     ) -> Result<()> {
         let size = mpi_type(dtype).1;
-        let piece = piece_of(size).min(count);
+        let piece = ring.piece_of(size).min(count);
         let pieces = count.div_ceil(piece);
         // Slot `i % DEPTH` of piece `i`: the piece, then room for one received block.
         let work = (piece * size).next_multiple_of(64);

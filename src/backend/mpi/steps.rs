@@ -16,9 +16,7 @@ use std::time::{Duration, Instant};
 use mpi::ffi;
 
 use super::ring::{Flight, Ring};
-use super::{
-    check, count_of, mpi_type, piece_of, stage, stage_in, stage_out, Idle, Walk, DEPTH, PIECE,
-};
+use super::{check, count_of, mpi_type, stage, stage_in, stage_out, Idle, Walk, DEPTH, PIECE};
 use crate::backend::Segment;
 use crate::error::Result;
 use crate::types::DType;
@@ -136,10 +134,9 @@ impl Queue {
     pub(super) fn push(
         &mut self,
         (dtype, segments, count): (DType, &[Segment<'_>], usize),
-        avg: Option<usize>,
+        (avg, piece): (Option<usize>, usize),
         held: Vec<u64>,
     ) -> Handle {
-        let piece = piece_of(mpi_type(dtype).1);
         let abandoned = Arc::new(AtomicBool::new(false));
         let seq = self.next_seq;
         self.next_seq += 1;
