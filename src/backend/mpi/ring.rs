@@ -166,9 +166,27 @@ impl Flight {
         Ok(flight)
     }
 
-    /// Where the piece's result is once it finished.
-    pub(super) fn result(&self) -> *mut u8 {
-        self.work
+    /// The finished piece's result, handed to `f(part, first element, elements)` part after
+    /// part in order: the whole piece, or through shared memory each rank's summed block read
+    /// from its slot; then, through shared memory, this rank says it is done with the others'
+    /// slots.
+    ///
+    /// # Safety
+    /// The flight finished.
+    pub(super) unsafe fn finish(self, ring: &Ring, mut f: impl FnMut(*const u8, usize, usize)) {
+        let Some(slots) = &ring.shm else {
+            return f(self.work, 0, self.m);
+        };
+        let (n, me, size) = (slots.ranks(), slots.me(), mpi_type(self.dtype).1);
+        for r in 0..n {
+            let (o, l) = block(self.m, n, r);
+            let slot = match r == me {
+                true => self.work,
+                false => slots.slot(r, self.k),
+            };
+            f(slot.add(o * size), o, l);
+        }
+        slots.publish(OUT, self.k);
     }
 
     pub(super) fn finished(&self, ring: &Ring) -> bool {
@@ -234,15 +252,16 @@ impl Flight {
     }
 
     /// Through shared memory: once every rank staged the piece, sums this rank's block from the
-    /// others' slots into its own (ascending rank order); once every rank did, copies their
-    /// blocks from their slots. Each phase only after this rank's previous piece passed it: a
-    /// counter says every piece before it passed too. Whether it moved.
+    /// others' slots into its own (ascending rank order); then waits until every rank did
+    /// ([`Flight::finish`] reads their blocks from their slots). A rank sums piece `k` only
+    /// after its piece `k - 1`: a counter says every piece before it passed too. Whether it
+    /// moved.
     unsafe fn advance_shared(&mut self, slots: &Slots) -> bool {
         let (n, me, size) = (slots.ranks(), slots.me(), mpi_type(self.dtype).1);
         let at = |b: usize| block(self.m, n, b);
-        let (k, next) = (self.k, |which| slots.next(which) == self.k);
+        let k = self.k;
         match self.step {
-            0 if next(REDUCED) && slots.all_past(STAGED, k) => {
+            0 if slots.next(REDUCED) == k && slots.all_past(STAGED, k) => {
                 let (o, l) = at(me);
                 for r in (0..n).filter(|&r| r != me) {
                     let theirs = slots.slot(r, self.k).add(o * size);
@@ -250,14 +269,7 @@ impl Flight {
                 }
                 slots.publish(REDUCED, self.k);
             }
-            1 if next(OUT) && slots.all_past(REDUCED, k) => {
-                for r in (0..n).filter(|&r| r != me) {
-                    let (o, l) = at(r);
-                    let theirs = slots.slot(r, self.k).add(o * size);
-                    std::ptr::copy_nonoverlapping(theirs, self.work.add(o * size), l * size);
-                }
-                slots.publish(OUT, self.k);
-            }
+            1 if slots.all_past(REDUCED, k) => {}
             _ => return false,
         }
         self.step += 1;
@@ -320,8 +332,10 @@ impl Engine {
                 // Out in piece order: a later piece that finished first keeps its slot.
                 while flights.front().is_some_and(|(_, f)| f.finished(&ring)) {
                     let (i, flight) = flights.pop_front().expect("a front");
-                    let result = flight.result();
-                    stage_out(dtype, result, (&outs, &mut walk_out), range(i), avg);
+                    let start = range(i).0;
+                    flight.finish(&ring, |part, at, len| {
+                        stage_out(dtype, part, (&outs, &mut walk_out), (start + at, len), avg)
+                    });
                 }
                 if flights.is_empty() && next == pieces {
                     return Ok(());

@@ -295,26 +295,34 @@ impl Queue {
             idle.reset();
             let (seq, piece) = (*seq, *piece);
             // Its slot, free again once this returns: pieces complete in the order issued. A
-            // ring piece's result is in its send stage, a collective's in the receive stage
-            // (or already in `held`).
-            let slot = self.stages.as_ptr().cast::<u8>();
-            let (ring_piece, result) = match front {
-                Transfer::Ring(flight) => (true, flight.result().cast_const()),
-                Transfer::Collective(_) => (false, slot.add((DEPTH + self.done % DEPTH) * PIECE)),
-            };
-            self.inflight.pop_front();
+            // ring piece's result is in its flight's parts, a collective's in the receive
+            // stage (or already in `held`).
+            let recv = (self.stages.as_ptr().cast::<u8>()).add((DEPTH + self.done % DEPTH) * PIECE);
+            let (_, _, transfer) = self.inflight.pop_front().expect("the front");
             self.done += 1;
-            if let Some(item) = self.item(seq) {
-                item.done += 1;
-                let range = item.range(piece);
-                if item.direct_from.is_some_and(|d| piece >= d) {
-                    let outs = (&item.outs[..], &mut item.walk_out);
-                    stage_out(item.dtype, result, outs, range, item.avg);
-                } else if ring_piece {
-                    let size = mpi_type(item.dtype).1;
-                    let held = item.held.as_mut_ptr().cast::<u8>().add(range.0 * size);
-                    std::ptr::copy_nonoverlapping(result, held, range.1 * size);
+            let item = self.items.iter_mut().find(|i| i.seq == seq);
+            let Some(item) = item else {
+                if let Transfer::Ring(flight) = transfer {
+                    flight.finish(ring, |_, _, _| {});
                 }
+                continue;
+            };
+            item.done += 1;
+            let (start, n) = item.range(piece);
+            let direct = item.direct_from.is_some_and(|d| piece >= d);
+            let (dtype, avg, size) = (item.dtype, item.avg, mpi_type(item.dtype).1);
+            let held = item.held.as_mut_ptr().cast::<u8>();
+            let outs = (&item.outs[..], &mut item.walk_out);
+            match transfer {
+                Transfer::Collective(_) if direct => stage_out(dtype, recv, outs, (start, n), avg),
+                Transfer::Collective(_) => {}
+                Transfer::Ring(flight) => flight.finish(ring, |part, at, len| match direct {
+                    true => stage_out(dtype, part, (outs.0, &mut *outs.1), (start + at, len), avg),
+                    false => {
+                        let into = held.add((start + at) * size);
+                        std::ptr::copy_nonoverlapping(part, into, len * size);
+                    }
+                }),
             }
         }
         self.prune(spare);
