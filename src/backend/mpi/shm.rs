@@ -240,3 +240,46 @@ impl Slots {
         self.me
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two ranks' mappings of one object in one process: what one publishes the other sees,
+    /// slots are each rank's own, and a slot is free again only once every rank is out of the
+    /// piece that held it.
+    #[test]
+    fn two_mappings_share_counters_and_slots() {
+        let (pid, nonce) = (u64::from(std::process::id()), 0x5eed_0001);
+        let zero = Shared::create(pid, nonce, 2).expect("create");
+        let one = Shared::open(pid, nonce, 2, 1).expect("open");
+        assert!(Shared::open(pid, nonce ^ 1, 2, 1).is_err(), "another name");
+        Shared::unlink(pid, nonce);
+        assert!(Shared::open(pid, nonce, 2, 1).is_err(), "unlinked");
+        let (a, b) = (zero.slots(Channel::Steps), one.slots(Channel::Steps));
+        // Slots of the other channel are elsewhere.
+        assert_ne!(zero.slots(Channel::Calls).slot(0, 0), a.slot(0, 0));
+        // SAFETY: each mapping writes its own rank's slot; both are in the object.
+        unsafe {
+            a.slot(0, 0).write(7);
+            b.slot(1, 0).write(9);
+            assert_eq!(b.slot(0, 0).read(), 7);
+            assert_eq!(a.slot(1, 0).read(), 9);
+        }
+        assert_ne!(a.slot(0, 0), a.slot(0, 1), "piece 1 has slot 1");
+        assert_eq!(a.slot(0, 0), a.slot(0, DEPTH), "slot k % DEPTH");
+        a.publish(STAGED, 0);
+        assert!(!a.all_past(STAGED, 0), "rank 1 has not staged piece 0");
+        b.publish(STAGED, 0);
+        assert!(a.all_past(STAGED, 0) && b.all_past(STAGED, 0));
+        assert!(!a.all_past(STAGED, 1));
+        assert_eq!((a.next(STAGED), a.next(REDUCED)), (1, 0));
+        // Pieces 0..DEPTH have fresh slots; piece DEPTH reuses piece 0's once both are out.
+        assert!(a.mine_when_free(DEPTH - 1).is_some());
+        assert!(a.mine_when_free(DEPTH).is_none());
+        a.publish(OUT, 0);
+        assert!(a.mine_when_free(DEPTH).is_none(), "rank 1 still reads it");
+        b.publish(OUT, 0);
+        assert_eq!(a.mine_when_free(DEPTH), Some(a.slot(0, 0)));
+    }
+}
