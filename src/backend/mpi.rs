@@ -671,8 +671,8 @@ unsafe fn gather_in<T: Copy + 'static, A: Copy + 'static>(
     for (k, &src) in srcs.iter().enumerate() {
         let xs = std::slice::from_raw_parts((src as *const T).add(skip), count);
         if k == 0 && same_type::<T, A>() {
-            // The widening is the identity: libc's copy is about twice as fast on large
-            // stages as the element loop (docs/PERFORMANCE.md).
+            // The widening is the identity: libc's copy beats the element loop on large
+            // stages (MPI's ring, fused ResNet-50 on the 2-core VM: 33 against 36 ms).
             std::ptr::copy_nonoverlapping(xs.as_ptr().cast::<A>(), out.as_mut_ptr(), count);
         } else if k == 0 {
             out.iter_mut().zip(xs).for_each(|(o, &x)| *o = widen(x));
