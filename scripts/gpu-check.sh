@@ -265,6 +265,11 @@ run() {
       failures=$((failures + 1))
     echo "-- overlap, mpirun --bind-to none" >>"$report"
     (cd "$dir" && timed $m --bind-to none -n 2 ./mpi/world_allreduce --part overlap) || failures=$((failures + 1))
+    # The ranks share this host, so the above went through shared memory: MPI's ring alongside.
+    echo "-- large and overlap over MPI's ring (DPSYNC_MPI_SHM=0)" >>"$report"
+    (cd "$dir" && DPSYNC_MPI_SHM=0 timed $m -x DPSYNC_MPI_SHM -n 2 ./mpi/world_allreduce --part large &&
+      DPSYNC_MPI_SHM=0 timed $m -x DPSYNC_MPI_SHM --bind-to none -n 2 ./mpi/world_allreduce \
+        --part overlap) || failures=$((failures + 1))
     endsection
   }
   local part
