@@ -1054,13 +1054,12 @@ impl Ranks for MpiRanks {
         avg: Option<usize>,
     ) -> Result<Ticket> {
         self.refuse_if_failed()?;
-        let held = self.spare_stage(count * mpi_type(dtype).1);
+        let size = mpi_type(dtype).1;
+        let held = self.spare_stage(count * size);
         let mut queue = self.queue.lock();
-        let ring = self.ring(Channel::Steps);
-        let piece = match ring.takes(count * mpi_type(dtype).1) {
-            true => ring.piece_of(mpi_type(dtype).1),
-            false => piece_of(mpi_type(dtype).1),
-        };
+        // Cut as a waited transfer of the bucket would be (a bucket off the ring is below
+        // either piece size: one piece).
+        let piece = self.ring(Channel::Steps).piece_of(size);
         let handle = queue.push((dtype, segments, count), (avg, piece), held);
         self.drive(&mut queue, Until::Idle)?;
         drop(queue);

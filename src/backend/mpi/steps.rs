@@ -252,12 +252,14 @@ impl Queue {
         let (mut since, mut idle) = (None::<Instant>, Idle::default());
         loop {
             let blocked = self.issue(ring)?;
+            // Nothing in flight nor waiting for a slot: every queued piece is done.
+            let empty = self.inflight.is_empty() && !blocked;
             let reached = match until {
                 Until::Idle => false,
                 Until::Done(seq) => self.item(seq).is_none_or(|i| i.finished()),
-                Until::Empty => self.inflight.is_empty() && !blocked,
+                Until::Empty => empty,
             };
-            if reached || (self.inflight.is_empty() && !blocked) {
+            if reached || empty {
                 break;
             }
             let mut moved = false;
