@@ -265,42 +265,32 @@ impl Context {
         call: impl FnOnce() -> String,
         tensors: &[&TensorView],
     ) -> Result<()> {
-        self.agree_with(verdict, call, tensors, Vec::new())
+        self.agree_world(verdict, call, tensors, Vec::new(), None)?;
+        Ok(())
     }
 
     /// [`Context::agree`], with more lines of registrations (sparse gradients) after the
-    /// tensors'.
-    fn agree_with<T>(
+    /// tensors', and `inline`, this rank's data riding in its agreement record (decided alike
+    /// on every rank: the fingerprints do not cover it). In a world every rank's records come
+    /// back; `None` outside one.
+    fn agree_world<T>(
         &self,
         verdict: &Result<T>,
         call: impl FnOnce() -> String,
         tensors: &[&TensorView],
         more: Vec<String>,
-    ) -> Result<()> {
-        self.agree_carrying(verdict, call, tensors, more, false)
-            .0
-            .map(drop)
-    }
-
-    /// [`Context::agree_with`]; with `small`, a collective whose data rides in the agreement:
-    /// `tensors` (host memory, passed validation) when [`Context::fits_inline`] says so, on
-    /// every rank alike. Then every rank's records come back ([`world::agree`]). Returns as
-    /// well whether every rank made this same call (false outside a world).
-    fn agree_carrying<T>(
-        &self,
-        verdict: &Result<T>,
-        call: impl FnOnce() -> String,
-        tensors: &[&TensorView],
-        more: Vec<String>,
-        small: bool,
-    ) -> (Result<Option<Vec<u64>>>, bool) {
+        inline: Option<Vec<u8>>,
+    ) -> std::result::Result<Option<world::Records>, world::Refused> {
         let verdict = verdict.as_ref().map(|_| ()).map_err(Clone::clone);
         let Some(ranks) = self.executor.ranks() else {
-            return (verdict.map(|()| None), false);
+            return match verdict {
+                Ok(()) => Ok(None),
+                Err(error) => Err(world::Refused {
+                    error,
+                    same_call: false,
+                }),
+            };
         };
-        // SAFETY: registered memory stays valid while registered (the C contract).
-        let inline =
-            (small && verdict.is_ok()).then(|| unsafe { self.executor.inline_data(tensors) });
         let _span = timeline::span(
             self.trace.as_ref(),
             "agree",
@@ -312,13 +302,29 @@ impl Context {
         lines.push(&call);
         lines.extend(tensors.iter().map(|t| t.line.as_str()));
         lines.extend(more.iter().map(String::as_str));
-        let (agreed, same_call) = world::agree(ranks, verdict, &lines, inline.as_deref());
-        if let Err(e) = &agreed {
-            if e.kind == ErrorKind::Inconsistent {
-                log::warn(|| format!("rank {}: {}: {}", self.topology.rank, lines[0], e.message));
+        let agreed = world::agree(ranks, verdict, &lines, inline.as_deref());
+        if let Err(refused) = &agreed {
+            if refused.error.kind == ErrorKind::Inconsistent {
+                log::warn(|| {
+                    format!(
+                        "rank {}: {}: {}",
+                        self.topology.rank, lines[0], refused.error.message
+                    )
+                });
             }
         }
-        (agreed, same_call)
+        agreed.map(Some)
+    }
+
+    /// A collective whose arguments the C boundary refused (`error`): in a world it still takes
+    /// part in the agreement, so that every rank fails at once (the others with INCONSISTENT
+    /// naming this rank) instead of waiting for this one until their timeout.
+    pub fn refuse(&mut self, call: &str, error: Error) -> Result<()> {
+        self.agree(
+            &Err::<(), _>(error),
+            || format!("{call}(arguments refused)"),
+            &[],
+        )
     }
 
     /// Whether a collective over `tensors` (that passed validation) sends its data inside its
@@ -366,56 +372,86 @@ impl Context {
             Ok(step) if self.in_world() => Self::sparse_lines(step),
             _ => Vec::new(),
         };
-        let (agreed, same_call) = self.agree_carrying(
+        // What the others must know of this rank's step (context/overlap.rs, "Worlds").
+        let inline = match &verdict {
+            Ok(step) if self.in_world() => Some(self.step_record(step)),
+            _ => None,
+        };
+        let records = match self.agree_world(
             &verdict,
             || format!("dpsync_allreduce_grads(op={op:?})"),
             &lines,
             sparse_lines,
-            false,
-        );
-        if let Err(e) = agreed {
-            // Every rank failed alike; when every rank was in this call, the buckets some
-            // started early are matched and dropped (otherwise they stay for the next step).
-            if same_call {
-                if let Err(d) = self.drain_world_buckets(&plan) {
-                    // The world failed meanwhile (the engine refuses from now on): the
-                    // agreement's error is the one to report.
-                    log::warn(|| format!("draining the early buckets: {}", d.message));
+            inline,
+        ) {
+            Ok(records) => records,
+            Err(refused) => {
+                // Every rank failed alike; when every rank was in this call, the buckets some
+                // started early are matched and dropped (otherwise they stay for the next step).
+                if refused.same_call {
+                    if let Err(d) = self.drain_world_buckets(&plan) {
+                        // The world failed meanwhile (the engine refuses from now on): the
+                        // agreement's error is the one to report.
+                        log::warn(|| format!("draining the early buckets: {}", d.message));
+                    }
                 }
+                return Err(refused.error);
             }
-            return Err(e);
-        }
-        let step = verdict?;
-        let (left, summed) = split?;
+        };
+        let mut step = verdict?;
+        let (left, summed) = match records {
+            // Every rank starts what any rank started early, and gathers with the index
+            // groups every rank can use.
+            Some(records) => self.settle_world_step(&records, &mut step, &plan, &tensors, op)?,
+            None => split?,
+        };
         let started = self.take_started();
         let buckets: Cow<'_, [Bucket]> = if left.len() == plan.buckets.len() {
             Cow::Borrowed(&plan.buckets)
         } else {
             Cow::Owned(left.iter().map(|&b| plan.buckets[b].clone()).collect())
         };
-        // Sparse slices are checked and gathered into new library-owned outputs first: a bad
-        // slice then fails the call before any dense gradient is written.
-        // On CUDA replicas both run as one collective, in stream order.
-        let sparse = self.executor.bracket(|| {
-            // The early buckets first: on CUDA their unpacks follow their collectives.
-            self.finish_world_buckets(started, &snapshot.tensors, &plan)?;
-            let sparse = self.gather_sparse(&step, op)?;
-            // SAFETY: registered memory stays valid while registered (the C contract).
-            let dense = unsafe {
-                (self.executor)
-                    .allreduce_buckets(&buckets, &tensors, op, self.divisor(), Channel::Steps)
-                    .and_then(|()| self.executor.divide(&summed, self.divisor()))
+        // Sparse slices are gathered into new library-owned outputs first, the early buckets'
+        // results written only then: a failed gather leaves every tensor as it was. On CUDA
+        // replicas both run as one collective, in stream order.
+        let done = self.executor.bracket(|| {
+            let sparse = match self.gather_sparse(&step, op) {
+                Ok(sparse) => sparse,
+                Err(e) => {
+                    if let Err(d) = self.executor.drain_early(started, &[]) {
+                        log::warn(|| format!("draining the early buckets: {}", d.message));
+                    }
+                    return Err(e);
+                }
             };
+            // SAFETY: registered memory stays valid while registered (the C contract).
+            let dense = self
+                .finish_world_buckets(started, &snapshot.tensors, &plan)
+                .and_then(|()| unsafe {
+                    (self.executor)
+                        .allreduce_buckets(&buckets, &tensors, op, self.divisor(), Channel::Steps)
+                        .and_then(|()| self.executor.divide(&summed, self.divisor()))
+                });
             if let Err(e) = dense {
                 // Queued copies may still write the new outputs: freed when they are done.
                 self.executor.retire_outputs(sparse);
                 return Err(e);
             }
             Ok(sparse)
-        })?;
-        self.install_sparse(sparse);
-        self.end_overlap_step(op, snapshot.generation);
-        Ok(())
+        });
+        match done {
+            Ok(sparse) => {
+                self.install_sparse(sparse);
+                self.end_overlap_step(op, snapshot.generation);
+                Ok(())
+            }
+            Err(e) => {
+                // The step's early transfers are gone (drained or finished): the next step
+                // starts afresh.
+                self.overlap.forget();
+                Err(e)
+            }
+        }
     }
 
     pub fn allreduce(&mut self, name: &str, op: ReduceOp) -> Result<()> {
@@ -437,28 +473,29 @@ impl Context {
             snapshot.lookup(name)
         };
         let involved: Vec<&TensorView> = tensor.iter().copied().collect();
-        let small = tensor.is_ok() && self.fits_inline(&involved);
-        let records = self
-            .agree_carrying(
-                &tensor,
-                || format!("dpsync_allreduce(name='{name}', op={op:?})"),
-                &involved,
-                Vec::new(),
-                small,
-            )
-            .0?;
+        // SAFETY: registered memory stays valid while registered (the C contract).
+        let inline = (tensor.is_ok() && self.fits_inline(&involved))
+            .then(|| unsafe { self.executor.inline_data(&involved) });
+        let small = inline.is_some();
+        let records = self.agree_world(
+            &tensor,
+            || format!("dpsync_allreduce(name='{name}', op={op:?})"),
+            &involved,
+            Vec::new(),
+            inline,
+        )?;
         let tensor = tensor?;
         // SAFETY: as in allreduce_grads.
         unsafe {
             match records {
-                Some(records) => self.executor.allreduce_inline(
+                Some(records) if small => self.executor.allreduce_inline(
                     &[tensor],
                     op,
                     self.divisor(),
                     records,
                     &self.topology.replicas_per_rank,
                 ),
-                None => (self.executor).allreduce(
+                _ => (self.executor).allreduce(
                     &[tensor],
                     op,
                     self.divisor(),

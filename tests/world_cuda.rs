@@ -540,7 +540,7 @@ fn nccl_overlap_body() {
     // NCCL's synchronous mode runs a collective across processes inside the call that queues
     // it, until every process queued it.
     if std::env::var("FAKE_CUDA_ASYNC").as_deref() != Ok("1") {
-        println!("nccl_overlap_body: steps 3 and 4 skipped: they need FAKE_CUDA_ASYNC=1");
+        println!("nccl_overlap_body: steps 3 to 5 skipped: they need FAKE_CUDA_ASYNC=1");
         return;
     }
 
@@ -595,4 +595,34 @@ fn nccl_overlap_body() {
     }
     check(ctx.allreduce_grads(SUM), &tag("step 4, again"));
     expect(&g, "step 4");
+
+    // Step 5: rank 0 starts every bucket, the others none, in a step with a sparse gradient
+    // (gathered through the host across the ranks): the others start the same buckets before
+    // the gather, so the clique and the gather meet in the same order on every rank.
+    refill(&mut g);
+    ctx.reg_sparse_all("emb", 2, F32, I64, 7);
+    let slices: Vec<(Mem, Mem, usize)> = (0..local)
+        .map(|k| {
+            let (i, v) = rows_of(offset + k);
+            let rows = i.len();
+            let on = |b: &[u8]| place.mem_on(ordinals[k], b);
+            (on(&bytes_of(&i)), on(&bytes_of(&v)), rows)
+        })
+        .collect();
+    for (k, (i, v, rows)) in slices.iter().enumerate() {
+        let st = ctx.sparse_set_raw("emb", k, i.ptr() as *const _, v.ptr() as *const _, *rows);
+        check(st, &tag("sparse_set"));
+    }
+    if rank == 0 {
+        mark(&[0, 1, 2]);
+    }
+    check(ctx.allreduce_grads(SUM), &tag("step 5"));
+    expect(&g, "step 5");
+    let rows: usize = (0..total).map(|w| rows_of(w).0.len()).sum();
+    assert_eq!(
+        ctx.gathered("emb", 0).rows,
+        rows,
+        "{}",
+        tag("step 5: sparse rows")
+    );
 }

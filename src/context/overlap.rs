@@ -29,12 +29,18 @@ use std::sync::Arc;
 
 use serde_json::{json, Value};
 
+use super::sparse::SparseStep;
 use super::Context;
 use crate::backend::Ticket;
 use crate::error::{Error, ErrorKind, Result};
+use crate::exec::world::{Records, INLINE};
 use crate::plan::{Bucket, Plan};
 use crate::registry::TensorView;
 use crate::types::{DType, ReduceOp, Role};
+
+/// Sparse gradients whose index groups ride in a world's agreement record (after the count of
+/// early buckets); more take an exchange of their own.
+const INLINE_LABELS: usize = INLINE - 8;
 
 /// This step's `dpsync_grad_ready` marks.
 #[derive(Default)]
@@ -60,6 +66,9 @@ pub(super) struct Overlap {
     /// with every rank. Buckets start early only while it is current: every rank that starts
     /// one then has the same buckets.
     agreed: Option<u64>,
+    /// In a world: buckets of this step started by `allreduce_grads` because other ranks
+    /// started them early ([`Context::settle_world_step`]); not counted as early here.
+    caught_up: usize,
 }
 
 impl Overlap {
@@ -98,7 +107,7 @@ impl Overlap {
     }
 
     /// Every mark forgotten (a new step, or registrations changed the buckets).
-    fn forget(&mut self) {
+    pub(super) fn forget(&mut self) {
         debug_assert!(
             self.started.is_empty(),
             "started transfers are finished first"
@@ -188,7 +197,7 @@ impl Context {
         self.overlap.missing[b] -= 1;
         if self.in_world() && self.overlap.agreed == Some(snapshot.generation) {
             if let Some(op) = self.overlap.op {
-                self.start_world_buckets(&snapshot.tensors, &plan, op)?;
+                self.start_world_buckets(&snapshot.tensors, &plan, op, None)?;
             }
             if !self.overlap.started.is_empty() {
                 self.executor.poke_early();
@@ -199,9 +208,16 @@ impl Context {
 
     /// Worlds: starts the transfers of the step's next buckets whose gradients are all final,
     /// in bucket order (every rank issues them in that order on the engine's steps channel, the
-    /// rest in `allreduce_grads`). Host contexts only: CUDA replicas mark, as host tensors on
-    /// them do (their transfers go through the host stage in `allreduce_grads`).
-    fn start_world_buckets(&mut self, all: &[TensorView], plan: &Plan, op: ReduceOp) -> Result<()> {
+    /// rest in `allreduce_grads`); with `upto`, buckets `..upto` whatever their marks (another
+    /// rank started them). Host contexts only: CUDA replicas mark, as host tensors on them do
+    /// (their transfers go through the host stage in `allreduce_grads`).
+    fn start_world_buckets(
+        &mut self,
+        all: &[TensorView],
+        plan: &Plan,
+        op: ReduceOp,
+        upto: Option<usize>,
+    ) -> Result<()> {
         if self.options.has_cuda_replicas() && self.topology.world_nccl.is_none() {
             return Ok(());
         }
@@ -211,7 +227,11 @@ impl Context {
             let b = next.len();
             // Host tensors on CUDA replicas wait for allreduce_grads (as in grad_ready), and
             // the buckets after them with them: buckets start in order.
-            if self.overlap.missing[b] > 0 || self.executor.touching_waits(planned.memory) {
+            let stop = match upto {
+                Some(upto) => b >= upto,
+                None => self.overlap.missing[b] > 0 || self.executor.touching_waits(planned.memory),
+            };
+            if stop {
                 break;
             }
             let (bucket, tensors) = own_bucket(planned, all);
@@ -223,6 +243,78 @@ impl Context {
             self.overlap.reduced[b] = true;
         }
         Ok(())
+    }
+
+    /// Worlds: what the other ranks must know of this rank's step before `allreduce_grads`
+    /// moves data, riding in its agreement record: how many buckets it started early (u64),
+    /// then its sparse gradients' index groups (a byte each) where they fit.
+    pub(super) fn step_record(&self, step: &SparseStep) -> Vec<u8> {
+        let mut record = (self.overlap.started.len() as u64).to_le_bytes().to_vec();
+        if step.len() <= INLINE_LABELS {
+            // A label is at most its input's position, so below 256.
+            record.extend(step.labels().iter().map(|&l| l as u8));
+        }
+        record
+    }
+
+    /// Worlds, `allreduce_grads` agreed (`records`: every rank's [`Context::step_record`]):
+    /// buckets another rank started early are started here too, so that every rank has the
+    /// same transfers in flight before the sparse gather (which crosses the ranks too); and the
+    /// sparse gather takes the index groups every rank can use. Returns what is then left to
+    /// reduce, as [`Context::split_buckets`].
+    pub(super) fn settle_world_step<'s>(
+        &mut self,
+        records: &Records,
+        step: &mut SparseStep,
+        plan: &Arc<Plan>,
+        tensors: &[&'s TensorView],
+        op: ReduceOp,
+    ) -> Result<(Vec<usize>, Vec<&'s TensorView>)> {
+        let ranks = self.topology.world_size;
+        let word = |r: usize| {
+            u64::from_le_bytes(records.inline(r)[..8].try_into().expect("8 bytes")) as usize
+        };
+        if step.len() > 1 {
+            let labels: Vec<Vec<usize>> = if step.len() <= INLINE_LABELS {
+                (0..ranks)
+                    .map(|r| {
+                        let bytes = &records.inline(r)[8..8 + step.len()];
+                        bytes.iter().map(|&l| usize::from(l)).collect()
+                    })
+                    .collect()
+            } else {
+                let mine: Vec<u8> = (step.labels().iter())
+                    .flat_map(|&l| (l as u32).to_le_bytes())
+                    .collect();
+                let ranks = self.executor.ranks().expect("records come from a world");
+                (ranks.allgather(&mine)?.iter())
+                    .map(|m| {
+                        (m.chunks_exact(4))
+                            .map(|w| u32::from_le_bytes(w.try_into().expect("4 bytes")) as usize)
+                            .collect()
+                    })
+                    .collect()
+            };
+            step.regroup(&labels);
+        }
+        let most = (0..ranks).map(word).max().unwrap_or(0);
+        if most > self.overlap.started.len() {
+            // Started with the previous step's op, as every rank does (the same on every rank:
+            // it is the op of the last allreduce_grads they all completed).
+            let early_op = self.overlap.op.ok_or_else(|| {
+                Error::new(
+                    ErrorKind::InvalidState,
+                    "another rank started gradient buckets early before any \
+                     dpsync_allreduce_grads completed here",
+                )
+            })?;
+            let replicas = self.replica_count();
+            let (snapshot, _) = self.prepare();
+            self.overlap.start(plan, snapshot.tensors.len(), replicas)?;
+            self.overlap.caught_up = most - self.overlap.started.len();
+            self.start_world_buckets(&snapshot.tensors, plan, early_op, Some(most))?;
+        }
+        self.split_buckets(plan, tensors, op)
     }
 
     /// Worlds, `allreduce_grads` agreed: the early transfers' results written (in bucket order),
@@ -350,7 +442,8 @@ impl Context {
         if self.in_world() {
             self.overlap.agreed = Some(generation);
         }
-        self.overlap.last_step_early = self.overlap.reduced.iter().filter(|&&r| r).count();
+        let reduced = self.overlap.reduced.iter().filter(|&&r| r).count();
+        self.overlap.last_step_early = reduced - self.overlap.caught_up;
         self.overlap.op = Some(op);
         self.overlap.forget();
     }

@@ -8,7 +8,9 @@ use super::Context;
 use crate::error::{Error, ErrorKind, Result};
 use crate::exec::{SparseOutputs, SparseStats};
 use crate::options::Options;
-use crate::plan::sparse::{describe_gather, describe_sparse, index_groups, IndexGroup};
+use crate::plan::sparse::{
+    common_groups, describe_gather, describe_sparse, group_labels, index_groups, IndexGroup,
+};
 use crate::registry::sparse::{SparseInput, SparseRegistry, SparseSlice, SparseSpec};
 use crate::types::{Device, Memory, ReduceOp};
 
@@ -17,6 +19,23 @@ use crate::types::{Device, Memory, ReduceOp};
 pub(super) struct SparseStep {
     inputs: Vec<SparseInput>,
     groups: Vec<IndexGroup>,
+}
+
+impl SparseStep {
+    /// Sparse gradients set this step.
+    pub(super) fn len(&self) -> usize {
+        self.inputs.len()
+    }
+
+    /// Each input's index group on this rank ([`group_labels`]).
+    pub(super) fn labels(&self) -> Vec<usize> {
+        group_labels(&self.groups, self.inputs.len())
+    }
+
+    /// In a world: the index groups every rank can use, from every rank's [`Self::labels`].
+    pub(super) fn regroup(&mut self, labels: &[Vec<usize>]) {
+        self.groups = common_groups(labels);
+    }
 }
 
 impl Context {

@@ -548,13 +548,13 @@ impl Executor {
         tensors: &[&TensorView],
         op: ReduceOp,
         divisor: usize,
-        mut records: Vec<u64>,
+        mut records: world::Records,
         per_rank: &[usize],
     ) -> Result<()> {
         let block = inline_bytes(tensors);
         let mut world_blocks = Vec::with_capacity(per_rank.iter().sum());
         for (r, &n) in per_rank.iter().enumerate() {
-            let base = world::inline_of(&mut records, r);
+            let base = records.inline_ptr(r);
             world_blocks.extend((0..n).map(|k| base + k * block));
         }
         let members: Vec<usize> = (0..world_blocks.len()).collect();

@@ -205,6 +205,41 @@ pub(crate) const INLINE: usize = 240;
 /// inline data.
 const RECORD: usize = 16 + INLINE;
 
+/// Every rank's agreement record, in rank order, [`RECORD`] bytes each in 8-byte words: what
+/// [`agree`] gives when every rank agreed.
+pub struct Records(Vec<u64>);
+
+impl Records {
+    /// Where rank `rank`'s inline data starts (8-byte aligned).
+    pub fn inline_ptr(&mut self, rank: usize) -> usize {
+        self.0.as_mut_ptr() as usize + rank * RECORD + 16
+    }
+
+    /// Rank `rank`'s inline data ([`INLINE`] bytes, zeros past what it sent).
+    pub fn inline(&self, rank: usize) -> &[u8] {
+        // SAFETY: the record's bytes, within the vector; u8 has no alignment.
+        let bytes =
+            unsafe { std::slice::from_raw_parts(self.0.as_ptr().cast::<u8>(), self.0.len() * 8) };
+        &bytes[rank * RECORD + 16..(rank + 1) * RECORD]
+    }
+}
+
+/// Why a collective failed on every rank ([`agree`]).
+#[derive(Debug)]
+pub struct Refused {
+    /// This rank's error: its own where its own input failed, else INCONSISTENT.
+    pub error: Error,
+    /// Whether every rank made this same call (its first line): a failed `allreduce_grads`
+    /// needs it, since only then does every rank drain its early buckets.
+    pub same_call: bool,
+}
+
+impl From<Refused> for Error {
+    fn from(refused: Refused) -> Error {
+        refused.error
+    }
+}
+
 /// Agreement before mutation: `verdict` is this rank's validation, `lines` its call (first line)
 /// and the registrations the call involves (one line per tensor, `name\tdescription`, in
 /// order). One fixed-size allgather of (status, fingerprint, `inline`) when everything agrees;
@@ -212,31 +247,19 @@ const RECORD: usize = 16 + INLINE;
 /// what differs, and every rank fails: with its own error where its own input failed, else
 /// INCONSISTENT naming the ranks and the first difference.
 ///
-/// `inline` (at most [`INLINE`] bytes) is this rank's data of a small collective; every rank
-/// must decide alike whether it sends some (from what they agree on), since the fingerprints
-/// do not cover it. On agreement the records come back, [`RECORD`] bytes per rank in rank
-/// order, in 8-byte words; [`inline_of`] finds a rank's data in them.
-///
-/// Returns as well whether every rank made this same call (the first line), which a failed
-/// `allreduce_grads` needs to know: only then does every rank drain its early buckets.
+/// `inline` (at most [`INLINE`] bytes) is this rank's data riding in its record (a small
+/// collective's data, or what a call needs to know of the other ranks); the fingerprints do not
+/// cover it. On agreement every rank's record comes back.
 pub fn agree(
     ranks: &dyn Ranks,
     verdict: Result<()>,
     lines: &[&str],
     inline: Option<&[u8]>,
-) -> (Result<Option<Vec<u64>>>, bool) {
-    let mut same_call = false;
-    let result = agree_inner(ranks, verdict, lines, inline, &mut same_call);
-    (result, same_call)
-}
-
-fn agree_inner(
-    ranks: &dyn Ranks,
-    verdict: Result<()>,
-    lines: &[&str],
-    inline: Option<&[u8]>,
-    same_call: &mut bool,
-) -> Result<Option<Vec<u64>>> {
+) -> std::result::Result<Records, Refused> {
+    let refused = |error: Error| Refused {
+        error,
+        same_call: false,
+    };
     if let Some(call) = lines.first() {
         ranks.begin(call);
     }
@@ -252,11 +275,10 @@ fn agree_inner(
         let bytes = unsafe { std::slice::from_raw_parts_mut(record.as_mut_ptr().cast(), RECORD) };
         bytes[16..16 + data.len()].copy_from_slice(data);
     }
-    let records = ranks.allgather_fixed(&record)?;
+    let records = ranks.allgather_fixed(&record).map_err(refused)?;
     let agreed = records.chunks(RECORD / 8).all(|r| r[..2] == record[..2]);
-    *same_call = agreed;
     if agreed && status == 0 {
-        return Ok(inline.map(|_| records));
+        return Ok(Records(records));
     }
     // Every rank saw the same records, so every rank takes this second exchange.
     let mine = json!({
@@ -265,18 +287,17 @@ fn agree_inner(
         "lines": lines,
     });
     let all: Vec<Value> = ranks
-        .allgather(mine.to_string().as_bytes())?
+        .allgather(mine.to_string().as_bytes())
+        .map_err(refused)?
         .iter()
         .map(|b| serde_json::from_slice(b).unwrap_or(Value::Null))
         .collect();
-    *same_call = all.iter().all(|v| v["lines"][0] == lines[0]);
-    verdict?;
-    Err(Error::inconsistent(disagreement(&all)))
-}
-
-/// Where rank `rank`'s inline data starts in the records [`agree`] returned (8-byte aligned).
-pub fn inline_of(records: &mut [u64], rank: usize) -> usize {
-    records.as_mut_ptr() as usize + rank * RECORD + 16
+    let same_call = all.iter().all(|v| v["lines"][0] == lines[0]);
+    let error = match verdict {
+        Err(own) => own,
+        Ok(()) => Error::inconsistent(disagreement(&all)),
+    };
+    Err(Refused { error, same_call })
 }
 
 /// What the first disagreeing rank does differently, in words.

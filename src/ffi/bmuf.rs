@@ -1,7 +1,7 @@
 //! Blockwise model-update filtering over the PARAM tensors. The boundary only refuses a
 //! non-finite block_lr; the ranges and the default momentum are the context's.
 
-use super::boundary::{dpsync_context, try_finite, with_context};
+use super::boundary::{dpsync_context, try_finite, with_collective, with_context};
 use super::status::dpsync_status;
 
 /// Starts blockwise model-update filtering (BMUF; Chen & Huo, ICASSP 2016) over all PARAM
@@ -22,10 +22,12 @@ pub unsafe extern "C" fn dpsync_bmuf_init(
     block_momentum: f64,
     nesterov: bool,
 ) -> dpsync_status {
-    with_context(context, |ctx| {
-        let block_lr = try_finite(block_lr, "block_lr")?;
-        ctx.bmuf_init(block_lr, block_momentum, nesterov)
-    })
+    with_collective(
+        context,
+        "dpsync_bmuf_init",
+        || try_finite(block_lr, "block_lr"),
+        |ctx, block_lr| ctx.bmuf_init(block_lr, block_momentum, nesterov),
+    )
 }
 
 /// One BMUF step, typically after k local optimizer steps. With A = mean of each PARAM over all

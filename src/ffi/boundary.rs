@@ -117,6 +117,22 @@ pub(super) fn with_context(
     })
 }
 
+/// A collective on the context behind `context`: `args` translates its C arguments, `body`
+/// runs it. Arguments refused here still go through the context ([`Context::refuse`]): in a
+/// world every rank must take part in a collective's agreement, so the others fail at once
+/// with INCONSISTENT naming this rank instead of waiting for it until their timeout.
+pub(super) fn with_collective<A>(
+    context: *const dpsync_context,
+    call: &str,
+    args: impl FnOnce() -> Result<A>,
+    body: impl FnOnce(&mut Context, A) -> Result<()>,
+) -> dpsync_status {
+    with_context(context, |ctx| match args() {
+        Ok(args) => body(ctx, args),
+        Err(e) => ctx.refuse(call, e),
+    })
+}
+
 /// `ptr` as a reference, or INVALID_ARGUMENT naming `argument`.
 pub(super) unsafe fn try_ref<'a, T>(ptr: *const T, argument: &str) -> Result<&'a T> {
     ptr.as_ref()

@@ -3,7 +3,7 @@
 
 use std::ffi::c_char;
 
-use super::boundary::{dpsync_context, try_enum, try_name, with_context};
+use super::boundary::{dpsync_context, try_enum, try_name, with_collective, with_context};
 use super::status::dpsync_status;
 use crate::error::{Error, Result};
 use crate::types::{ReduceOp, RoleMask};
@@ -39,7 +39,12 @@ pub unsafe extern "C" fn dpsync_allreduce_grads(
     context: *mut dpsync_context,
     op: u32,
 ) -> dpsync_status {
-    with_context(context, |ctx| ctx.allreduce_grads(reduce_op(op)?))
+    with_collective(
+        context,
+        "dpsync_allreduce_grads",
+        || reduce_op(op),
+        |ctx, op| ctx.allreduce_grads(op),
+    )
 }
 
 /// Reduce one tensor (any role) across all replicas in place.
@@ -49,10 +54,12 @@ pub unsafe extern "C" fn dpsync_allreduce(
     name: *const c_char,
     op: u32,
 ) -> dpsync_status {
-    with_context(context, |ctx| {
-        let name = try_name(name, "name")?;
-        ctx.allreduce(name, reduce_op(op)?)
-    })
+    with_collective(
+        context,
+        "dpsync_allreduce",
+        || Ok((try_name(name, "name")?, reduce_op(op)?)),
+        |ctx, (name, op)| ctx.allreduce(name, op),
+    )
 }
 
 /// Copy every tensor whose role is in `roles` from `root_replica` (of rank 0) to all other
@@ -63,15 +70,23 @@ pub unsafe extern "C" fn dpsync_broadcast(
     roles: u32,
     root_replica: usize,
 ) -> dpsync_status {
-    with_context(context, |ctx| {
-        ctx.broadcast(role_mask(roles)?, root_replica)
-    })
+    with_collective(
+        context,
+        "dpsync_broadcast",
+        || role_mask(roles),
+        |ctx, roles| ctx.broadcast(roles, root_replica),
+    )
 }
 
 /// Replace every tensor whose role is in `roles` by its mean over all replicas.
 #[no_mangle]
 pub unsafe extern "C" fn dpsync_average(context: *mut dpsync_context, roles: u32) -> dpsync_status {
-    with_context(context, |ctx| ctx.average(role_mask(roles)?))
+    with_collective(
+        context,
+        "dpsync_average",
+        || role_mask(roles),
+        |ctx, roles| ctx.average(roles),
+    )
 }
 
 /// Overlap: tell the library that GRAD tensor `name` is final on `replica` for this step. A

@@ -26,8 +26,43 @@ pub fn index_groups(inputs: &[SparseInput]) -> Vec<IndexGroup> {
     for (i, input) in inputs.iter().enumerate() {
         let key = (
             input.spec.index_dtype,
-            input.slices.iter().map(|s| (s.indices, s.rows)).collect(),
+            // An empty slice's pointer (NULL or not) is never read: every empty slice is alike.
+            (input.slices.iter())
+                .map(|s| (if s.rows == 0 { 0 } else { s.indices }, s.rows))
+                .collect(),
         );
+        match by_key.get(&key) {
+            Some(&g) => groups[g].members.push(i),
+            None => {
+                by_key.insert(key, groups.len());
+                groups.push(IndexGroup { members: vec![i] });
+            }
+        }
+    }
+    groups
+}
+
+/// Each input's group in `groups` (the group's position), `inputs` long.
+pub fn group_labels(groups: &[IndexGroup], inputs: usize) -> Vec<usize> {
+    let mut labels = vec![0; inputs];
+    for (g, group) in groups.iter().enumerate() {
+        for &m in &group.members {
+            labels[m] = g;
+        }
+    }
+    labels
+}
+
+/// The index groups every rank of a world can use, from every rank's [`group_labels`]: two
+/// inputs share a gather only where they share one on every rank (each rank decides from its
+/// own buffers, so one may share an indices buffer where another holds two copies). Groups in
+/// order of their first member, the same on every rank.
+pub fn common_groups(labels: &[Vec<usize>]) -> Vec<IndexGroup> {
+    let inputs = labels.first().map_or(0, Vec::len);
+    let mut groups: Vec<IndexGroup> = Vec::new();
+    let mut by_key: HashMap<Vec<usize>, usize> = HashMap::new();
+    for i in 0..inputs {
+        let key: Vec<usize> = labels.iter().map(|l| l[i]).collect();
         match by_key.get(&key) {
             Some(&g) => groups[g].members.push(i),
             None => {
@@ -120,6 +155,29 @@ mod tests {
             .map(|g| g.members)
             .collect();
         assert_eq!(groups, vec![vec![0, 2, 5], vec![1], vec![3], vec![4]]);
+    }
+
+    #[test]
+    fn empty_slices_share_a_gather_whatever_their_pointers() {
+        let inputs = [
+            input("a", DType::I64, &[(0, 0), (0x200, 5)]),
+            input("b", DType::I64, &[(0x900, 0), (0x200, 5)]),
+        ];
+        assert_eq!(index_groups(&inputs).len(), 1);
+    }
+
+    #[test]
+    fn ranks_share_a_gather_only_where_every_rank_does() {
+        // Rank 0 shares one buffer among a, b and c; rank 1 between b and c and d only.
+        let rank0 = vec![0, 0, 0, 1];
+        let rank1 = vec![0, 1, 1, 1];
+        let groups: Vec<Vec<usize>> = common_groups(&[rank0.clone(), rank1])
+            .into_iter()
+            .map(|g| g.members)
+            .collect();
+        assert_eq!(groups, vec![vec![0], vec![1, 2], vec![3]]);
+        let alone = common_groups(std::slice::from_ref(&rank0));
+        assert_eq!(group_labels(&alone, 4), rank0);
     }
 
     #[test]
