@@ -3,73 +3,54 @@
 
 use std::fmt;
 
-use crate::ffi::dpsync_status;
-
-/// Generates [`ErrorKind`] from the one list of failure statuses below, each variant taking its
-/// number from the C status it names, and from the same list the conversion to
-/// [`dpsync_status`] and the status names ([`dpsync_status::name`]).
+/// Generates [`ErrorKind`] from the one list of failure kinds below, each with the number and
+/// name of the C status it becomes (src/ffi/status.rs maps it, and checks the two agree).
 macro_rules! error_kinds {
-    ($($(#[$doc:meta])* $kind:ident => $status:ident,)*) => {
+    ($($(#[$doc:meta])* $kind:ident = $code:literal $name:literal,)*) => {
         /// What went wrong, one variant per C status other than OK (`DPSYNC_STATUS_*`, same
         /// numbers).
         #[derive(Clone, Copy, Debug, PartialEq, Eq)]
         #[non_exhaustive]
         pub enum ErrorKind {
-            $($(#[$doc])* $kind = dpsync_status::$status as isize,)*
+            $($(#[$doc])* $kind = $code,)*
         }
 
-        impl From<ErrorKind> for dpsync_status {
-            fn from(kind: ErrorKind) -> Self {
-                match kind {
-                    $(ErrorKind::$kind => dpsync_status::$status,)*
-                }
-            }
-        }
+        impl ErrorKind {
+            /// Every kind, in the order of their numbers.
+            pub(crate) const ALL: &[ErrorKind] = &[$(ErrorKind::$kind,)*];
 
-        impl dpsync_status {
-            /// Every status, OK first.
-            const ALL: &[dpsync_status] =
-                &[dpsync_status::DPSYNC_STATUS_OK, $(dpsync_status::$status,)*];
-
-            /// The status whose C number is `code`, or `None`.
-            pub(crate) fn from_code(code: u32) -> Option<dpsync_status> {
-                Self::ALL.iter().copied().find(|s| *s as u32 == code)
-            }
-
-            /// The status's C name, NUL-terminated: "DPSYNC_STATUS_NOT_FOUND\0".
+            /// The C status's name ("DPSYNC_STATUS_NOT_FOUND").
             pub(crate) fn name(self) -> &'static str {
-                // Exhaustive: a C status missing from the list does not compile.
                 match self {
-                    dpsync_status::DPSYNC_STATUS_OK => "DPSYNC_STATUS_OK\0",
-                    $(dpsync_status::$status => concat!(stringify!($status), "\0"),)*
+                    $(ErrorKind::$kind => $name,)*
                 }
             }
         }
     };
 }
 
-// The one place to add a failure status, besides its variant in `dpsync_status`
-// (src/ffi/status.rs, written out there because cbindgen reads it for the header): a status
-// without its line here, or a line without its status, does not compile.
+// The one place to add a failure kind, besides its status in `dpsync_status` (src/ffi/status.rs,
+// written out there because cbindgen reads it for the header): the mapping there does not
+// compile without it, and its test checks the numbers and names.
 error_kinds! {
     /// Null pointer, zero count, unknown enum value, index out of range.
-    InvalidArgument => DPSYNC_STATUS_INVALID_ARGUMENT,
+    InvalidArgument = 1 "DPSYNC_STATUS_INVALID_ARGUMENT",
     /// No tensor under that name.
-    NotFound => DPSYNC_STATUS_NOT_FOUND,
+    NotFound = 2 "DPSYNC_STATUS_NOT_FOUND",
     /// The name is registered on that replica with another role, count, dtype or pointer.
-    Conflict => DPSYNC_STATUS_CONFLICT,
+    Conflict = 3 "DPSYNC_STATUS_CONFLICT",
     /// Replicas disagree about a tensor.
-    Inconsistent => DPSYNC_STATUS_INCONSISTENT,
+    Inconsistent = 4 "DPSYNC_STATUS_INCONSISTENT",
     /// The call is not valid in the context's current state.
-    InvalidState => DPSYNC_STATUS_INVALID_STATE,
+    InvalidState = 5 "DPSYNC_STATUS_INVALID_STATE",
     /// A runtime library (CUDA, NCCL, MPI) or a build feature is missing.
-    Unavailable => DPSYNC_STATUS_UNAVAILABLE,
+    Unavailable = 6 "DPSYNC_STATUS_UNAVAILABLE",
     /// A CUDA / NCCL / MPI call failed.
-    Backend => DPSYNC_STATUS_BACKEND_ERROR,
+    Backend = 7 "DPSYNC_STATUS_BACKEND_ERROR",
     /// A collective did not complete in time.
-    Timeout => DPSYNC_STATUS_TIMEOUT,
+    Timeout = 8 "DPSYNC_STATUS_TIMEOUT",
     /// An internal defect caught at the boundary.
-    Panic => DPSYNC_STATUS_PANIC,
+    Panic = 9 "DPSYNC_STATUS_PANIC",
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -83,13 +64,18 @@ pub struct Error {
 impl ErrorKind {
     /// The C status number (what crosses to other ranks).
     pub(crate) fn code(self) -> u32 {
-        dpsync_status::from(self) as u32
+        self as u32
+    }
+
+    /// The kind whose C status number is `code`, or `None`.
+    pub(crate) fn from_code(code: u32) -> Option<ErrorKind> {
+        Self::ALL.iter().copied().find(|k| k.code() == code)
     }
 }
 
-/// The C name of status number `code` ("DPSYNC_STATUS_NOT_FOUND"), if it is one.
+/// The C name of status number `code` ("DPSYNC_STATUS_NOT_FOUND"), if it is a failure's.
 pub(crate) fn status_name(code: u32) -> Option<&'static str> {
-    dpsync_status::from_code(code).map(|s| s.name().trim_end_matches('\0'))
+    ErrorKind::from_code(code).map(ErrorKind::name)
 }
 
 impl Error {
@@ -149,10 +135,7 @@ mod tests {
             "out of host memory: could not allocate 8 bytes of library memory",
         );
         assert!(host.is_out_of_memory());
-        assert_eq!(
-            dpsync_status::from(host.kind),
-            dpsync_status::DPSYNC_STATUS_BACKEND_ERROR
-        );
+        assert_eq!(host.kind, ErrorKind::Backend);
         // Only the error's maker says so, not its text.
         for text in [
             "cuEventRecord failed: CUDA_ERROR_ILLEGAL_ADDRESS: an illegal address",

@@ -1,8 +1,11 @@
 //! Status codes, enums as C sees them, and the error-reporting calls.
 
-use std::ffi::c_char;
+use std::ffi::{c_char, CString};
+
+use std::sync::LazyLock;
 
 use super::boundary;
+use crate::error::ErrorKind;
 
 /// Result of every fallible call. `DPSYNC_STATUS_OK` (0) is success; on failure
 /// `dpsync_last_error()` says what was wrong. Numbers are never reused.
@@ -33,8 +36,32 @@ pub enum dpsync_status {
     DPSYNC_STATUS_TIMEOUT = 8,
     /// Internal defect caught at the boundary; the context refuses further work.
     DPSYNC_STATUS_PANIC = 9,
-    // A new status also needs its line in `error_kinds!` (src/error.rs), which gives it its
-    // `ErrorKind` and its name; the build fails until it has one.
+    // A new failure status also needs its line in `error_kinds!` (src/error.rs), which gives
+    // it its `ErrorKind`, and its arm in `From<ErrorKind>` below.
+}
+
+/// Every failure status's name as C reads it, in the order of [`ErrorKind::ALL`].
+static NAMES: LazyLock<Vec<CString>> = LazyLock::new(|| {
+    (ErrorKind::ALL.iter())
+        .map(|k| CString::new(k.name()).expect("names have no NUL"))
+        .collect()
+});
+
+impl From<ErrorKind> for dpsync_status {
+    fn from(kind: ErrorKind) -> Self {
+        use dpsync_status::*;
+        match kind {
+            ErrorKind::InvalidArgument => DPSYNC_STATUS_INVALID_ARGUMENT,
+            ErrorKind::NotFound => DPSYNC_STATUS_NOT_FOUND,
+            ErrorKind::Conflict => DPSYNC_STATUS_CONFLICT,
+            ErrorKind::Inconsistent => DPSYNC_STATUS_INCONSISTENT,
+            ErrorKind::InvalidState => DPSYNC_STATUS_INVALID_STATE,
+            ErrorKind::Unavailable => DPSYNC_STATUS_UNAVAILABLE,
+            ErrorKind::Backend => DPSYNC_STATUS_BACKEND_ERROR,
+            ErrorKind::Timeout => DPSYNC_STATUS_TIMEOUT,
+            ErrorKind::Panic => DPSYNC_STATUS_PANIC,
+        }
+    }
 }
 
 /// Element types of tensors.
@@ -61,7 +88,9 @@ pub enum dpsync_role {
     DPSYNC_ROLE_GRAD = 2,
     /// Computed params, e.g. batch-norm running statistics: broadcast or averaged.
     DPSYNC_ROLE_COMPUTED = 4,
-    /// Optimizer state and counters (momentum, ITER): broadcast with params.
+    /// Optimizer state and counters (momentum, ITER): broadcast only when the roles mask
+    /// includes it; `DPSYNC_ROLE_PARAM` alone leaves STATE tensors as they are, so restore a
+    /// checkpoint with `dpsync_broadcast(ctx, DPSYNC_ROLE_PARAM | DPSYNC_ROLE_STATE, root)`.
     DPSYNC_ROLE_STATE = 8,
 }
 
@@ -111,8 +140,11 @@ pub extern "C" fn dpsync_version() -> *const c_char {
 /// Name of a status code, e.g. "DPSYNC_STATUS_NOT_FOUND"; "UNKNOWN" for other values. Static string.
 #[no_mangle]
 pub extern "C" fn dpsync_status_name(status: u32) -> *const c_char {
-    let name = dpsync_status::from_code(status).map_or("UNKNOWN\0", dpsync_status::name);
-    name.as_ptr().cast()
+    match ErrorKind::ALL.iter().position(|k| k.code() == status) {
+        Some(at) => NAMES[at].as_ptr(),
+        None if status == 0 => c"DPSYNC_STATUS_OK".as_ptr(),
+        None => c"UNKNOWN".as_ptr(),
+    }
 }
 
 /// Message of the last failed call on this thread, "" if none. Valid until the next dpsync call
@@ -120,4 +152,25 @@ pub extern "C" fn dpsync_status_name(status: u32) -> *const c_char {
 #[no_mangle]
 pub extern "C" fn dpsync_last_error() -> *const c_char {
     boundary::last_error_ptr()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_error_kind_is_the_status_of_its_number_and_name() {
+        for &kind in ErrorKind::ALL {
+            let status = dpsync_status::from(kind);
+            assert_eq!(status as u32, kind.code(), "{kind:?}");
+            assert_eq!(format!("{status:?}"), kind.name(), "{kind:?}");
+            // SAFETY: a static NUL-terminated string.
+            let name = unsafe { std::ffi::CStr::from_ptr(dpsync_status_name(kind.code())) };
+            assert_eq!(name.to_str(), Ok(kind.name()));
+        }
+        assert_eq!(
+            ErrorKind::ALL.len(),
+            dpsync_status::DPSYNC_STATUS_PANIC as usize
+        );
+    }
 }
