@@ -117,16 +117,6 @@ impl Options {
         Ok(())
     }
 
-    /// A world over the MPI communicator at `mpi_comm` (NULL: `MPI_COMM_WORLD`), its value
-    /// copied now. Without an MPI engine in this build: UNAVAILABLE, and nothing changes.
-    ///
-    /// # Safety
-    /// A non-NULL `mpi_comm` points to an `MPI_Comm` of the MPI the library was built with.
-    pub unsafe fn set_world_mpi(&mut self, mpi_comm: *const std::ffi::c_void) -> Result<()> {
-        self.world = Some(crate::backend::world_of(mpi_comm)?);
-        Ok(())
-    }
-
     pub fn set_timeout_ms(&mut self, timeout_ms: u64) {
         self.timeout_ms = timeout_ms;
         self.timeout_set = true;

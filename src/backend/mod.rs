@@ -9,14 +9,13 @@ mod cuda;
 pub(crate) mod host;
 #[cfg(feature = "mpi")]
 mod mpi;
+pub(crate) mod select;
 pub(crate) mod spares;
 mod sparse;
 
 pub use bmuf::{bmuf_state_dtype, BmufFilter, BmufSpan};
 
 use crate::error::{Error, Result};
-use crate::options::{Options, World};
-use crate::plan::Topology;
 use crate::types::{DType, Memory};
 
 pub use sparse::{
@@ -546,67 +545,6 @@ pub(crate) enum Channel {
 // Read by the engine only (the MPI one is built with the `mpi` feature).
 #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 pub(crate) struct Ticket(pub(crate) Box<dyn std::any::Any + Send>);
-
-/// The world the caller's `mpi_comm` names (NULL: `MPI_COMM_WORLD`), its value copied now.
-/// UNAVAILABLE in a build without the MPI engine.
-///
-/// # Safety
-/// A non-NULL `mpi_comm` points to an `MPI_Comm`.
-pub(crate) unsafe fn world_of(mpi_comm: *const std::ffi::c_void) -> Result<World> {
-    #[cfg(feature = "mpi")]
-    return mpi::world_of(mpi_comm);
-    #[cfg(not(feature = "mpi"))]
-    {
-        let _ = mpi_comm;
-        Err(Error::new(
-            crate::error::ErrorKind::Unavailable,
-            "dpsync_options_set_world_mpi: this build of dpsync has no MPI support, so a context \
-             cannot span several processes (build the library with `cargo build --release \
-             --features mpi`: see the README, \"Worlds\")",
-        ))
-    }
-}
-
-/// Joins `world` (collective: every rank of its communicator calls it): MPI initialised if
-/// nobody has, the communicator duplicated, within `timeout_ms` (0 = forever).
-pub(crate) fn join(world: &World, timeout_ms: u64) -> Result<Box<dyn Ranks>> {
-    #[cfg(feature = "mpi")]
-    return Ok(Box::new(mpi::MpiRanks::join(world, timeout_ms)?));
-    #[cfg(not(feature = "mpi"))]
-    {
-        let _ = (world, timeout_ms);
-        // SAFETY: NULL is always accepted; this build answers UNAVAILABLE.
-        Err(unsafe { world_of(std::ptr::null()) }.unwrap_err())
-    }
-}
-
-/// What [`open`] found: the topology (built once, with what the devices told) and the backend
-/// of the replicas' memory.
-pub(crate) struct Opened {
-    pub topology: Topology,
-    pub backend: Box<dyn Backend>,
-}
-
-/// Opens the backend of `options`' replicas: the host's, or CUDA's with the peer access and the
-/// transport its devices allow. The one place the topology is built for a live context.
-pub(crate) fn open(options: &Options) -> Result<Opened> {
-    let mut topology = Topology::from_options(options)?;
-    if !options.has_cuda_replicas() {
-        return Ok(Opened {
-            topology,
-            backend: Box::new(host::HostBackend::new()),
-        });
-    }
-    let groups = crate::plan::device_groups(&topology);
-    let opened = cuda::CudaBackend::open(options, &groups)?;
-    topology.detected(options, opened.peer);
-    topology.transport = opened.transport;
-    topology.transport_reason = opened.reason;
-    Ok(Opened {
-        topology,
-        backend: Box::new(opened.backend),
-    })
-}
 
 #[cfg(test)]
 mod tests {

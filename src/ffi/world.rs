@@ -21,7 +21,8 @@ pub unsafe extern "C" fn dpsync_options_set_world_mpi(
 ) -> dpsync_status {
     entry(|| {
         let options = try_mut(options, "options")?;
-        options.inner.set_world_mpi(mpi_comm)
+        options.inner.world = Some(crate::backend::select::world_of(mpi_comm)?);
+        Ok(())
     })
 }
 
