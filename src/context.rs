@@ -1,23 +1,24 @@
 //! A context: the options it was made with, the topology, the registry, the cached plan and the
 //! executor. This is the whole library seen from Rust; `ffi` only translates C calls into it.
 
+mod create;
 mod overlap;
 mod sparse;
 
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use crate::backend::{self, Channel};
+use crate::backend::Channel;
 use crate::error::{Error, ErrorKind, Result};
 use crate::exec::bmuf::{self, BmufState};
 use crate::exec::{world, Executor, SparseOutputs};
 use crate::log;
 use crate::options::Options;
-use crate::plan::{self, Bucket, Plan, Topology, TransportChoice};
+use crate::plan::{self, Bucket, Levels, Plan, Topology};
 use crate::registry::sparse::SparseRegistry;
 use crate::registry::{self, Registration, Registry, Snapshot, TensorView};
 use crate::timeline::{self, Tracer};
-use crate::types::{DType, Device, Memory, ReduceOp, Role, RoleMask, Transport};
+use crate::types::{DType, Device, Memory, ReduceOp, Role, RoleMask};
 use serde_json::json;
 
 pub struct Context {
@@ -51,8 +52,9 @@ impl Drop for Context {
 pub fn plan_describe(options: &Options) -> Result<String> {
     let topology = Topology::from_options(options)?;
     let snapshot = Registry::new(topology.replicas()).snapshot();
-    let plan = Plan::new(&topology, &snapshot, options.fusion_bytes);
-    let mut json = plan::describe(&topology, &plan, &snapshot, options.fusion_bytes);
+    let plan = Plan::new(&snapshot, options.fusion_bytes);
+    let levels = Levels::new(&topology);
+    let mut json = plan::describe(&topology, &levels, &plan, &snapshot, options.fusion_bytes);
     sparse::describe_into(
         &mut json,
         &SparseRegistry::new(topology.replicas()),
@@ -63,41 +65,11 @@ pub fn plan_describe(options: &Options) -> Result<String> {
 
 impl Context {
     pub fn new(options: &Options) -> Result<Context> {
-        let opened = options.validate().and_then(|()| backend::open(options));
-        // In a world, creation is collective: the engine joins, then the ranks learn each
-        // other's outcome (a rank whose own options or devices failed fails every rank at once,
-        // not by the others' timeout), agree on the options and learn the replica counts.
-        let world = match &options.world {
-            None => None,
-            Some(w) => {
-                let ranks = backend::join(w, options.timeout())?;
-                let local = opened
-                    .as_ref()
-                    .map_err(Clone::clone)
-                    .and_then(|o| world_part(o, ranks.rank() == 0, options.transport));
-                let settled = world::settle(&*ranks, options, local)?;
-                Some((ranks, settled))
-            }
-        };
-        let backend::Opened {
-            mut topology,
+        let create::Created {
+            topology,
             backend,
-        } = opened?;
-        let ranks = match world {
-            None => None,
-            Some((ranks, settled)) => {
-                topology.replicas_per_rank = settled.per_rank;
-                (topology.rank, topology.world_size) = (ranks.rank(), ranks.ranks());
-                // CUDA replicas: NCCL across the ranks where every rank can join it.
-                if let (Some(joint), Some(c)) = (&settled.collective, backend.world_collective()) {
-                    if world::join_collective(&*ranks, c, joint, options.transport)? {
-                        topology.world_nccl = Some(joint.0.clone());
-                    }
-                }
-                Some(ranks)
-            }
-        };
-        log_creation(options, &topology);
+            ranks,
+        } = create::create(options)?;
         let trace = Tracer::for_context(
             topology.rank,
             &match topology.world_size {
@@ -111,6 +83,7 @@ impl Context {
             ),
         );
         let mut executor = Executor::new(backend, &topology, ranks);
+        create::log_creation(options, &topology, &executor.levels().route);
         executor.set_tracer(trace.clone());
         Ok(Context {
             options: options.clone(),
@@ -208,11 +181,7 @@ impl Context {
             Some((s, p)) if s.generation == generation => (s.clone(), p.clone()),
             _ => {
                 let snapshot = Arc::new(self.registry.snapshot());
-                let plan = Arc::new(Plan::new(
-                    &self.topology,
-                    &snapshot,
-                    self.options.fusion_bytes,
-                ));
+                let plan = Arc::new(Plan::new(&snapshot, self.options.fusion_bytes));
                 log::debug(|| {
                     format!(
                         "plan rebuilt (registry generation {}): {} tensors, {} gradient \
@@ -231,7 +200,14 @@ impl Context {
 
     pub fn describe(&mut self) -> String {
         let (snapshot, plan) = self.prepare();
-        let mut json = plan::describe(&self.topology, &plan, &snapshot, self.options.fusion_bytes);
+        let levels = self.executor.levels();
+        let mut json = plan::describe(
+            &self.topology,
+            levels,
+            &plan,
+            &snapshot,
+            self.options.fusion_bytes,
+        );
         sparse::describe_into(&mut json, &self.sparse, &self.options);
         json["sparse_last_step"] = sparse::describe_stats(&self.sparse_out.stats);
         json["overlap"] = self.describe_overlap();
@@ -244,7 +220,7 @@ impl Context {
             world["rank"] = self.topology.rank.into();
             world["ranks"] = self.topology.world_size.into();
             world["replicas_per_rank"] = self.topology.replicas_per_rank.clone().into();
-            world["cross_rank"] = cross_rank(&self.options, &self.topology).into();
+            world["cross_rank"] = levels.route.name().into();
             json["world"] = world;
         }
         json.to_string()
@@ -606,95 +582,5 @@ impl Context {
         let state = self.bmuf.as_ref().ok_or_else(bmuf::not_started)?;
         // SAFETY: as in allreduce_grads; check_params vouches for the state's pointers.
         unsafe { self.executor.bmuf_step(state, divisor) }
-    }
-}
-
-/// What this rank brings to its world: its replicas and, where its backend can join a
-/// collective across the ranks, its replicas' device groups (and on rank 0 the clique's id).
-fn world_part(opened: &backend::Opened, first: bool, transport: Transport) -> Result<world::Local> {
-    let topology = &opened.topology;
-    let collective = match opened.backend.world_collective() {
-        None => None,
-        Some(c) => {
-            let groups = crate::plan::device_groups(topology);
-            let group_of = crate::plan::group_of(&groups, topology.replicas());
-            // Without an id from rank 0 no rank joins: AUTO stages; NCCL asked fails creation
-            // (this rank's own part failed, so every rank fails with it).
-            match first.then(|| c.new_id()).transpose() {
-                Ok(id) => Some((group_of, id)),
-                Err(e) if transport == Transport::Nccl => return Err(e),
-                Err(e) => {
-                    log::warn(|| format!("no NCCL unique id: {}", e.message));
-                    None
-                }
-            }
-        }
-    };
-    Ok(world::Local {
-        replicas: topology.replicas(),
-        collective,
-    })
-}
-
-/// What context creation logs: the replicas, the transport and why, the world (info); the
-/// fallbacks a user may not expect (warn).
-fn log_creation(options: &Options, topology: &Topology) {
-    log::info(|| {
-        let devices: Vec<String> = topology.devices.iter().map(ToString::to_string).collect();
-        let world = match topology.world_size {
-            1 => String::new(),
-            n => format!(
-                "; world: rank {} of {n}, replicas per rank {:?}, across the ranks {}",
-                topology.rank,
-                topology.replicas_per_rank,
-                cross_rank(options, topology)
-            ),
-        };
-        format!(
-            "context created: {} replicas [{}], transport {} ({}){world}",
-            devices.len(),
-            devices.join(", "),
-            topology.transport.name(),
-            topology.transport_reason
-        )
-    });
-    if !options.has_cuda_replicas() {
-        return;
-    }
-    if options.transport == Transport::Auto && topology.transport != TransportChoice::Nccl {
-        log::warn(|| format!("NCCL is not used: {}", topology.transport_reason));
-    }
-    if topology.transport == TransportChoice::PeerCopy {
-        // Distinct GPU pairs without peer access: their sums go through host memory.
-        let n = topology.devices.len();
-        let mut pairs: Vec<(String, String)> = Vec::new();
-        for a in 0..n {
-            for b in 0..n {
-                let (da, db) = (topology.devices[a], topology.devices[b]);
-                let pair = (da.to_string(), db.to_string());
-                if da != db && topology.peer[a * n + b] == 0 && !pairs.contains(&pair) {
-                    pairs.push(pair);
-                }
-            }
-        }
-        if !pairs.is_empty() {
-            log::warn(|| {
-                let list: Vec<String> = pairs.iter().map(|(a, b)| format!("{a}->{b}")).collect();
-                format!(
-                    "no peer access between {}: those transfers are staged through host memory",
-                    list.join(", ")
-                )
-            });
-        }
-    }
-}
-
-/// How a world's collectives cross the ranks: `"mpi"` (host replicas), `"nccl"` or
-/// `"mpi_staged"` (CUDA replicas).
-fn cross_rank(options: &Options, topology: &Topology) -> &'static str {
-    match (options.has_cuda_replicas(), &topology.world_nccl) {
-        (false, _) => "mpi",
-        (true, Some(_)) => "nccl",
-        (true, None) => "mpi_staged",
     }
 }

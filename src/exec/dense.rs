@@ -25,7 +25,7 @@ use crate::backend::{
     Allocation, Backend, BucketView, Channel, Layout, Links, Members, Ranks, Segment, Slot, Streams,
 };
 use crate::error::Result;
-use crate::plan::{Across, Levels, Step, StepOp, Via};
+use crate::plan::{Across, Levels, Route, Step, StepOp, Via};
 use crate::timeline::{self, Tracer};
 use crate::types::DType;
 use serde_json::json;
@@ -46,15 +46,18 @@ pub(super) unsafe fn allreduce(
         trace,
         channel,
     } = site;
-    if let Some(ranks) = ranks {
-        return match (backend.streams(), &levels.world) {
-            (None, _) => allreduce_ranks(backend, levels, (ranks, channel), bucket, avg, trace),
-            // Levels 2 and 3 in one collective over the world's device groups (NCCL), below.
-            (Some(_), Some(_)) => allreduce_levels(backend, levels, bucket, avg, true),
-            (Some(streams), None) => allreduce_staged(site, streams, ranks, bucket, avg),
-        };
+    match (&levels.route, ranks, backend.streams()) {
+        (Route::Local, ..) => allreduce_levels(backend, levels, bucket, avg, false),
+        // Levels 2 and 3 in one collective over the world's device groups (NCCL).
+        (Route::RanksOverClique(_), ..) => allreduce_levels(backend, levels, bucket, avg, true),
+        (Route::RanksFromHost, Some(ranks), _) => {
+            allreduce_ranks(backend, levels, (ranks, channel), bucket, avg, trace)
+        }
+        (Route::RanksStaged, Some(ranks), Some(streams)) => {
+            allreduce_staged(site, streams, ranks, bucket, avg)
+        }
+        (route, ..) => unreachable!("route {route:?} without its engine"),
     }
-    allreduce_levels(backend, levels, bucket, avg, false)
 }
 
 /// Levels 1 and 2 (in `world`: level 2 is the collective across the ranks too).
@@ -441,46 +444,52 @@ pub(super) unsafe fn broadcast(
         trace,
         ..
     } = site;
-    if let Some(ranks) = ranks {
+    if let (Some(ranks), false) = (ranks, levels.route == Route::Local) {
         let _span = timeline::span(trace, "across ranks (broadcast)", || json!({}));
         if bucket.elements() == 0 {
             return Ok(());
         }
-        if let (Some(world), Some(links)) = (&levels.world, backend.links()) {
-            // One collective over the world's device groups, rooted at the root's group.
-            let mine = (ranks.rank() == root_rank).then(|| levels.group_of()[root]);
-            let nccl_root = world.nccl_rank(root_rank, root);
-            return broadcast_groups(links, levels, bucket, mine.map(|g| (g, root)), nccl_root);
-        }
-        if let Some(streams) = backend.streams() {
-            // Device replicas: the root's bytes through the host stage to every local replica.
-            let host = match ranks.rank() == root_rank {
-                true => stage_out(streams, bucket, root)?,
-                false => streams.host_stage(bucket.dtype.size() * bucket.elements())?,
-            };
-            ranks.broadcast(
-                &[(host, bucket.dtype.size() * bucket.elements())],
-                root_rank,
-            )?;
-            return stage_in(streams, levels, bucket, host);
-        }
-        // Level 3 (host memory, one group): the root's rank sends its root replica's bytes to
-        // every rank's local replica 0, then each rank spreads them locally.
-        let members = &levels.groups[0];
-        let leader = if ranks.rank() == root_rank {
-            root
-        } else {
-            members[0]
+        return match (&levels.route, backend.links(), backend.streams()) {
+            (Route::RanksOverClique(world), Some(links), _) => {
+                // One collective over the world's device groups, rooted at the root's group.
+                let mine = (ranks.rank() == root_rank).then(|| levels.group_of()[root]);
+                let nccl_root = world.nccl_rank(root_rank, root);
+                broadcast_groups(links, levels, bucket, mine.map(|g| (g, root)), nccl_root)
+            }
+            (Route::RanksStaged, _, Some(streams)) => {
+                // Device replicas: the root's bytes through the host stage to every local
+                // replica.
+                let host = match ranks.rank() == root_rank {
+                    true => stage_out(streams, bucket, root)?,
+                    false => streams.host_stage(bucket.dtype.size() * bucket.elements())?,
+                };
+                ranks.broadcast(
+                    &[(host, bucket.dtype.size() * bucket.elements())],
+                    root_rank,
+                )?;
+                stage_in(streams, levels, bucket, host)
+            }
+            (Route::RanksFromHost, ..) => {
+                // Level 3 (host memory, one group): the root's rank sends its root replica's
+                // bytes to every rank's local replica 0, then each rank spreads them locally.
+                let members = &levels.groups[0];
+                let leader = if ranks.rank() == root_rank {
+                    root
+                } else {
+                    members[0]
+                };
+                let size = bucket.dtype.size();
+                let spans: Vec<(usize, usize)> = (bucket.segments.iter())
+                    .map(|s| (s.ptrs[leader], s.count * size))
+                    .collect();
+                ranks.broadcast(&spans, root_rank)?;
+                if members.len() > 1 {
+                    backend.spread(0, bucket, leader)?;
+                }
+                Ok(())
+            }
+            (route, ..) => unreachable!("route {route:?} without its engine"),
         };
-        let size = bucket.dtype.size();
-        let spans: Vec<(usize, usize)> = (bucket.segments.iter())
-            .map(|s| (s.ptrs[leader], s.count * size))
-            .collect();
-        ranks.broadcast(&spans, root_rank)?;
-        if members.len() > 1 {
-            backend.spread(0, bucket, leader)?;
-        }
-        return Ok(());
     }
     let replicas: usize = levels.groups.iter().map(Vec::len).sum();
     if bucket.elements() == 0 || replicas <= 1 {

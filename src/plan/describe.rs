@@ -5,9 +5,11 @@ use serde_json::{json, Value};
 use super::{Levels, Plan, Topology};
 use crate::registry::Snapshot;
 
-/// The JSON object; a live context adds what its backend reports under "backend".
+/// The JSON object; a live context adds what its backend reports under "backend". `levels`
+/// are the ones the executor runs (describe's `steps` and `levels` are read from them).
 pub fn describe(
     topology: &Topology,
+    levels: &Levels,
     plan: &Plan,
     snapshot: &Snapshot,
     fusion_bytes: usize,
@@ -32,8 +34,8 @@ pub fn describe(
             json!({"dtype": b.dtype.name(), "memory": b.memory.name(), "bytes": b.bytes(), "elements": b.elements, "tensors": names})
         })
         .collect();
-    let steps: Vec<Value> = plan
-        .allreduce
+    let steps: Vec<Value> = levels
+        .program
         .iter()
         .map(|s| {
             let mut step = json!({"op": s.op.name(), "src": s.src, "dst": s.dst,
@@ -59,7 +61,7 @@ pub fn describe(
         "tensors": snapshot.tensors.len(),
         "buckets": buckets,
         "steps": steps,
-        "levels": Levels::new(topology).describe(),
+        "levels": levels.describe(),
         "problems": problems,
     });
     if let Some(detected) = &topology.peer_detected {

@@ -28,6 +28,45 @@ pub enum Across {
     Steps(Vec<Step>),
 }
 
+/// How a collective crosses the levels above one process's groups. Decided once, from the
+/// topology: the executor dispatches on it, `dpsync_describe` prints it (the ranks level's
+/// `via`, the world's `cross_rank`). A new collective is one more operation over these routes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Route {
+    /// One process: level 1, then level 2 as [`Across`] says.
+    Local,
+    /// Across ranks from host memory: level 1 in place, then local replica 0's bucket over the
+    /// engine (MPI), spread back down.
+    RanksFromHost,
+    /// Across ranks from device memory: levels 1 and 2, then local replica 0's bucket staged
+    /// through page-locked host memory to the engine, and back into every local replica.
+    RanksStaged,
+    /// Across ranks over one NCCL clique: level 2's collective spans every rank's device
+    /// groups, which name a broadcast's root in it.
+    RanksOverClique(WorldGroups),
+}
+
+impl Route {
+    /// The name `dpsync_describe` shows: the ranks level's `via` and the world's `cross_rank`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Route::Local => "local",
+            Route::RanksFromHost => "mpi",
+            Route::RanksStaged => "mpi_staged",
+            Route::RanksOverClique(_) => "nccl",
+        }
+    }
+
+    fn of(topology: &Topology) -> Route {
+        match (topology.in_world, topology.transport, &topology.world_nccl) {
+            (false, _, _) => Route::Local,
+            (_, TransportChoice::Host, _) => Route::RanksFromHost,
+            (_, _, Some(world)) => Route::RanksOverClique(world.clone()),
+            _ => Route::RanksStaged,
+        }
+    }
+}
+
 /// The levels of one context's dense collectives over memory of one kind.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Levels {
@@ -39,12 +78,11 @@ pub struct Levels {
     /// Level 3: replicas per rank of the world, in rank order (one entry outside a world:
     /// no level 3).
     pub ranks: Vec<usize>,
-    /// How level 3 moves a bucket: `"mpi"` from host memory, `"mpi_staged"` from device memory
-    /// through page-locked host memory, `"nccl"` as part of level 2's collective, which then
-    /// spans every device group of the world.
-    pub ranks_via: &'static str,
-    /// With `"nccl"`: the world's groups, which name a broadcast's root in the clique.
-    pub world: Option<WorldGroups>,
+    /// How the levels are crossed.
+    pub route: Route,
+    /// The whole reduction program of one allreduce in one process (describe's `steps`;
+    /// level 2's steps are taken from it).
+    pub program: Vec<Step>,
 }
 
 impl Levels {
@@ -58,8 +96,9 @@ impl Levels {
         } else if groups.len() > 1 {
             let group_of = group_of(&groups, topology.replicas());
             Across::Steps(
-                (program.into_iter())
+                (program.iter())
                     .filter(|s| s.via != Via::Local && group_of[s.src] != group_of[s.dst])
+                    .copied()
                     .collect(),
             )
         } else {
@@ -73,12 +112,16 @@ impl Levels {
             groups,
             across,
             ranks: topology.replicas_per_rank.clone(),
-            ranks_via: match (topology.transport, &topology.world_nccl) {
-                (TransportChoice::Host, _) => "mpi",
-                (_, Some(_)) => "nccl",
-                _ => "mpi_staged",
-            },
-            world: topology.world_nccl.clone(),
+            route: Route::of(topology),
+            program,
+        }
+    }
+
+    /// The clique's groups where the route crosses the ranks over NCCL.
+    pub fn clique(&self) -> Option<&WorldGroups> {
+        match &self.route {
+            Route::RanksOverClique(world) => Some(world),
+            _ => None,
         }
     }
 
@@ -102,9 +145,9 @@ impl Levels {
         };
         let mut levels = vec![json!({"level": "replicas", "groups": self.groups}), across];
         if self.ranks.len() > 1 {
-            let mut ranks = json!({"level": "ranks", "via": self.ranks_via,
+            let mut ranks = json!({"level": "ranks", "via": self.route.name(),
                                    "ranks": self.ranks.len(), "replicas_per_rank": self.ranks});
-            if let Some(world) = &self.world {
+            if let Some(world) = self.clique() {
                 // Levels 2 and 3 are one NCCL collective over every rank's device groups.
                 ranks["nccl_ranks"] = world.total().into();
             }
@@ -127,6 +170,7 @@ pub fn group_of(groups: &[Vec<usize>], replicas: usize) -> Vec<usize> {
 mod tests {
     use super::*;
     use crate::options::Options;
+    use crate::plan::WorldPlace;
     use crate::types::Transport;
 
     fn cuda(ordinals: &[i32], transport: Transport) -> Topology {
@@ -134,6 +178,70 @@ mod tests {
         o.set_cuda_replicas(ordinals).unwrap();
         o.transport = transport;
         Topology::from_options(&o).unwrap()
+    }
+
+    /// Every class of topology: its route, and describe's levels and steps read from the same
+    /// `Levels` value the executor dispatches on.
+    #[test]
+    fn every_topology_has_one_route_that_describe_shows() {
+        let mut host = Options::default();
+        host.set_host_replicas(2).unwrap();
+        let host = Topology::from_options(&host).unwrap();
+        let mut peer = cuda(&[0, 1], Transport::PeerCopy);
+        peer.peer = vec![1; 4];
+        let place = |nccl: Option<WorldGroups>| WorldPlace {
+            rank: 1,
+            size: 2,
+            replicas_per_rank: vec![1, 2],
+            nccl,
+        };
+        let clique = WorldGroups {
+            group_of: vec![vec![0], vec![0, 1]],
+        };
+        let classes = [
+            ("host", host.clone(), Route::Local),
+            ("one GPU", cuda(&[0, 0], Transport::Nccl), Route::Local),
+            ("GPUs with peer access", peer, Route::Local),
+            (
+                "GPUs without",
+                cuda(&[0, 1], Transport::PeerCopy),
+                Route::Local,
+            ),
+            ("NCCL", cuda(&[0, 1], Transport::Nccl), Route::Local),
+            (
+                "world, host",
+                host.in_world(place(None)),
+                Route::RanksFromHost,
+            ),
+            (
+                "world, staged",
+                cuda(&[0, 1], Transport::PeerCopy).in_world(place(None)),
+                Route::RanksStaged,
+            ),
+            (
+                "world, NCCL",
+                cuda(&[0, 1], Transport::Nccl).in_world(place(Some(clique.clone()))),
+                Route::RanksOverClique(clique),
+            ),
+        ];
+        let snapshot = crate::registry::Registry::new(2).snapshot();
+        for (class, topology, route) in classes {
+            let levels = Levels::new(&topology);
+            assert_eq!(levels.route, route, "{class}");
+            let plan = crate::plan::Plan::new(&snapshot, 1 << 20);
+            let json = crate::plan::describe(&topology, &levels, &plan, &snapshot, 1 << 20);
+            assert_eq!(json["levels"], levels.describe(), "{class}");
+            assert_eq!(
+                json["steps"].as_array().map(Vec::len),
+                Some(levels.program.len()),
+                "{class}"
+            );
+            let ranks = json["levels"].as_array().unwrap().get(2).cloned();
+            match route {
+                Route::Local => assert_eq!(ranks, None, "{class}"),
+                _ => assert_eq!(ranks.unwrap()["via"], levels.route.name(), "{class}"),
+            }
+        }
     }
 
     #[test]
@@ -171,10 +279,13 @@ mod tests {
     #[test]
     fn a_world_over_nccl_is_one_collective_over_every_ranks_groups() {
         // This rank: two replicas on one GPU (one group); the world: 2 ranks, 3 GPUs in all.
-        let mut world = cuda(&[0, 0], Transport::Nccl);
-        world.replicas_per_rank = vec![2, 2];
-        world.world_nccl = Some(WorldGroups {
-            group_of: vec![vec![0, 0], vec![0, 1]],
+        let world = cuda(&[0, 0], Transport::Nccl).in_world(WorldPlace {
+            rank: 0,
+            size: 2,
+            replicas_per_rank: vec![2, 2],
+            nccl: Some(WorldGroups {
+                group_of: vec![vec![0, 0], vec![0, 1]],
+            }),
         });
         let levels = Levels::new(&world);
         assert_eq!(
@@ -182,9 +293,9 @@ mod tests {
             Across::Collective,
             "one group, yet a collective"
         );
-        assert_eq!(levels.ranks_via, "nccl");
+        assert_eq!(levels.route.name(), "nccl");
         assert!(!levels.in_place());
-        let w = levels.world.as_ref().unwrap();
+        let w = levels.clique().unwrap();
         assert_eq!((w.first(0), w.first(1), w.total()), (0, 1, 3));
         assert_eq!(
             (w.nccl_rank(0, 1), w.nccl_rank(1, 0), w.nccl_rank(1, 1)),

@@ -1,6 +1,7 @@
 //! The plan: pure data computed from the options, the topology and the registry — which
-//! transport runs, which tensors share a fusion bucket, and which reduction steps move which
-//! bytes between which replicas. No device is touched here, so the same plan is printed by
+//! transport runs, how each level of a collective moves data ([`Levels`], [`Route`]: built once
+//! per context from the topology), which tensors share a fusion bucket ([`Plan`]: per registry
+//! generation), and which reduction steps move which bytes between which replicas. No device is touched here, so the same plan is printed by
 //! `dpsync_plan_describe` on any machine and executed by a live context.
 
 mod buckets;
@@ -12,9 +13,9 @@ mod topology;
 
 pub use buckets::{plan_buckets, Bucket};
 pub use describe::describe;
-pub use levels::{group_of, Across, Levels};
-pub use steps::{allreduce_steps, device_groups, Step, StepOp, Via};
-pub use topology::{Topology, TransportChoice, WorldGroups};
+pub use levels::{group_of, Across, Levels, Route};
+pub use steps::{device_groups, Step, StepOp, Via};
+pub use topology::{Topology, TransportChoice, WorldGroups, WorldPlace};
 
 use crate::registry::Snapshot;
 use crate::types::Role;
@@ -26,13 +27,10 @@ pub struct Plan {
     /// GRAD tensors fused into buckets, last registered first. Indices refer to
     /// `Snapshot::tensors`.
     pub buckets: Vec<Bucket>,
-    /// The reduction program for one allreduce of device memory (same for every bucket and
-    /// tensor); on host replicas, the host program.
-    pub allreduce: Vec<Step>,
 }
 
 impl Plan {
-    pub fn new(topology: &Topology, snapshot: &Snapshot, fusion_bytes: usize) -> Plan {
+    pub fn new(snapshot: &Snapshot, fusion_bytes: usize) -> Plan {
         let grads = snapshot
             .tensors
             .iter()
@@ -43,7 +41,6 @@ impl Plan {
         Plan {
             generation: snapshot.generation,
             buckets: plan_buckets(grads, fusion_bytes),
-            allreduce: allreduce_steps(topology),
         }
     }
 }

@@ -69,6 +69,18 @@ pub struct Topology {
     /// In a world of CUDA replicas: NCCL across the ranks (one NCCL rank per device group of
     /// every rank), where every rank could join it; `None`: staged through MPI, or no world.
     pub world_nccl: Option<WorldGroups>,
+    /// In a world of processes (of one rank, too): collectives go through its engine.
+    pub in_world: bool,
+}
+
+/// Where a process stands in its world, as the ranks settled it ([`Topology::in_world`]).
+pub struct WorldPlace {
+    pub rank: usize,
+    pub size: usize,
+    /// Local replicas of every rank, in rank order.
+    pub replicas_per_rank: Vec<usize>,
+    /// NCCL across the ranks, where every rank joined it.
+    pub nccl: Option<WorldGroups>,
 }
 
 /// The device groups of every rank of a world, as the ranks of one NCCL clique.
@@ -149,6 +161,7 @@ impl Topology {
             replicas_per_rank: vec![n],
             rank_per_replica,
             world_nccl: None,
+            in_world: false,
         };
         topology.own_devices_readable();
         Ok(topology)
@@ -165,6 +178,19 @@ impl Topology {
             }
         }
         self.own_devices_readable();
+    }
+
+    /// This topology placed in a world, as its ranks settled it at creation: the last part of
+    /// building a live context's topology, before anything is planned over it.
+    pub fn in_world(self, place: WorldPlace) -> Topology {
+        Topology {
+            rank: place.rank,
+            world_size: place.size,
+            replicas_per_rank: place.replicas_per_rank,
+            world_nccl: place.nccl,
+            in_world: true,
+            ..self
+        }
     }
 
     /// A device always reads its own memory, whatever a matrix says.
