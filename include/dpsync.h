@@ -117,7 +117,9 @@ typedef enum dpsync_role {
    */
   DPSYNC_ROLE_COMPUTED = 4,
   /**
-   * Optimizer state and counters (momentum, ITER): broadcast with params.
+   * Optimizer state and counters (momentum, ITER): broadcast only when the roles mask
+   * includes it; `DPSYNC_ROLE_PARAM` alone leaves STATE tensors as they are, so restore a
+   * checkpoint with `dpsync_broadcast(ctx, DPSYNC_ROLE_PARAM | DPSYNC_ROLE_STATE, root)`.
    */
   DPSYNC_ROLE_STATE = 8,
 } dpsync_role;
@@ -225,8 +227,10 @@ enum dpsync_status dpsync_allreduce_grads(struct dpsync_context *context, uint32
 enum dpsync_status dpsync_allreduce(struct dpsync_context *context, const char *name, uint32_t op);
 
 /**
- * Copy every tensor whose role is in `roles` from `root_replica` (of rank 0) to all other
- * replicas.
+ * Copy every tensor whose role is in `roles` (a mask of `DPSYNC_ROLE_*` bits, e.g.
+ * `DPSYNC_ROLE_PARAM | DPSYNC_ROLE_STATE` for a checkpoint) from `root_replica` to all other
+ * replicas. In a world, `root_replica` is a world replica index: rank 0's replicas first,
+ * then rank 1's, and so on; out of range is `DPSYNC_STATUS_INVALID_ARGUMENT`.
  */
 enum dpsync_status dpsync_broadcast(struct dpsync_context *context,
                                     uint32_t roles,

@@ -4,14 +4,16 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 step() { printf '\n==> %s\n' "$*"; }
 
-# Installs the named Debian packages (none: nothing to do).
+# Installs the named Debian packages (none: nothing to do). Waits up to 5 minutes for another
+# apt or dpkg holding the lock rather than failing at once (exit 100).
 apt_install() {
   (($#)) || return 0
   step "installing $*"
   local sudo=""
   [ "$(id -u)" = 0 ] || sudo="sudo"
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "$@" >/dev/null
+  local wait=(-o DPkg::Lock::Timeout=300)
+  $sudo apt-get "${wait[@]}" update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get "${wait[@]}" install -y -qq "$@" >/dev/null
 }
 
 ensure_tools() {

@@ -62,8 +62,10 @@ pub unsafe extern "C" fn dpsync_allreduce(
     )
 }
 
-/// Copy every tensor whose role is in `roles` from `root_replica` (of rank 0) to all other
-/// replicas.
+/// Copy every tensor whose role is in `roles` (a mask of `DPSYNC_ROLE_*` bits, e.g.
+/// `DPSYNC_ROLE_PARAM | DPSYNC_ROLE_STATE` for a checkpoint) from `root_replica` to all other
+/// replicas. In a world, `root_replica` is a world replica index: rank 0's replicas first,
+/// then rank 1's, and so on; out of range is `DPSYNC_STATUS_INVALID_ARGUMENT`.
 #[no_mangle]
 pub unsafe extern "C" fn dpsync_broadcast(
     context: *mut dpsync_context,
