@@ -24,6 +24,7 @@ use ring::Ring;
 use shm::Shared;
 use steps::{Handle, Queue, Until};
 
+mod ring;
 mod shm;
 mod steps;
 
@@ -650,131 +651,150 @@ fn stage(words: &mut Vec<u64>, bytes: usize) -> *mut u8 {
     words.as_mut_ptr().cast()
 }
 
+/// A dtype's element type, and how it is summed in the type MPI sums it in.
+trait Summed: Copy + 'static {
+    /// The type MPI sums it in ([`mpi_type`]).
+    type Acc: Copy + 'static;
+    fn widen(x: Self) -> Self::Acc;
+    fn add(a: Self::Acc, b: Self::Acc) -> Self::Acc;
+    fn divide(a: Self::Acc, d: usize) -> Self::Acc;
+    /// One rounding.
+    fn narrow(a: Self::Acc) -> Self;
+}
+
+// `#[inline]` throughout: called once per element from generic loops, some in other files (the
+// ring's sums), where an out-of-line call would cost more than the element's own work.
+
+macro_rules! float_exact {
+    ($t:ty) => {
+        impl Summed for $t {
+            type Acc = $t;
+            #[inline]
+            fn widen(x: $t) -> $t {
+                x
+            }
+            #[inline]
+            fn add(a: $t, b: $t) -> $t {
+                a + b
+            }
+            #[inline]
+            fn divide(a: $t, d: usize) -> $t {
+                a / d as $t
+            }
+            #[inline]
+            fn narrow(a: $t) -> $t {
+                a
+            }
+        }
+    };
+}
+float_exact!(f32);
+float_exact!(f64);
+
+macro_rules! int_wrapping {
+    ($t:ty) => {
+        impl Summed for $t {
+            type Acc = $t;
+            #[inline]
+            fn widen(x: $t) -> $t {
+                x
+            }
+            /// Wraps on overflow (two's complement) instead of panicking in a debug build.
+            #[inline]
+            fn add(a: $t, b: $t) -> $t {
+                a.wrapping_add(b)
+            }
+            #[inline]
+            fn divide(a: $t, d: usize) -> $t {
+                a / d as $t
+            }
+            #[inline]
+            fn narrow(a: $t) -> $t {
+                a
+            }
+        }
+    };
+}
+int_wrapping!(i32);
+int_wrapping!(i64);
+
+macro_rules! half_in_f32 {
+    ($t:ty) => {
+        impl Summed for $t {
+            type Acc = f32;
+            #[inline]
+            fn widen(x: $t) -> f32 {
+                x.to_f32()
+            }
+            #[inline]
+            fn add(a: f32, b: f32) -> f32 {
+                a + b
+            }
+            #[inline]
+            fn divide(a: f32, d: usize) -> f32 {
+                a / d as f32
+            }
+            #[inline]
+            fn narrow(a: f32) -> $t {
+                <$t>::from_f32(a)
+            }
+        }
+    };
+}
+half_in_f32!(f16);
+half_in_f32!(bf16);
+
 /// Whether `T` and `A` are one type (then widening and narrowing are the identity).
 fn same_type<T: 'static, A: 'static>() -> bool {
     std::any::TypeId::of::<T>() == std::any::TypeId::of::<A>()
 }
 
 /// `dst[..count]` := the sum of `count` elements of `T` from element `skip` of every pointer of
-/// `srcs`, widened to `A` (the type MPI sums).
+/// `srcs`, widened to `T::Acc` (the type MPI sums).
 ///
 /// # Safety
-/// Every source holds `skip + count` aligned `T`, `dst` room for `count` aligned `A`.
-unsafe fn gather_in<T: Copy + 'static, A: Copy + 'static>(
-    (srcs, skip): (&[usize], usize),
-    dst: *mut u8,
-    count: usize,
-    widen: impl Fn(T) -> A,
-    add: impl Fn(A, A) -> A,
-) {
-    let out = std::slice::from_raw_parts_mut(dst.cast::<A>(), count);
+/// Every source holds `skip + count` aligned `T`, `dst` room for `count` aligned `T::Acc`.
+unsafe fn gather_in<T: Summed>((srcs, skip): (&[usize], usize), dst: *mut u8, count: usize) {
+    let out = std::slice::from_raw_parts_mut(dst.cast::<T::Acc>(), count);
     for (k, &src) in srcs.iter().enumerate() {
         let xs = std::slice::from_raw_parts((src as *const T).add(skip), count);
-        if k == 0 && same_type::<T, A>() {
+        if k == 0 && same_type::<T, T::Acc>() {
             // The widening is the identity: libc's copy beats the element loop on large
             // stages (MPI's ring, fused ResNet-50 on the 2-core VM: 33 against 36 ms).
-            std::ptr::copy_nonoverlapping(xs.as_ptr().cast::<A>(), out.as_mut_ptr(), count);
+            std::ptr::copy_nonoverlapping(xs.as_ptr().cast::<T::Acc>(), out.as_mut_ptr(), count);
         } else if k == 0 {
-            out.iter_mut().zip(xs).for_each(|(o, &x)| *o = widen(x));
+            out.iter_mut().zip(xs).for_each(|(o, &x)| *o = T::widen(x));
         } else {
             out.iter_mut()
                 .zip(xs)
-                .for_each(|(o, &x)| *o = add(*o, widen(x)));
+                .for_each(|(o, &x)| *o = T::add(*o, T::widen(x)));
         }
     }
 }
 
-/// `dst[skip..skip + count]` := `count` elements of `A` at `src`, divided by `avg` if given, as
-/// `T` (one rounding).
+/// `dst[skip..skip + count]` := `count` elements of `T::Acc` at `src`, divided by `avg` if
+/// given, as `T` (one rounding).
 ///
 /// # Safety
 /// As for [`gather_in`], the other way round.
-unsafe fn scatter_out<T: Copy + 'static, A: Copy + 'static>(
+unsafe fn scatter_out<T: Summed>(
     src: *const u8,
     (dst, skip): (usize, usize),
     count: usize,
     avg: Option<usize>,
-    divide: impl Fn(A, usize) -> A,
-    narrow: impl Fn(A) -> T,
 ) {
     let (xs, out) = (
-        std::slice::from_raw_parts(src.cast::<A>(), count),
+        std::slice::from_raw_parts(src.cast::<T::Acc>(), count),
         std::slice::from_raw_parts_mut((dst as *mut T).add(skip), count),
     );
     match avg {
-        None if same_type::<T, A>() => {
+        None if same_type::<T, T::Acc>() => {
             std::ptr::copy_nonoverlapping(xs.as_ptr().cast::<T>(), out.as_mut_ptr(), count)
         }
-        None => out.iter_mut().zip(xs).for_each(|(o, &x)| *o = narrow(x)),
-        Some(d) => (out.iter_mut().zip(xs)).for_each(|(o, &x)| *o = narrow(divide(x, d))),
+        None => out.iter_mut().zip(xs).for_each(|(o, &x)| *o = T::narrow(x)),
+        Some(d) => (out.iter_mut().zip(xs)).for_each(|(o, &x)| *o = T::narrow(T::divide(x, d))),
     }
 }
-
-/// Runs `$body` with `$T` (the dtype's element type) and `$A` (the type MPI sums it in), and
-/// `$widen`, `$add`, `$divide`, `$narrow` between them.
-macro_rules! by_dtype {
-    ($dtype:expr, |$widen:ident, $add:ident, $divide:ident, $narrow:ident| $body:expr) => {
-        match $dtype {
-            DType::F32 => {
-                let ($widen, $add, $divide, $narrow) = (
-                    |x: f32| x,
-                    |a: f32, b: f32| a + b,
-                    |a: f32, d: usize| a / d as f32,
-                    |a: f32| a,
-                );
-                $body
-            }
-            DType::F64 => {
-                let ($widen, $add, $divide, $narrow) = (
-                    |x: f64| x,
-                    |a: f64, b: f64| a + b,
-                    |a: f64, d: usize| a / d as f64,
-                    |a: f64| a,
-                );
-                $body
-            }
-            DType::I32 => {
-                let ($widen, $add, $divide, $narrow) = (
-                    |x: i32| x,
-                    |a: i32, b: i32| a.wrapping_add(b),
-                    |a: i32, d: usize| a / d as i32,
-                    |a: i32| a,
-                );
-                $body
-            }
-            DType::I64 => {
-                let ($widen, $add, $divide, $narrow) = (
-                    |x: i64| x,
-                    |a: i64, b: i64| a.wrapping_add(b),
-                    |a: i64, d: usize| a / d as i64,
-                    |a: i64| a,
-                );
-                $body
-            }
-            DType::F16 => {
-                let ($widen, $add, $divide, $narrow) = (
-                    f16::to_f32,
-                    |a: f32, b: f32| a + b,
-                    |a: f32, d: usize| a / d as f32,
-                    f16::from_f32,
-                );
-                $body
-            }
-            DType::Bf16 => {
-                let ($widen, $add, $divide, $narrow) = (
-                    bf16::to_f32,
-                    |a: f32, b: f32| a + b,
-                    |a: f32, d: usize| a / d as f32,
-                    bf16::from_f32,
-                );
-                $body
-            }
-        }
-    };
-}
-
-// After `by_dtype!`, which it uses.
-mod ring;
 
 /// The MPI type a dtype is summed in, and its size (f16/bf16: f32, rounded once at the end).
 fn mpi_type(dtype: DType) -> (ffi::MPI_Datatype, usize) {
@@ -808,14 +828,15 @@ unsafe fn stage_in(
         segments.len(),
         range,
         |k, skip, n, at| {
-            let dst = send.add(at * size);
-            by_dtype!(dtype, |widen, add, _divide, _narrow| gather_in(
-                (segments[k].ptrs, skip),
-                dst,
-                n,
-                widen,
-                add
-            ));
+            let (src, dst) = ((segments[k].ptrs, skip), send.add(at * size));
+            match dtype {
+                DType::F32 => gather_in::<f32>(src, dst, n),
+                DType::F64 => gather_in::<f64>(src, dst, n),
+                DType::F16 => gather_in::<f16>(src, dst, n),
+                DType::Bf16 => gather_in::<bf16>(src, dst, n),
+                DType::I32 => gather_in::<i32>(src, dst, n),
+                DType::I64 => gather_in::<i64>(src, dst, n),
+            }
         },
     );
 }
@@ -838,15 +859,15 @@ unsafe fn stage_out(
         outs.len(),
         range,
         |k, skip, n, at| {
-            let src = recv.add(at * size);
-            by_dtype!(dtype, |_widen, _add, divide, narrow| scatter_out(
-                src,
-                (outs[k].0, skip),
-                n,
-                avg,
-                divide,
-                narrow
-            ));
+            let (src, dst) = (recv.add(at * size), (outs[k].0, skip));
+            match dtype {
+                DType::F32 => scatter_out::<f32>(src, dst, n, avg),
+                DType::F64 => scatter_out::<f64>(src, dst, n, avg),
+                DType::F16 => scatter_out::<f16>(src, dst, n, avg),
+                DType::Bf16 => scatter_out::<bf16>(src, dst, n, avg),
+                DType::I32 => scatter_out::<i32>(src, dst, n, avg),
+                DType::I64 => scatter_out::<i64>(src, dst, n, avg),
+            }
         },
     );
 }
