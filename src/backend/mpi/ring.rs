@@ -17,11 +17,12 @@ use std::time::Instant;
 use half::{bf16, f16};
 use mpi::ffi;
 
+use super::calls::{check, count_of};
+use super::pieces::{piece_of, stage, Walk, DEPTH};
+use super::poll::Idle;
 use super::shm::{Slots, OUT, REDUCED, STAGED};
-use super::{
-    check, count_of, mpi_type, piece_of, stage, stage_in, stage_out, Engine, Idle, Summed, Walk,
-    DEPTH,
-};
+use super::staging::{mpi_type, stage_in, stage_out, Summed};
+use super::Engine;
 use crate::backend::Segment;
 use crate::error::Result;
 use crate::types::DType;
@@ -69,7 +70,7 @@ impl Ring {
     }
 
     /// Elements of `size` bytes per piece: through shared memory, [`shm::PIECE`](super::shm)
-    /// bytes, else the engine's [`PIECE`](super::PIECE).
+    /// bytes, else the engine's [`PIECE`](super::pieces::PIECE).
     pub(super) fn piece_of(&self, size: usize) -> usize {
         match self.shm {
             Some(_) => (super::shm::PIECE / size).max(1),
