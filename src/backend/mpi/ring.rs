@@ -17,10 +17,12 @@ use std::time::Instant;
 use half::{bf16, f16};
 use mpi::ffi;
 
+use super::calls::{check, count_of};
+use super::pieces::{piece_of, stage, Walk, DEPTH};
+use super::poll::Idle;
 use super::shm::{Slots, OUT, REDUCED, STAGED};
-use super::{
-    check, count_of, mpi_type, piece_of, stage, stage_in, stage_out, Engine, Idle, Walk, DEPTH,
-};
+use super::staging::{mpi_type, stage_in, stage_out, Summed};
+use super::Engine;
 use crate::backend::Segment;
 use crate::error::Result;
 use crate::types::DType;
@@ -68,7 +70,7 @@ impl Ring {
     }
 
     /// Elements of `size` bytes per piece: through shared memory, [`shm::PIECE`](super::shm)
-    /// bytes, else the engine's [`PIECE`](super::PIECE).
+    /// bytes, else the engine's [`PIECE`](super::pieces::PIECE).
     pub(super) fn piece_of(&self, size: usize) -> usize {
         match self.shm {
             Some(_) => (super::shm::PIECE / size).max(1),
@@ -111,14 +113,19 @@ fn block(m: usize, n: usize, b: usize) -> (usize, usize) {
 /// # Safety
 /// Both hold `count` aligned elements of that type.
 unsafe fn add_into(dtype: DType, dst: *mut u8, src: *const u8, count: usize) {
-    unsafe fn add<A: Copy>(dst: *mut u8, src: *const u8, count: usize, f: impl Fn(A, A) -> A) {
-        let d = std::slice::from_raw_parts_mut(dst.cast::<A>(), count);
-        let s = std::slice::from_raw_parts(src.cast::<A>(), count);
-        d.iter_mut().zip(s).for_each(|(d, &s)| *d = f(*d, s));
+    unsafe fn add<T: Summed>(dst: *mut u8, src: *const u8, count: usize) {
+        let d = std::slice::from_raw_parts_mut(dst.cast::<T::Acc>(), count);
+        let s = std::slice::from_raw_parts(src.cast::<T::Acc>(), count);
+        d.iter_mut().zip(s).for_each(|(d, &s)| *d = T::add(*d, s));
     }
-    by_dtype!(dtype, |_widen, plus, _divide, _narrow| add(
-        dst, src, count, plus
-    ));
+    match dtype {
+        DType::F32 => add::<f32>(dst, src, count),
+        DType::F64 => add::<f64>(dst, src, count),
+        DType::F16 => add::<f16>(dst, src, count),
+        DType::Bf16 => add::<bf16>(dst, src, count),
+        DType::I32 => add::<i32>(dst, src, count),
+        DType::I64 => add::<i64>(dst, src, count),
+    }
 }
 
 /// One piece on its way round the ring: `m` elements in MPI's type at `work`, reduced in

@@ -11,12 +11,14 @@
 //!
 //! One POSIX shared-memory object per context, made at join: rank 0 creates it, the others open
 //! it once every rank's record (host name, boot id) says they share a host, and rank 0 unlinks
-//! it once all have mapped it (or failed to: then every rank stays on MPI).
+//! it once all have mapped it (or failed to: then every rank stays on MPI). That agreement is
+//! `negotiate.rs`'s; this file makes, maps and reads the object.
 
 use std::ffi::CString;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::{Channel, DEPTH};
+use super::pieces::DEPTH;
+use crate::backend::Channel;
 
 /// Bytes before a rank's slots: three counters on their own cache lines, and the nonce.
 const HEADER: usize = 4096;

@@ -15,8 +15,11 @@ use std::time::{Duration, Instant};
 
 use mpi::ffi;
 
+use super::calls::{check, count_of};
+use super::pieces::{stage, Walk, DEPTH, PIECE};
+use super::poll::Idle;
 use super::ring::{Flight, Ring};
-use super::{check, count_of, mpi_type, stage, stage_in, stage_out, Idle, Walk, DEPTH, PIECE};
+use super::staging::{mpi_type, stage_in, stage_out};
 use crate::backend::Segment;
 use crate::error::Result;
 use crate::types::DType;

@@ -1,0 +1,336 @@
+//! [`Ranks`] for the MPI engine: the collectives the rest of dpsync calls, each refused once the
+//! world failed, then carried by the engine's waited pieces, its ring or its steps queue; the
+//! engine's other files are its parts, which nothing outside this module sees.
+
+use std::ffi::c_int;
+use std::sync::atomic::Ordering;
+
+use mpi::ffi;
+use serde_json::json;
+
+use super::calls::{check, count_of};
+use super::pieces::{piece_of, stage, Walk, DEPTH, PIECE};
+use super::poll::poll;
+use super::staging::{copy_spans, mpi_type, stage_in, stage_out};
+use super::steps::{Handle, Until};
+use super::MpiRanks;
+use crate::backend::{Channel, Ranks, Segment, Ticket};
+use crate::error::{Error, ErrorKind, Result};
+use crate::types::DType;
+
+/// The tag of [`Ranks::allgather_fixed`]'s point-to-point exchanges (on the collectives'
+/// communicator, where nothing else sends point to point).
+const TAG_GATHER: c_int = 0x6470;
+
+impl Ranks for MpiRanks {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn ranks(&self) -> usize {
+        self.size
+    }
+
+    fn describe(&self) -> serde_json::Value {
+        let (queued, pieces, done) = self.queue.lock().state();
+        json!({"engine": "mpi", "mpi_library": self.library,
+               "failed": *self.failed.lock(),
+               "progress_thread": self.progress.lock().describe(),
+               "shared_memory": self.shared_note,
+               "early_buckets": {"queued": queued, "pieces": pieces, "pieces_done": done}})
+    }
+
+    fn begin(&self, call: &str) {
+        call.clone_into(&mut self.call.lock());
+    }
+
+    unsafe fn allreduce(
+        &self,
+        channel: Channel,
+        dtype: DType,
+        segments: &[Segment<'_>],
+        avg: Option<usize>,
+    ) -> Result<()> {
+        self.refuse_if_failed()?;
+        let (datatype, size) = mpi_type(dtype);
+        let count: usize = segments.iter().map(|s| s.count).sum();
+        let comm = self.comm_of(channel);
+        let ring = self.ring(channel);
+        // Held to the end: the steps' communicator carries this transfer alone meanwhile.
+        let mut queue = (channel == Channel::Steps).then(|| self.queue.lock());
+        if let Some(queue) = &mut queue {
+            // After every bucket started ahead, on every rank.
+            self.drive(queue, Until::Empty)?;
+        }
+        if count == 0 {
+            return Ok(());
+        }
+        if ring.takes(count * size) {
+            // The steps' ring pieces are numbered across the queue's and these.
+            let pieces = count.div_ceil(ring.piece_of(size));
+            let first = match queue.as_mut() {
+                Some(q) => q.ring_pieces(pieces),
+                None => self.calls_pieces.fetch_add(pieces, Ordering::Relaxed),
+            };
+            return self.ring_allreduce((ring, first), (dtype, segments, count), avg);
+        }
+        let piece = piece_of(size).min(count);
+        let pieces = count.div_ceil(piece);
+        // Slot `i % DEPTH` of piece `i`: a send area, then a receive area.
+        let area = (piece * size).next_multiple_of(64);
+        let mut scratch = self.scratch.lock();
+        let stages = stage(&mut scratch, 2 * area * DEPTH.min(pieces));
+        let at = |i: usize, k: usize| stages.add((2 * (i % DEPTH) + k) * area);
+        let range = |i: usize| (i * piece, piece.min(count - i * piece));
+        let outs: Vec<(usize, usize)> = segments.iter().map(|s| (s.ptrs[0], s.count)).collect();
+        let (mut walk_in, mut walk_out) = (Walk::default(), Walk::default());
+        let done = self.run_pieces(
+            "MPI_Iallreduce",
+            pieces,
+            |i, request| {
+                stage_in(dtype, segments, &mut walk_in, range(i), at(i, 0));
+                ffi::MPI_Iallreduce(
+                    at(i, 0).cast(),
+                    at(i, 1).cast(),
+                    count_of(range(i).1),
+                    datatype,
+                    ffi::RSMPI_SUM,
+                    comm,
+                    request,
+                )
+            },
+            |i| stage_out(dtype, at(i, 1), (&outs, &mut walk_out), range(i), avg),
+        );
+        if done.is_err() {
+            // Pieces still pending may read and write their stages.
+            std::mem::forget(std::mem::take(&mut *scratch));
+        }
+        done
+    }
+
+    unsafe fn start(
+        &self,
+        dtype: DType,
+        segments: &[Segment<'_>],
+        count: usize,
+        avg: Option<usize>,
+    ) -> Result<Ticket> {
+        self.refuse_if_failed()?;
+        let size = mpi_type(dtype).1;
+        let held = self.spare_stage(count * size);
+        let mut queue = self.queue.lock();
+        // Cut as a waited transfer of the bucket would be (a bucket off the ring is below
+        // either piece size: one piece).
+        let piece = self.ring(Channel::Steps).piece_of(size);
+        let handle = queue.push((dtype, segments, count), (avg, piece), held);
+        self.drive(&mut queue, Until::Idle)?;
+        drop(queue);
+        self.wake_progress();
+        Ok(Ticket(Box::new(handle)))
+    }
+
+    unsafe fn release(&self, ticket: &Ticket) {
+        if let Some(handle) = ticket.0.downcast_ref::<Handle>() {
+            self.queue.lock().release(handle);
+        }
+    }
+
+    fn poke(&self) {
+        if self.refuse_if_failed().is_ok() {
+            // Busy: the progress thread is moving the queue. A failure is kept in `failed`:
+            // the step's allreduce_grads reports it.
+            if let Some(mut queue) = self.queue.try_lock() {
+                let _ = self.drive(&mut queue, Until::Idle);
+            }
+        }
+    }
+
+    unsafe fn finish(&self, ticket: Ticket, write: bool) -> Result<()> {
+        let Ok(handle) = ticket.0.downcast::<Handle>() else {
+            unreachable!("a ticket of another engine");
+        };
+        self.refuse_if_failed()?;
+        let mut queue = self.queue.lock();
+        if write {
+            queue.release(&handle);
+        }
+        self.drive(&mut queue, Until::Done(handle.seq()))?;
+        let item = queue.take(&handle).ok_or_else(|| {
+            Error::new(
+                ErrorKind::InvalidState,
+                "a bucket started early is no longer queued in this context's world",
+            )
+        })?;
+        // The item is ours now: the next buckets move on (progress thread) while it is copied.
+        drop(queue);
+        if write {
+            // The pieces that completed before the step agreed (the others are written).
+            let recv = item.held.as_ptr().cast::<u8>();
+            let outs = (&item.outs[..], &mut Walk::default());
+            stage_out(item.dtype, recv, outs, (0, item.held_count()), item.avg);
+        }
+        self.spare.lock().push(item.held);
+        Ok(())
+    }
+
+    unsafe fn broadcast(&self, spans: &[(usize, usize)], root: usize) -> Result<()> {
+        self.refuse_if_failed()?;
+        let bytes: usize = spans.iter().map(|&(_, n)| n).sum();
+        if bytes == 0 {
+            return Ok(());
+        }
+        // Pieces through cache-sized stages, as in `allreduce`: slot `i % DEPTH` of piece `i`.
+        let piece = PIECE.min(bytes);
+        let pieces = bytes.div_ceil(piece);
+        let mut scratch = self.scratch.lock();
+        let stages = stage(&mut scratch, piece * DEPTH.min(pieces));
+        let at = |i: usize| stages.add((i % DEPTH) * piece);
+        let range = |i: usize| (i * piece, piece.min(bytes - i * piece));
+        let mine = root == self.rank;
+        let (mut walk_in, mut walk_out) = (Walk::default(), Walk::default());
+        let sent = self.run_pieces(
+            "MPI_Ibcast",
+            pieces,
+            |i, request| {
+                if mine {
+                    copy_spans((spans, &mut walk_in), range(i), at(i), false);
+                }
+                ffi::MPI_Ibcast(
+                    at(i).cast(),
+                    count_of(range(i).1),
+                    ffi::RSMPI_UINT8_T,
+                    root as c_int,
+                    self.comm.0,
+                    request,
+                )
+            },
+            |i| {
+                if !mine {
+                    copy_spans((spans, &mut walk_out), range(i), at(i), true);
+                }
+            },
+        );
+        if sent.is_err() {
+            std::mem::forget(std::mem::take(&mut *scratch));
+        }
+        sent
+    }
+
+    fn allgather_fixed(&self, words: &[u64]) -> Result<Vec<u64>> {
+        self.refuse_if_failed()?;
+        let (n, len) = (self.size, words.len() * 8);
+        // Bruck's allgather, point to point: after each round this rank holds the records of
+        // ranks rank, rank + 1, ... (mod n), twice as many as before; ceil(log2 n) rounds, one
+        // exchange with 2 ranks. Open MPI's non-blocking allgather (libnbc) spends about as long
+        // building its schedule as the exchange of a small record takes (docs/PERFORMANCE.md).
+        // `held` is leaked on failure: a pending receive may still write it.
+        let mut held = vec![0u64; words.len() * n];
+        held[..words.len()].copy_from_slice(words);
+        let base = held.as_mut_ptr().cast::<u8>();
+        let mut since = None;
+        let mut rounds = || -> Result<()> {
+            let (mut have, mut dist) = (1, 1);
+            while have < n {
+                let blocks = dist.min(n - have);
+                let (to, from) = ((self.rank + n - dist) % n, (self.rank + dist) % n);
+                // SAFETY: link-time constants.
+                let mut requests = unsafe { [ffi::RSMPI_REQUEST_NULL; 2] };
+                // SAFETY: the receive fills records `have..have + blocks` of `held` (within it:
+                // `have + blocks <= n`), the send reads the first `blocks <= have`: disjoint.
+                unsafe {
+                    let count = count_of(blocks * len);
+                    check(
+                        "MPI_Irecv",
+                        ffi::MPI_Irecv(
+                            base.add(have * len).cast(),
+                            count,
+                            ffi::RSMPI_UINT8_T,
+                            from as c_int,
+                            TAG_GATHER,
+                            self.comm.0,
+                            &mut requests[0],
+                        ),
+                    )?;
+                    check(
+                        "MPI_Isend",
+                        ffi::MPI_Isend(
+                            base.cast_const().cast(),
+                            count,
+                            ffi::RSMPI_UINT8_T,
+                            to as c_int,
+                            TAG_GATHER,
+                            self.comm.0,
+                            &mut requests[1],
+                        ),
+                    )?;
+                }
+                poll(
+                    &mut requests,
+                    &mut since,
+                    self.timeout,
+                    "MPI_Isend/MPI_Irecv",
+                )?;
+                have += blocks;
+                dist *= 2;
+            }
+            Ok(())
+        };
+        if let Err(e) = rounds() {
+            std::mem::forget(held);
+            return Err(self.failing(e));
+        }
+        // `held` starts at this rank's record: rotated into rank order.
+        held.rotate_right(self.rank * words.len());
+        Ok(held)
+    }
+
+    fn allgather(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.refuse_if_failed()?;
+        // The lengths first (a fixed-size exchange), then the bytes at their offsets.
+        let lengths: Vec<u64> = (self.allgather_fixed(&[(bytes.len() as u64).to_le()])?)
+            .into_iter()
+            .map(u64::from_le)
+            .collect();
+        let total: u64 = lengths.iter().sum();
+        if total == 0 {
+            // Nothing to move (and some MPIs refuse a gather of empty buffers).
+            return Ok(vec![Vec::new(); self.size]);
+        }
+        if total > c_int::MAX as u64 {
+            return Err(Error::invalid(format!(
+                "an exchange between ranks of {total} bytes is beyond MPI's int counts"
+            )));
+        }
+        let counts: Vec<c_int> = lengths.iter().map(|&l| l as c_int).collect();
+        let offsets: Vec<c_int> = (counts.iter())
+            .scan(0, |at, &n| {
+                let o = *at;
+                *at += n;
+                Some(o)
+            })
+            .collect();
+        let mut all = vec![0u8; total as usize];
+        let send = bytes.to_vec();
+        // SAFETY: counts and offsets describe `all`; every rank sends what it announced.
+        let sent = self.run("MPI_Iallgatherv", |request| unsafe {
+            ffi::MPI_Iallgatherv(
+                send.as_ptr().cast(),
+                count_of(bytes.len()),
+                ffi::RSMPI_UINT8_T,
+                all.as_mut_ptr().cast(),
+                counts.as_ptr(),
+                offsets.as_ptr(),
+                ffi::RSMPI_UINT8_T,
+                self.comm.0,
+                request,
+            )
+        });
+        if let Err(e) = sent {
+            std::mem::forget((send, all, counts, offsets));
+            return Err(e);
+        }
+        Ok((offsets.iter().zip(&counts))
+            .map(|(&o, &n)| all[o as usize..(o + n) as usize].to_vec())
+            .collect())
+    }
+}
