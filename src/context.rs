@@ -122,6 +122,14 @@ impl Context {
         registry::check_replica(replica, self.replica_count(), argument)
     }
 
+    /// [`Context::check_replica`] for a call on one tensor (`what` 'name'): the message names it.
+    fn check_replica_of(&self, what: &str, name: &str, replica: usize) -> Result<()> {
+        self.check_replica(replica, "replica").map_err(|mut e| {
+            e.message = format!("{what} '{name}': {}", e.message);
+            e
+        })
+    }
+
     pub fn set_stream(&mut self, replica: usize, stream: usize) -> Result<()> {
         self.check_replica(replica, "replica")?;
         self.executor.set_stream(replica, stream)
@@ -140,7 +148,7 @@ impl Context {
         count: usize,
         dtype: DType,
     ) -> Result<()> {
-        self.check_replica(replica, "replica")?;
+        self.check_replica_of("tensor", name, replica)?;
         let memory = match self.topology.devices[replica] {
             Device::Host => Memory::Host,
             Device::Cuda(_) => self.executor.memory_of(replica, ptr).map_err(|mut e| {

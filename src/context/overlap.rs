@@ -139,7 +139,7 @@ impl Context {
     }
 
     pub fn grad_ready(&mut self, name: &str, replica: usize) -> Result<()> {
-        self.check_replica(replica, "replica")?;
+        self.check_replica_of("tensor", name, replica)?;
         if let Some(t) = &self.trace {
             t.instant("grad_ready", json!({"tensor": name, "replica": replica}));
         }

@@ -68,7 +68,7 @@ impl Context {
     }
 
     pub fn register_sparse(&mut self, name: &str, replica: usize, spec: SparseSpec) -> Result<()> {
-        self.check_replica(replica, "replica")?;
+        self.check_replica_of("sparse gradient", name, replica)?;
         if self.registry.contains(name) {
             return Err(Error::new(
                 ErrorKind::Conflict,
@@ -82,7 +82,7 @@ impl Context {
     }
 
     pub fn sparse_set(&mut self, name: &str, replica: usize, slice: SparseSlice) -> Result<()> {
-        self.check_replica(replica, "replica")?;
+        self.check_replica_of("sparse gradient", name, replica)?;
         self.check_sparse_name(name)?;
         if let Device::Cuda(ordinal) = self.topology.devices[replica] {
             // The gather, range check and coalescing run on the device, in stream order.
@@ -109,7 +109,7 @@ impl Context {
     /// `(indices, values, rows)` of the last gather of `name` on `replica` (addresses 0 when
     /// `rows` is 0).
     pub fn sparse_get(&self, name: &str, replica: usize) -> Result<(usize, usize, usize)> {
-        self.check_replica(replica, "replica")?;
+        self.check_replica_of("sparse gradient", name, replica)?;
         self.check_sparse_name(name)?;
         self.sparse_out.get(name, replica).ok_or_else(|| {
             Error::new(
