@@ -429,6 +429,39 @@ enum dpsync_status dpsync_register(struct dpsync_context *context,
 enum dpsync_status dpsync_unregister(struct dpsync_context *context, const char *name);
 
 /**
+ * The piece of tensor `name` owned by local replica `replica` (world replica offset +
+ * replica): its first element and its element count. With W replicas in the world, world
+ * replica w owns elements [count * w / W, count * (w + 1) / W) of every dense tensor of
+ * `count` elements (a piece may be empty when count < W): a parameter and its gradient are cut
+ * alike. NOT_FOUND for an unknown name, INVALID_ARGUMENT for a replica out of range or a NULL
+ * pointer.
+ */
+enum dpsync_status dpsync_shard(const struct dpsync_context *context,
+                                const char *name,
+                                size_t replica,
+                                size_t *offset,
+                                size_t *count);
+
+/**
+ * Like dpsync_allreduce_grads (the same validation and agreement across ranks, the same fusion
+ * buckets in reverse registration order, every dtype, SUM or AVG, sparse gradients gathered
+ * whole), except that each replica ends with the reduced values only in the pieces it owns
+ * (dpsync_shard); every other element of its GRAD tensors is left as it was. Each element is
+ * summed as dpsync_allreduce_grads sums it. Buckets reduced early by dpsync_grad_ready follow
+ * the previous step's call: after a reduce-scatter step nothing starts early, and a step whose
+ * buckets were reduced whole early must end with dpsync_allreduce_grads (INVALID_STATE here).
+ */
+enum dpsync_status dpsync_reduce_scatter_grads(struct dpsync_context *context, uint32_t op);
+
+/**
+ * For every tensor whose role is in `roles` (a non-empty mask of DPSYNC_ROLE_* bits): each
+ * replica's owned piece (dpsync_shard) is copied to every other replica, of every rank, so
+ * that all replicas end with identical tensors. Tensors of other roles are not touched.
+ * Roles 0 or outside the four roles are INVALID_ARGUMENT.
+ */
+enum dpsync_status dpsync_allgather(struct dpsync_context *context, uint32_t roles);
+
+/**
  * A sparse gradient: per step, each replica supplies `rows` indices and rows x row_len values.
  * value_dtype is DPSYNC_DTYPE_F32, F64, F16 or BF16; index_dtype is DPSYNC_DTYPE_I32 or
  * DPSYNC_DTYPE_I64 (others are INVALID_ARGUMENT). num_embeddings > 0 enables index range checks

@@ -3,7 +3,10 @@
 
 mod create;
 mod overlap;
+mod shard;
 mod sparse;
+
+use shard::Shape;
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -333,9 +336,16 @@ impl Context {
     }
 
     pub fn allreduce_grads(&mut self, op: ReduceOp) -> Result<()> {
+        self.reduce_grads(op, Shape::Allreduce)
+    }
+
+    /// A gradient step: `dpsync_allreduce_grads`, or `dpsync_reduce_scatter_grads`
+    /// (context/shard.rs), which differs only in what its dense buckets write.
+    fn reduce_grads(&mut self, op: ReduceOp, shape: Shape) -> Result<()> {
+        let call = shape.call();
         let _call = timeline::span(
             self.trace.as_ref(),
-            "dpsync_allreduce_grads",
+            call,
             || json!({"op": format!("{op:?}")}),
         );
         let (snapshot, plan) = self.prepare();
@@ -343,10 +353,11 @@ impl Context {
         // Buckets dpsync_grad_ready reduced this step are not reduced again (context/overlap.rs).
         let split = self.split_buckets(&plan, &tensors, op);
         // Everything checked before any byte moves (in a world, before the agreement): the
-        // dense GRADs, the early buckets' op, then this step's sparse slices (set everywhere,
-        // indices in range).
+        // dense GRADs, the early buckets' op (and shape), then this step's sparse slices (set
+        // everywhere, indices in range).
         let verdict = (snapshot.grads_to_reduce())
             .and_then(|()| split.as_ref().map(drop).map_err(Clone::clone))
+            .and_then(|()| self.check_shape(shape))
             .and_then(|()| self.sparse_step());
         let mut lines: Vec<&TensorView> = Vec::new();
         if self.in_world() {
@@ -363,7 +374,7 @@ impl Context {
         };
         let records = match self.agree_world(
             &verdict,
-            || format!("dpsync_allreduce_grads(op={op:?})"),
+            || format!("{call}(op={op:?})"),
             &lines,
             sparse_lines,
             inline,
@@ -412,9 +423,23 @@ impl Context {
             let dense = self
                 .finish_world_buckets(started, &snapshot.tensors, &plan)
                 .and_then(|()| unsafe {
-                    (self.executor)
-                        .allreduce_buckets(&buckets, &tensors, op, self.divisor(), Channel::Steps)
-                        .and_then(|()| self.executor.divide(&summed, self.divisor()))
+                    match shape {
+                        Shape::Allreduce => (self.executor).allreduce_buckets(
+                            &buckets,
+                            &tensors,
+                            op,
+                            self.divisor(),
+                            Channel::Steps,
+                        ),
+                        Shape::ReduceScatter => (self.executor).reduce_scatter_buckets(
+                            &buckets,
+                            &tensors,
+                            op,
+                            self.divisor(),
+                            self.place(),
+                        ),
+                    }
+                    .and_then(|()| self.executor.divide(&summed, self.divisor()))
                 });
             if let Err(e) = dense {
                 // Queued copies may still write the new outputs: freed when they are done.
@@ -426,7 +451,7 @@ impl Context {
         match done {
             Ok(sparse) => {
                 self.install_sparse(sparse);
-                self.end_overlap_step(op, snapshot.generation);
+                self.end_overlap_step(op, shape, snapshot.generation);
                 Ok(())
             }
             Err(e) => {

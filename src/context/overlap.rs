@@ -29,6 +29,7 @@ use std::sync::Arc;
 
 use serde_json::{json, Value};
 
+use super::shard::Shape;
 use super::sparse::SparseStep;
 use super::Context;
 use crate::backend::Ticket;
@@ -337,6 +338,12 @@ impl Context {
         Ok(())
     }
 
+    /// Buckets of this step reduced or started early.
+    pub(super) fn early_buckets(&self) -> usize {
+        let reduced = self.overlap.reduced.iter().filter(|&&r| r).count();
+        reduced.max(self.overlap.started.len())
+    }
+
     /// The step's early transfers, handed to [`Context::finish_world_buckets`].
     pub(super) fn take_started(&mut self) -> Vec<Ticket> {
         std::mem::take(&mut self.overlap.started)
@@ -436,15 +443,17 @@ impl Context {
         Ok((left, divide))
     }
 
-    /// Called when `allreduce_grads(op)` succeeded: the step is over, and `op` is the one the
-    /// next step's early buckets use.
-    pub(super) fn end_overlap_step(&mut self, op: ReduceOp, generation: u64) {
+    /// Called when a gradient step (`op`, `shape`) succeeded: the step is over, and `op` is
+    /// the one the next step's early buckets use.
+    pub(super) fn end_overlap_step(&mut self, op: ReduceOp, shape: Shape, generation: u64) {
         if self.in_world() {
             self.overlap.agreed = Some(generation);
         }
         let reduced = self.overlap.reduced.iter().filter(|&&r| r).count();
         self.overlap.last_step_early = reduced - self.overlap.caught_up;
-        self.overlap.op = Some(op);
+        // Early buckets reduce whole: after a reduce-scatter step nothing starts early (it
+        // would write outside the owned pieces).
+        self.overlap.op = (shape == Shape::Allreduce).then_some(op);
         self.overlap.forget();
     }
 

@@ -11,6 +11,7 @@
 pub mod bmuf;
 mod dense;
 mod early;
+pub mod shard;
 mod sparse;
 mod transfer;
 pub mod world;

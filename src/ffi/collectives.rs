@@ -8,7 +8,7 @@ use super::status::dpsync_status;
 use crate::error::{Error, Result};
 use crate::types::{ReduceOp, RoleMask};
 
-fn reduce_op(op: u32) -> Result<ReduceOp> {
+pub(super) fn reduce_op(op: u32) -> Result<ReduceOp> {
     try_enum(
         op,
         ReduceOp::from_code,
@@ -17,7 +17,7 @@ fn reduce_op(op: u32) -> Result<ReduceOp> {
     )
 }
 
-fn role_mask(roles: u32) -> Result<RoleMask> {
+pub(super) fn role_mask(roles: u32) -> Result<RoleMask> {
     RoleMask::from_bits(roles).ok_or_else(|| {
         Error::invalid(format!(
             "roles is {roles:#x}: a non-empty mask of DPSYNC_ROLE_* bits (0x1..0xF)"

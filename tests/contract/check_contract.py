@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Check that the generated include/dpsync.h provides the C contract (shared/api/dpsync.h and its
-world addendum shared/api/dpsync_world.h).
+addenda shared/api/dpsync_world.h and dpsync_shard.h).
 
 The contract header is parsed for function prototypes, enum constants and typedefs. A C file is
 generated that includes the project's header and, for each of them,
@@ -212,9 +212,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     api = os.path.join(REPO_ROOT, "..", "shared", "api")
     ap.add_argument("contract", nargs="*",
-                    default=[os.path.join(api, "dpsync.h"), os.path.join(api, "dpsync_world.h")],
-                    help="contract headers (default: ../shared/api/dpsync.h and dpsync_world.h next "
-                         "to the repository)")
+                    default=[os.path.join(api, h) for h in ("dpsync.h", "dpsync_world.h",
+                                                             "dpsync_shard.h")],
+                    help="contract headers (default: ../shared/api/dpsync.h, dpsync_world.h and "
+                         "dpsync_shard.h next to the repository)")
     ap.add_argument("--header", default=os.path.join(REPO_ROOT, "include", "dpsync.h"),
                     help="the generated header (default: include/dpsync.h)")
     ap.add_argument("--cc", default=os.environ.get("CC", "cc"), help="C compiler (default: $CC or cc)")

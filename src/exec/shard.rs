@@ -1,0 +1,171 @@
+//! Shards (ZeRO stage 1): the gradients reduced onto the pieces their replicas own, and the
+//! owners' pieces copied back to every replica.
+//!
+//! A reduce-scatter here is the allreduce of a library-owned copy of each bucket, on every
+//! route the allreduce takes, followed by each replica's owned pieces copied out: every element
+//! is summed exactly as `dpsync_allreduce_grads` sums it (same buckets, same levels), so a ZeRO-1
+//! step gives the bytes of an allreduce step, and nothing outside a replica's pieces is
+//! written. It moves the bucket twice more than the allreduce does (docs/PERFORMANCE.md).
+//! An allgather is one broadcast per world replica of the pieces it owns.
+
+use super::Executor;
+use crate::backend::{Allocation, Channel};
+use crate::error::Result;
+use crate::plan::Bucket;
+use crate::registry::TensorView;
+use crate::types::ReduceOp;
+
+/// World replica `w`'s piece of a tensor of `count` elements among `total` replicas:
+/// `(first element, elements)`, elements `[count * w / total, count * (w + 1) / total)`.
+pub fn piece(count: usize, w: usize, total: usize) -> (usize, usize) {
+    let at = |w: usize| (count as u128 * w as u128 / total.max(1) as u128) as usize;
+    (at(w), at(w + 1) - at(w))
+}
+
+/// Where a process's replicas stand among the world's: `(world index of local replica 0,
+/// world replicas)`.
+#[derive(Clone, Copy)]
+pub struct Place {
+    pub offset: usize,
+    pub total: usize,
+}
+
+impl TensorView {
+    /// The elements `[at, at + count)` of this tensor on every replica, as a tensor of its own.
+    pub fn piece(&self, at: usize, count: usize) -> TensorView {
+        let size = self.dtype.size();
+        TensorView {
+            count,
+            ptrs: self.ptrs.iter().map(|p| p + at * size).collect(),
+            ..self.clone()
+        }
+    }
+}
+
+impl Executor {
+    /// Every local replica's owned pieces of every bucket's tensors := their sum over all
+    /// replicas (divided by `divisor` for AVG); nothing else of the tensors is written.
+    ///
+    /// # Safety
+    /// As for [`Executor::allreduce_buckets`].
+    pub unsafe fn reduce_scatter_buckets(
+        &self,
+        buckets: &[Bucket],
+        tensors: &[&TensorView],
+        op: ReduceOp,
+        divisor: usize,
+        place: Place,
+    ) -> Result<()> {
+        self.bracket(|| {
+            for bucket in buckets {
+                self.reduce_scatter_bucket(bucket, tensors, op, divisor, place)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// One bucket of [`Executor::reduce_scatter_buckets`], through copies of the bucket in
+    /// library memory on every replica.
+    unsafe fn reduce_scatter_bucket(
+        &self,
+        bucket: &Bucket,
+        tensors: &[&TensorView],
+        op: ReduceOp,
+        divisor: usize,
+        place: Place,
+    ) -> Result<()> {
+        let members: Vec<&TensorView> = bucket.tensors.iter().map(|&t| tensors[t]).collect();
+        let Some(replicas) = members.first().map(|t| t.ptrs.len()) else {
+            return Ok(());
+        };
+        let backend = self.backend_to_touch(bucket.memory)?;
+        let size = bucket.dtype.size();
+        let copies: Vec<Allocation> = (0..replicas)
+            .map(|r| backend.alloc(r, bucket.bytes()))
+            .collect::<Result<_>>()?;
+        // The copies, tensor after tensor as in the bucket.
+        let mut shadows: Vec<TensorView> = Vec::with_capacity(members.len());
+        let mut at = 0;
+        for t in &members {
+            let ptrs: Vec<usize> = copies.iter().map(|c| c.ptr() + at).collect();
+            for (r, (&src, &dst)) in t.ptrs.iter().zip(&ptrs).enumerate() {
+                if t.count > 0 {
+                    backend.copy(r, src, r, dst, t.count * size)?;
+                }
+            }
+            shadows.push(TensorView {
+                ptrs,
+                ..(*t).clone()
+            });
+            at += t.count * size;
+        }
+        let shadow_refs: Vec<&TensorView> = shadows.iter().collect();
+        let shadow = Bucket {
+            tensors: (0..shadows.len()).collect(),
+            ..bucket.clone()
+        };
+        self.allreduce_buckets(&[shadow], &shadow_refs, op, divisor, Channel::Steps)?;
+        for (t, s) in members.iter().zip(&shadows) {
+            for r in 0..replicas {
+                let (first, count) = piece(t.count, place.offset + r, place.total);
+                let offset = first * size;
+                if count > 0 {
+                    backend.copy(r, s.ptrs[r] + offset, r, t.ptrs[r] + offset, count * size)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every replica's copy of `tensors` := the owners' pieces: one broadcast per world
+    /// replica of the pieces it owns (`locate`: a world replica's rank and local index).
+    ///
+    /// # Safety
+    /// As for [`Executor::broadcast`].
+    pub unsafe fn allgather(
+        &self,
+        tensors: &[&TensorView],
+        place: Place,
+        locate: impl Fn(usize) -> (usize, usize),
+        fusion_bytes: usize,
+    ) -> Result<()> {
+        self.bracket(|| {
+            for w in 0..place.total {
+                let pieces: Vec<TensorView> = (tensors.iter())
+                    .filter_map(|t| {
+                        let (first, count) = piece(t.count, w, place.total);
+                        (count > 0).then(|| t.piece(first, count))
+                    })
+                    .collect();
+                if pieces.is_empty() {
+                    continue;
+                }
+                let refs: Vec<&TensorView> = pieces.iter().collect();
+                let (rank, local) = locate(w);
+                self.broadcast(&refs, rank, local, fusion_bytes)?;
+            }
+            Ok(())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::piece;
+
+    #[test]
+    fn pieces_cover_every_element_once_in_order() {
+        for (count, total) in [(10, 4), (3, 8), (0, 3), (1000, 7), (5, 1)] {
+            let mut next = 0;
+            for w in 0..total {
+                let (first, n) = piece(count, w, total);
+                assert_eq!(first, next, "{count} / {total}, replica {w}");
+                next += n;
+            }
+            assert_eq!(next, count, "{count} / {total}");
+        }
+        assert_eq!(piece(10, 1, 4), (2, 3));
+        assert_eq!(piece(3, 0, 8), (0, 0));
+        assert_eq!(piece(3, 7, 8), (2, 1));
+    }
+}
