@@ -74,6 +74,7 @@ fn agreement_body() {
     refused_arguments_join_the_agreement(&at);
     uneven_early_buckets_with_a_sparse_gradient(&at);
     sparse_index_buffers_may_differ_between_ranks(&at);
+    shards_across_ranks(&at);
 }
 
 fn world_context(local: usize) -> Context {
@@ -387,4 +388,86 @@ fn sparse_index_buffers_may_differ_between_ranks(at: &Place) {
     check(ctx.allreduce_grads(AVG), &at.tag("the step after"));
     let mean = (at.total + 1) as f32 / 2.0;
     expect_all(&g, mean, at, "the step after");
+}
+
+/// Shards across ranks: reduce-scatter writes each world replica's piece only (exact sums of
+/// small integers), allgather gives every replica the owners' pieces, and a rank calling
+/// allreduce_grads (or an invalid op) while the others reduce-scatter fails every rank with
+/// nothing changed.
+fn shards_across_ranks(at: &Place) {
+    let ctx = world_context(at.local);
+    let n = 11;
+    let mut g: Vec<Vec<f32>> = vec![vec![0.0; n]; at.local];
+    let mut p: Vec<Vec<f32>> = vec![vec![0.0; n]; at.local];
+    for k in 0..at.local {
+        ctx.reg("g", GRAD, k, &mut g[k], F32);
+        ctx.reg("p", PARAM, k, &mut p[k], F32);
+    }
+    let piece = |w: usize| (n * w / at.total, n * (w + 1) / at.total);
+    let grads = |g: &mut Vec<Vec<f32>>| {
+        for (k, x) in g.iter_mut().enumerate() {
+            for (i, v) in x.iter_mut().enumerate() {
+                *v = (at.offset + k + 1 + i) as f32;
+            }
+        }
+    };
+    grads(&mut g);
+    let before = g.clone();
+    // Another call, then an invalid op, on the last rank: every rank fails, nothing changes.
+    let last = at.rank == at.ranks - 1;
+    for (case, other) in [("allreduce_grads", SUM), ("op 7", 7)] {
+        let st = match (last, case) {
+            (true, "allreduce_grads") => ctx.allreduce_grads(other),
+            (true, _) => unsafe { dpsync_reduce_scatter_grads(ctx.0, other) },
+            (false, _) => unsafe { dpsync_reduce_scatter_grads(ctx.0, SUM) },
+        };
+        let want = if last && case == "op 7" {
+            INVALID_ARGUMENT
+        } else {
+            INCONSISTENT
+        };
+        assert_eq!(st, want, "{}: {}", at.tag(case), last_error());
+        assert_eq!(g, before, "{}", at.tag(case));
+    }
+    // SAFETY: a live context.
+    check(
+        unsafe { dpsync_reduce_scatter_grads(ctx.0, SUM) },
+        &at.tag("reduce-scatter"),
+    );
+    let world_sum = |i: usize| (1..=at.total).map(|w| (w + i) as f32).sum::<f32>();
+    for k in 0..at.local {
+        let (lo, hi) = piece(at.offset + k);
+        for i in 0..n {
+            let want = if (lo..hi).contains(&i) {
+                world_sum(i)
+            } else {
+                before[k][i]
+            };
+            assert_eq!(
+                g[k][i],
+                want,
+                "{}",
+                at.tag(&format!("g[{i}] on replica {k}"))
+            );
+        }
+        for i in lo..hi {
+            p[k][i] = ((at.offset + k) * 100 + i) as f32;
+        }
+    }
+    // SAFETY: a live context.
+    check(
+        unsafe { dpsync_allgather(ctx.0, PARAM) },
+        &at.tag("allgather"),
+    );
+    let owner = |i: usize| (0..at.total).find(|&w| (piece(w).0..piece(w).1).contains(&i));
+    for x in &p {
+        for (i, &v) in x.iter().enumerate() {
+            assert_eq!(
+                v,
+                (owner(i).unwrap() * 100 + i) as f32,
+                "{}",
+                at.tag("allgather")
+            );
+        }
+    }
 }
