@@ -149,6 +149,28 @@ pub(crate) trait Backend: Send {
         avg: Option<usize>,
     ) -> Result<()>;
 
+    /// A reduce-scatter of a group that is the whole collective (host memory in one process):
+    /// replica `r`'s piece `owned(segment, r)` (first element, count) of each segment := the
+    /// sum over `members` (in that order, as [`Backend::reduce`] sums), divided by `avg`;
+    /// nothing else is written. Backends without it are never asked: the executor reduces a
+    /// copy of the bucket instead (exec/shard.rs).
+    ///
+    /// # Safety
+    /// As for [`Backend::reduce`].
+    unsafe fn reduce_owned(
+        &self,
+        members: &[usize],
+        bucket: &BucketView<'_>,
+        avg: Option<usize>,
+        owned: &dyn Fn(usize, usize) -> (usize, usize),
+    ) -> Result<()> {
+        let _ = (members, bucket, avg, owned);
+        Err(Error::new(
+            crate::error::ErrorKind::Panic,
+            format!("{} offers no reduce_owned", self.name()),
+        ))
+    }
+
     /// Level 1 in place: every member of `group` gets replica `root`'s segments (`root` is a
     /// member).
     ///

@@ -1,19 +1,23 @@
 //! Shards (ZeRO stage 1): the gradients reduced onto the pieces their replicas own, and the
 //! owners' pieces copied back to every replica.
 //!
-//! A reduce-scatter here is the allreduce of a library-owned copy of each bucket, on every
-//! route the allreduce takes, followed by each replica's owned pieces copied out: every element
+//! Host memory in one process has a primitive of its own ([`Backend::reduce_owned`]: each
+//! replica's pieces summed as the host's allreduce sums them, written once). Everywhere else a
+//! reduce-scatter is the allreduce of a library-owned copy of each bucket, on every route the
+//! allreduce takes, followed by each replica's owned pieces copied out. Either way every element
 //! is summed exactly as `dpsync_allreduce_grads` sums it (same buckets, same levels), so a ZeRO-1
 //! step gives the bytes of an allreduce step, and nothing outside a replica's pieces is
-//! written. It moves the bucket twice more than the allreduce does (docs/PERFORMANCE.md).
+//! written. The copy moves the bucket twice more than the allreduce does (docs/PERFORMANCE.md).
+//!
+//! [`Backend::reduce_owned`]: crate::backend::Backend::reduce_owned
 //! An allgather is one broadcast per world replica of the pieces it owns.
 
-use super::Executor;
+use super::{view, Executor};
 use crate::backend::{Allocation, Channel};
 use crate::error::Result;
 use crate::plan::Bucket;
 use crate::registry::TensorView;
-use crate::types::ReduceOp;
+use crate::types::{Memory, ReduceOp};
 
 /// World replica `w`'s piece of a tensor of `count` elements among `total` replicas:
 /// `(first element, elements)`, elements `[count * w / total, count * (w + 1) / total)`.
@@ -78,7 +82,23 @@ impl Executor {
         let Some(replicas) = members.first().map(|t| t.ptrs.len()) else {
             return Ok(());
         };
-        let backend = self.backend_to_touch(bucket.memory)?;
+        let site = self.site_to_touch(bucket.memory)?;
+        if bucket.memory == Memory::Host && site.levels.in_place() {
+            // Host memory in one process: the host's own reduce-scatter, which sums as its
+            // allreduce does and writes each piece once.
+            let _span = self.bucket_span("reduce-scatter bucket", 0, bucket, tensors);
+            let avg = (op == ReduceOp::Avg && divisor > 1).then_some(divisor);
+            let owned = |segment: usize, r: usize| {
+                piece(members[segment].count, place.offset + r, place.total)
+            };
+            return site.backend.reduce_owned(
+                &site.levels.groups[0],
+                &view(bucket, tensors),
+                avg,
+                &owned,
+            );
+        }
+        let backend = site.backend;
         let size = bucket.dtype.size();
         let copies: Vec<Allocation> = (0..replicas)
             .map(|r| backend.alloc(r, bucket.bytes()))

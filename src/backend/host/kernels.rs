@@ -121,7 +121,7 @@ int_widened!(i32, i64);
 int_widened!(i64, i128);
 
 /// Reduces elements `[start, start + len)` of one segment: replicas summed in `order`, the
-/// result written to every replica in `ptrs`.
+/// result written to every replica in `ptrs`, or to replica `only` alone (a reduce-scatter).
 ///
 /// # Safety
 /// Every `ptrs[r]` is valid for `start + len` elements of `T`; replicas do not overlap; no other
@@ -133,6 +133,7 @@ pub unsafe fn reduce_span<T: Reducible>(
     len: usize,
     op: ReduceOp,
     divisor: usize,
+    only: Option<usize>,
 ) {
     let mut acc = [T::Acc::default(); BLOCK];
     let mut out = [T::default(); BLOCK];
@@ -144,9 +145,19 @@ pub unsafe fn reduce_span<T: Reducible>(
         for &r in &order[1..] {
             T::accumulate(std::slice::from_raw_parts(at(r), n), &mut acc[..n]);
         }
-        T::store(&acc[..n], op, divisor, &mut out[..n]);
-        for replica in 0..ptrs.len() {
-            std::ptr::copy_nonoverlapping(out.as_ptr(), at(replica), n);
+        match only {
+            Some(replica) => T::store(
+                &acc[..n],
+                op,
+                divisor,
+                std::slice::from_raw_parts_mut(at(replica), n),
+            ),
+            None => {
+                T::store(&acc[..n], op, divisor, &mut out[..n]);
+                for replica in 0..ptrs.len() {
+                    std::ptr::copy_nonoverlapping(out.as_ptr(), at(replica), n);
+                }
+            }
         }
         done += n;
     }
@@ -163,7 +174,7 @@ mod tests {
             .collect();
         let order: Vec<usize> = (0..ptrs.len()).collect();
         let len = replicas[0].len();
-        unsafe { reduce_span::<T>(&ptrs, &order, 0, len, op, ptrs.len()) };
+        unsafe { reduce_span::<T>(&ptrs, &order, 0, len, op, ptrs.len(), None) };
         replicas
     }
 

@@ -170,7 +170,7 @@ impl Backend for HostBackend {
         macro_rules! run {
             ($t:ty) => {
                 self.for_each_span(bucket, bytes_per_element, |seg, start, len| unsafe {
-                    kernels::reduce_span::<$t>(seg.ptrs, members, start, len, op, divisor)
+                    kernels::reduce_span::<$t>(seg.ptrs, members, start, len, op, divisor, None)
                 })
             };
         }
@@ -181,6 +181,68 @@ impl Backend for HostBackend {
             DType::Bf16 => run!(bf16),
             DType::I32 => run!(i32),
             DType::I64 => run!(i64),
+        }
+        Ok(())
+    }
+
+    unsafe fn reduce_owned(
+        &self,
+        members: &[usize],
+        bucket: &BucketView<'_>,
+        avg: Option<usize>,
+        owned: &dyn Fn(usize, usize) -> (usize, usize),
+    ) -> Result<()> {
+        let Some(first) = bucket.segments.first() else {
+            return Ok(());
+        };
+        let replicas = first.ptrs.len();
+        let (op, divisor) = match avg {
+            Some(divisor) => (ReduceOp::Avg, divisor),
+            None => (ReduceOp::Sum, 1),
+        };
+        let size = bucket.dtype.size();
+        // Reads every replica, writes one.
+        let bytes_per_element = size * (replicas + 1);
+        for owner in 0..replicas {
+            // The owner's piece of every segment, as a bucket of its own.
+            let pieces: Vec<(Vec<usize>, usize)> = (bucket.segments.iter().enumerate())
+                .map(|(i, seg)| {
+                    let (at, count) = owned(i, owner);
+                    (seg.ptrs.iter().map(|p| p + at * size).collect(), count)
+                })
+                .collect();
+            let piece = BucketView {
+                dtype: bucket.dtype,
+                segments: (pieces.iter())
+                    .map(|(ptrs, count)| Segment {
+                        ptrs,
+                        count: *count,
+                    })
+                    .collect(),
+            };
+            macro_rules! run {
+                ($t:ty) => {
+                    self.for_each_span(&piece, bytes_per_element, |seg, start, len| unsafe {
+                        kernels::reduce_span::<$t>(
+                            seg.ptrs,
+                            members,
+                            start,
+                            len,
+                            op,
+                            divisor,
+                            Some(owner),
+                        )
+                    })
+                };
+            }
+            match bucket.dtype {
+                DType::F32 => run!(f32),
+                DType::F64 => run!(f64),
+                DType::F16 => run!(f16),
+                DType::Bf16 => run!(bf16),
+                DType::I32 => run!(i32),
+                DType::I64 => run!(i64),
+            }
         }
         Ok(())
     }
