@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The randomized cross-rank test (tests/world_random.rs) with as many seeds and calls as wanted:
+#
+#   bash scripts/world-random.sh [--seeds N | --seeds A..B] [--calls N] [--ranks 2,3]
+#                                [--no CLASS,...] [--timeout-ms MS] [--limit S] [--trace]
+#
+# --seeds: N seeds from 0, or A..B (inclusive); --calls: calls per seed; --ranks: one mpirun
+# per entry (2: replicas 1,2; 3: replicas 3,1,2); --no: classes switched off (the test's
+# CLASSES, e.g. boundary,sparse_uneven,sparse_share); --timeout-ms: the contexts' timeout (a
+# hang fails after it); --limit: seconds per mpirun (default from seeds x calls); --trace:
+# rank 0 prints every call. Builds with --features mpi into target/mpi (DPSYNC_RANDOM_TARGET
+# overrides). A failure prints its seed and the command line that replays it.
+source "$(dirname "$0")/common.sh"
+
+seeds="" calls="" ranks=2,3 no="" timeout_ms="" limit="" trace=""
+while (($#)); do
+  case $1 in
+    --seeds) seeds=$2; shift 2 ;;
+    --calls) calls=$2; shift 2 ;;
+    --ranks) ranks=$2; shift 2 ;;
+    --no) no=$2; shift 2 ;;
+    --timeout-ms) timeout_ms=$2; shift 2 ;;
+    --limit) limit=$2; shift 2 ;;
+    --trace) trace=1; shift ;;
+    -h | --help) sed -n '2,13p' "$0"; exit 0 ;;
+    *) echo "world-random.sh: unknown argument '$1' (--help)" >&2; exit 2 ;;
+  esac
+done
+
+if [ -z "$limit" ]; then
+  # About 0.2 ms a call here (3 ranks on 2 cores); generous, so that only a hang trips it.
+  count=${seeds:-50}
+  [[ $count == *..* ]] && count=$((${count#*..} - ${count%..*} + 1))
+  limit=$((120 + count * ${calls:-800} / 100))
+fi
+
+ensure_mpi
+export DPSYNC_RANDOM_SEEDS=$seeds DPSYNC_RANDOM_CALLS=$calls DPSYNC_RANDOM_RANKS=$ranks \
+  DPSYNC_RANDOM_NO=$no DPSYNC_RANDOM_TIMEOUT_MS=$timeout_ms DPSYNC_RANDOM_LIMIT_S=$limit \
+  DPSYNC_RANDOM_TRACE=$trace
+step "tests/world_random.rs: seeds ${seeds:-default}, calls ${calls:-default}, ranks $ranks, off: ${no:-nothing}"
+cargo test --release --features mpi --target-dir "${DPSYNC_RANDOM_TARGET:-target/mpi}" \
+  --test world_random

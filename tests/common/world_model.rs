@@ -1,0 +1,616 @@
+//! The model of tests/world_random.rs: its settings, the calls it draws and the outcomes it
+//! expects, every tensor's values as exact f64 (small integers, so that every sum is exact in
+//! every dtype), the library's rounding of AVG and BMUF, and the sparse slices of a step.
+
+use std::collections::BTreeMap;
+use std::ffi::c_void;
+use std::ops::{Add, Mul, Sub};
+use std::ptr;
+
+use super::abi::*;
+use super::buf::{Buf, DType};
+use super::context::Context;
+use super::float16::*;
+use super::lcg::Lcg;
+use super::sparse::SparseOut;
+use dpsync::*;
+
+/// Deviations (one rank differs) and cases that `DPSYNC_RANDOM_NO` switches off: `boundary`
+/// (an argument the C boundary refuses), `sparse_uneven` (marks that start buckets on some
+/// ranks only, in steps with sparse gradients), `sparse_share` (index buffers shared on some
+/// replicas only, NULL for empty slices), and whole kinds of calls (`marks`, `sparse`, `bmuf`).
+pub const CLASSES: [&str; 17] = [
+    "op",
+    "name",
+    "root",
+    "roles",
+    "bmuf_args",
+    "call",
+    "register",
+    "local",
+    "benign",
+    "boundary",
+    "sparse_index",
+    "sparse_extra",
+    "sparse_uneven",
+    "sparse_share",
+    "marks",
+    "sparse",
+    "bmuf",
+];
+
+pub fn env(key: &str) -> Option<String> {
+    std::env::var(key).ok().filter(|v| !v.trim().is_empty())
+}
+
+pub fn env_num(key: &str, default: u64) -> u64 {
+    env(key).map_or(default, |v| v.trim().parse().expect(key))
+}
+
+pub struct Config {
+    pub seeds: Vec<u64>,
+    pub calls: usize,
+    pub off: Vec<String>,
+    pub timeout_ms: u64,
+    pub trace: bool,
+}
+
+impl Config {
+    pub fn from_env() -> Config {
+        let num = |s: &str| -> u64 { s.trim().parse().expect("DPSYNC_RANDOM_SEEDS: N or A..B") };
+        let seeds = match env("DPSYNC_RANDOM_SEEDS") {
+            None => (0..50).collect(),
+            Some(s) => match s.split_once("..") {
+                Some((a, b)) => (num(a)..=num(b)).collect(),
+                None => (0..num(&s)).collect(),
+            },
+        };
+        let off: Vec<String> = env("DPSYNC_RANDOM_NO")
+            .map(|v| v.split(',').map(|c| c.trim().to_owned()).collect())
+            .unwrap_or_default();
+        for c in &off {
+            assert!(
+                CLASSES.contains(&c.as_str()),
+                "DPSYNC_RANDOM_NO: no class '{c}'"
+            );
+        }
+        Config {
+            seeds,
+            calls: env_num("DPSYNC_RANDOM_CALLS", 800) as usize,
+            off,
+            timeout_ms: env_num("DPSYNC_RANDOM_TIMEOUT_MS", 20_000),
+            trace: env("DPSYNC_RANDOM_TRACE").is_some_and(|v| v != "0"),
+        }
+    }
+
+    pub fn on(&self, class: &str) -> bool {
+        !self.off.iter().any(|c| c == class)
+    }
+}
+
+/// What a run did: calls, failures (each expected), and per class the deviations whose
+/// outcome was as expected, the cases exercised and the calls that succeeded.
+#[derive(Default)]
+pub struct Tally {
+    pub calls: usize,
+    pub failed: usize,
+    pub seen: BTreeMap<&'static str, usize>,
+}
+
+impl Tally {
+    pub fn count(&mut self, class: &'static str) {
+        *self.seen.entry(class).or_default() += 1;
+    }
+
+    pub fn add(&mut self, o: &Tally) {
+        self.calls += o.calls;
+        self.failed += o.failed;
+        (o.seen.iter()).for_each(|(k, v)| *self.seen.entry(k).or_default() += v);
+    }
+
+    pub fn line(&self) -> String {
+        let seen: Vec<String> = self.seen.iter().map(|(k, v)| format!("{k} {v}")).collect();
+        let (calls, failed) = (self.calls, self.failed);
+        format!(
+            "{calls} calls, {failed} failed as expected; seen: {}",
+            seen.join(", ")
+        )
+    }
+}
+
+// ------------------------------------------------------------------ values and arithmetic
+
+/// A buffer's elements as f64 (exact for every dtype at these magnitudes).
+pub fn vals_of(b: &Buf) -> Vec<f64> {
+    match b {
+        Buf::F32(v) => v.iter().map(|&x| x as f64).collect(),
+        Buf::F64(v) => v.clone(),
+        Buf::F16(v) => v.iter().map(|&x| f16_to_f32(x) as f64).collect(),
+        Buf::BF16(v) => v.iter().map(|&x| bf16_to_f32(x) as f64).collect(),
+        Buf::I32(v) => v.iter().map(|&x| x as f64).collect(),
+        Buf::I64(v) => v.iter().map(|&x| x as f64).collect(),
+    }
+}
+
+/// Writes `vals` into the first elements of `b`, rounded to its dtype.
+pub fn store(b: &mut Buf, vals: &[f64]) {
+    let z = vals.iter();
+    match b {
+        Buf::F32(v) => v.iter_mut().zip(z).for_each(|(o, &x)| *o = x as f32),
+        Buf::F64(v) => v.iter_mut().zip(z).for_each(|(o, &x)| *o = x),
+        Buf::F16(v) => v
+            .iter_mut()
+            .zip(z)
+            .for_each(|(o, &x)| *o = f32_to_f16(x as f32)),
+        Buf::BF16(v) => v
+            .iter_mut()
+            .zip(z)
+            .for_each(|(o, &x)| *o = f32_to_bf16(x as f32)),
+        Buf::I32(v) => v.iter_mut().zip(z).for_each(|(o, &x)| *o = x as i32),
+        Buf::I64(v) => v.iter_mut().zip(z).for_each(|(o, &x)| *o = x as i64),
+    }
+}
+
+/// A buffer of at least `min` elements holding `vals` (min 1: an address of its own even
+/// when empty; 0: an empty buffer's dangling address).
+pub fn make_buf(dt: DType, vals: &[f64], min: usize) -> Buf {
+    let mut b = Buf::zeros(dt, vals.len().max(min));
+    store(&mut b, vals);
+    b
+}
+
+pub fn round(dt: DType, x: f64) -> f64 {
+    vals_of(&make_buf(dt, &[x], 1))[0]
+}
+
+/// `sum / n` as the library computes AVG (docs/API.md "Exact arithmetic"): f16/bf16 divided
+/// in f32 and rounded once, integers truncated.
+pub fn avg(dt: DType, sum: f64, n: usize) -> f64 {
+    match dt {
+        DType::F64 => sum / n as f64,
+        DType::I32 | DType::I64 => (sum as i64 / n as i64) as f64,
+        _ => round(dt, (sum as f32 / n as f32) as f64),
+    }
+}
+
+/// The allreduce of the world replicas' values (sums of small integers: exact in any order).
+pub fn reduce(dt: DType, world: &[Vec<f64>], op: u32) -> Vec<f64> {
+    let n = world.len();
+    let sum = |i: usize| world.iter().map(|v| v[i]).sum::<f64>();
+    (0..world[0].len())
+        .map(|i| match op {
+            SUM => round(dt, sum(i)),
+            _ => avg(dt, sum(i), n),
+        })
+        .collect()
+}
+
+/// One element of the BMUF filter in its state type `T`, operations rounded as written:
+/// `x` = [A, W, D, mu, eta]; returns [param (before rounding to its dtype), W, D].
+pub fn filter<T>(x: [f64; 5], nesterov: bool, to: fn(f64) -> T, from: fn(T) -> f64) -> [f64; 3]
+where
+    T: Copy + Add<Output = T> + Sub<Output = T> + Mul<Output = T>,
+{
+    let [a, w, d, mu, eta] = x.map(to);
+    let wg = if nesterov { w + mu * d } else { w };
+    let d2 = mu * d + eta * (a - wg);
+    let w2 = w + d2;
+    let p = if nesterov { w2 + mu * d2 } else { w2 };
+    [from(p), from(w2), from(d2)]
+}
+
+/// Bit for bit (the library's bytes, not just equal values).
+pub fn same(a: &[f64], b: &[f64]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+// ------------------------------------------------------------------ the model's state
+
+pub struct Dense {
+    pub name: String,
+    pub role: u32,
+    pub dtype: DType,
+    /// Tells registrations apart (BMUF's PARAM set).
+    pub id: u64,
+    /// Expected values on every world replica.
+    pub vals: Vec<Vec<f64>>,
+    /// This rank's registered memory, one per local replica.
+    pub bufs: Vec<Buf>,
+}
+
+pub struct Sparse {
+    pub name: String,
+    pub row_len: usize,
+    pub vdt: DType,
+    pub idt: DType,
+    pub num_emb: usize,
+    /// The last successful step's gathered slice (indices, values), the same on every replica.
+    pub out: Option<(Vec<i64>, Vec<f64>)>,
+}
+
+impl Sparse {
+    /// A gathered slice as (indices, values); None when a 0-row slice has non-NULL pointers.
+    pub fn read(&self, o: SparseOut) -> Option<(Vec<i64>, Vec<f64>)> {
+        if o.rows == 0 && !(o.indices.is_null() && o.values.is_null()) {
+            return None;
+        }
+        let idx = match self.idt {
+            DType::I32 => o.indices::<i32>().into_iter().map(i64::from).collect(),
+            _ => o.indices::<i64>(),
+        };
+        let n = self.row_len;
+        let vals = match self.vdt {
+            DType::F32 => o.values::<f32>(n).into_iter().map(f64::from).collect(),
+            DType::F64 => o.values::<f64>(n),
+            DType::F16 => o
+                .values::<u16>(n)
+                .into_iter()
+                .map(|x| f16_to_f32(x) as f64)
+                .collect(),
+            _ => o
+                .values::<u16>(n)
+                .into_iter()
+                .map(|x| bf16_to_f32(x) as f64)
+                .collect(),
+        };
+        Some((idx, vals))
+    }
+
+    /// The gathered slice of `idx` / `val` (per world replica): every replica's rows in world
+    /// order, or with coalescing the sorted unique indices with their rows summed; AVG divides
+    /// the values by the world's replicas.
+    pub fn gathered(
+        &self,
+        idx: &[Vec<i64>],
+        val: &[Vec<f64>],
+        coalesce: bool,
+        op: u32,
+    ) -> (Vec<i64>, Vec<f64>) {
+        let fin = |x: f64| {
+            if op == AVG {
+                avg(self.vdt, x, idx.len())
+            } else {
+                x
+            }
+        };
+        if !coalesce {
+            return (idx.concat(), val.concat().into_iter().map(fin).collect());
+        }
+        let mut rows: BTreeMap<i64, Vec<f64>> = BTreeMap::new();
+        for (idx, val) in idx.iter().zip(val) {
+            for (j, &i) in idx.iter().enumerate() {
+                let row = rows.entry(i).or_insert(vec![0.0; self.row_len]);
+                let add = &val[j * self.row_len..];
+                row.iter_mut().zip(add).for_each(|(x, a)| *x += a);
+            }
+        }
+        let values = rows.values().flatten().map(|&x| fin(x)).collect();
+        (rows.into_keys().collect(), values)
+    }
+}
+
+pub struct Bmuf {
+    pub lr: f64,
+    /// Resolved (the default 1 - 1/N).
+    pub mu: f64,
+    pub nesterov: bool,
+    /// The PARAMs `bmuf_init` took (name, id), their W and D.
+    pub params: Vec<(String, u64)>,
+    pub w: Vec<Vec<f64>>,
+    pub d: Vec<Vec<f64>>,
+}
+
+/// One `dpsync_sparse_set`: the index buffer (into [`Slices::bufs`]), the pointers, rows.
+pub type SliceSet = (Option<usize>, *const c_void, *const c_void, usize);
+
+/// One step's sparse slices: every world replica's rows, and this rank's buffers.
+#[derive(Default)]
+pub struct Slices {
+    /// `[s][w]`.
+    pub idx: Vec<Vec<Vec<i64>>>,
+    pub val: Vec<Vec<Vec<f64>>>,
+    /// Kept alive until the step ends (a failed step consumes no slice).
+    pub bufs: Vec<Buf>,
+    /// `[s][k]`: what `dpsync_sparse_set` gets.
+    pub set: Vec<Vec<SliceSet>>,
+    /// Gradients whose indices are the previous gradient's buffer on every world replica.
+    pub shared: Vec<usize>,
+}
+
+impl Slices {
+    pub fn push(&mut self, mut b: Buf) -> (Option<usize>, *const c_void) {
+        let p = b.ptr() as *const c_void;
+        self.bufs.push(b);
+        (Some(self.bufs.len() - 1), p)
+    }
+
+    /// Sets index 0 of gradient `s`'s slice on local replica `k` to `v`; the old value.
+    pub fn poke(&mut self, s: usize, k: usize, v: i64) -> i64 {
+        match &mut self.bufs[self.set[s][k].0.expect("rows")] {
+            Buf::I32(x) => std::mem::replace(&mut x[0], v as i32) as i64,
+            Buf::I64(x) => std::mem::replace(&mut x[0], v),
+            _ => unreachable!("indices are i32 or i64"),
+        }
+    }
+}
+
+// ------------------------------------------------------------------ calls and outcomes
+
+#[derive(Clone, Debug)]
+pub enum Call {
+    Grads(u32),
+    /// None: a NULL name.
+    Allreduce(Option<String>, u32),
+    Broadcast(u32, usize),
+    Average(u32),
+    BmufInit(f64, f64, bool),
+    BmufStep,
+}
+
+impl Call {
+    pub fn invoke(&self, ctx: &Context) -> dpsync_status {
+        match self {
+            Call::Grads(op) => ctx.allreduce_grads(*op),
+            Call::Allreduce(Some(name), op) => ctx.allreduce(name, *op),
+            // SAFETY: a valid context; NULL is the argument under test.
+            Call::Allreduce(None, op) => unsafe { dpsync_allreduce(ctx.0, ptr::null(), *op) },
+            Call::Broadcast(roles, root) => ctx.broadcast(*roles, *root),
+            Call::Average(roles) => ctx.average(*roles),
+            Call::BmufInit(lr, mu, nesterov) => ctx.bmuf_init(*lr, *mu, *nesterov),
+            Call::BmufStep => ctx.bmuf_step(),
+        }
+    }
+
+    /// The function's name as the messages write it (`dpsync_allreduce(name`: not `_grads`).
+    pub fn function(&self) -> &'static str {
+        match self {
+            Call::Grads(_) => "dpsync_allreduce_grads",
+            Call::Allreduce(..) => "dpsync_allreduce(name",
+            Call::Broadcast(..) => "dpsync_broadcast",
+            Call::Average(_) => "dpsync_average",
+            Call::BmufInit(..) => "dpsync_bmuf_init",
+            Call::BmufStep => "dpsync_bmuf_step",
+        }
+    }
+
+    /// The same call with another op (reductions) or roles (broadcast, average).
+    pub fn with(&self, x: u32) -> Call {
+        match self {
+            Call::Grads(_) => Call::Grads(x),
+            Call::Allreduce(name, _) => Call::Allreduce(name.clone(), x),
+            Call::Broadcast(_, root) => Call::Broadcast(x, *root),
+            Call::Average(_) => Call::Average(x),
+            _ => unreachable!("{self:?} has neither op nor roles"),
+        }
+    }
+
+    /// The roles whose registrations the ranks compare for this call.
+    pub fn involved(&self) -> u32 {
+        match self {
+            Call::Grads(_) => GRAD,
+            Call::Broadcast(roles, _) | Call::Average(roles) => *roles,
+            Call::BmufInit(..) | Call::BmufStep => PARAM,
+            Call::Allreduce(..) => 0,
+        }
+    }
+}
+
+/// What every rank must see: success; one status (and message fragments) on every rank; or
+/// rank `.0`'s own failure there, INCONSISTENT naming it and its status elsewhere.
+#[derive(Clone, Debug, Default)]
+pub enum Expect {
+    #[default]
+    Ok,
+    All(dpsync_status, Vec<String>),
+    Own(usize, dpsync_status, Vec<String>),
+}
+
+pub fn all(st: dpsync_status, needles: &[&str]) -> Expect {
+    Expect::All(st, needles.iter().map(|s| s.to_string()).collect())
+}
+
+pub fn own(rank: usize, st: dpsync_status, needles: &[&str]) -> Expect {
+    Expect::Own(rank, st, needles.iter().map(|s| s.to_string()).collect())
+}
+
+impl Expect {
+    /// The status and message fragments rank `rank` must see.
+    pub fn on(&self, rank: usize) -> (dpsync_status, Vec<String>) {
+        let short = |s: &dpsync_status| format!("{s:?}").replace("DPSYNC_STATUS_", "");
+        match self {
+            Expect::Ok => (OK, vec![]),
+            Expect::All(s, n) => (*s, n.clone()),
+            Expect::Own(d, s, n) if *d == rank => (*s, n.clone()),
+            Expect::Own(d, s, _) => (INCONSISTENT, vec![format!("rank {d}"), short(s)]),
+        }
+    }
+}
+
+/// Tensors registered for a deviation on this rank, undone after the call.
+pub struct Temp {
+    pub name: &'static str,
+    pub bufs: Vec<Buf>,
+}
+
+/// One rank's deviation from the common call.
+#[derive(Default)]
+pub struct Dev {
+    pub class: &'static str,
+    pub rank: usize,
+    /// The deviating rank's call, when it makes another.
+    pub call: Option<Call>,
+    pub expect: Expect,
+    pub temps: Vec<Temp>,
+    /// Ranks that registered temporaries (their registrations are not the agreed ones).
+    pub registered: Vec<usize>,
+    /// The deviating rank registers a sparse gradient of its own.
+    pub sparse_extra: bool,
+    /// The deviating rank's GRADs disagree across its replicas: its marks fail.
+    pub local_grad: bool,
+    /// A bad index: (gradient, local replica, value) on the deviating rank.
+    pub bad: Option<(usize, usize, i64)>,
+}
+
+// ------------------------------------------------------------------ drawn alike on every rank
+
+/// Below `n`, as an index.
+fn below(g: &mut Lcg, n: usize) -> usize {
+    g.below(n as u64) as usize
+}
+
+/// Rank `rank`'s `dpsync_grad_ready` marks `(tensor, local replica)` of the `grads` (tensor
+/// indices, in the order to mark them): per rank all, some or none; with `uniform` the same
+/// tensors on every rank, on all its replicas. Drawn for every rank, so that every rank draws
+/// alike.
+pub fn marks(
+    g: &mut Lcg,
+    per_rank: &[usize],
+    rank: usize,
+    grads: &[usize],
+    uniform: bool,
+) -> Vec<(usize, usize)> {
+    let common = below(g, 3);
+    let picks: Vec<bool> = grads.iter().map(|_| g.below(2) == 0).collect();
+    let mut mine = Vec::new();
+    for (r, &replicas) in per_rank.iter().enumerate() {
+        let pattern = if uniform { common } else { below(g, 3) };
+        for (i, &t) in grads.iter().enumerate() {
+            for k in 0..replicas {
+                let pick = g.below(2) == 0;
+                let marked =
+                    pattern == 1 || (pattern == 2 && if uniform { picks[i] } else { pick });
+                if marked && r == rank {
+                    mine.push((t, k));
+                }
+            }
+        }
+    }
+    mine
+}
+
+impl Slices {
+    /// A step's slices of the `sparse` gradients: rows 0..3 per world replica, pairs of
+    /// gradients sharing their indices (one buffer, or two of the same content), empty slices
+    /// NULL, with an empty buffer's address or one of their own; this rank's buffers for its
+    /// replicas `offset..offset + local`. `uniform`: every world replica set up alike, and
+    /// every buffer with an address of its own (ranks group slices by their buffers).
+    pub fn draw(
+        g: &mut Lcg,
+        sparse: &[Sparse],
+        total: usize,
+        (offset, local): (usize, usize),
+        uniform: bool,
+    ) -> Slices {
+        let mut sl = Slices::default();
+        let mut paired = vec![false; sparse.len()];
+        let mut kinds = Vec::new();
+        for (s, sp) in sparse.iter().enumerate() {
+            let pair = s > 0 && !paired[s - 1] && sparse[s - 1].idt == sp.idt;
+            paired[s] = pair && g.below(2) == 0;
+            let (mut idx, mut val) = (Vec::new(), Vec::new());
+            for w in 0..total {
+                let i: Vec<i64> = match paired[s] {
+                    true => sl.idx[s - 1][w].clone(),
+                    false => (0..g.below(4)).map(|_| g.below(8) as i64).collect(),
+                };
+                val.push(
+                    (0..i.len() * sp.row_len)
+                        .map(|_| g.below(4) as f64)
+                        .collect(),
+                );
+                idx.push(i);
+            }
+            let one = below(g, 3);
+            let kind: Vec<usize> = (0..total).map(|_| below(g, 3)).collect();
+            let kind: Vec<usize> = kind
+                .into_iter()
+                .map(|k| if uniform { one } else { k })
+                .collect();
+            if paired[s] && kind.iter().all(|&k| k < 2) {
+                sl.shared.push(s);
+            }
+            sl.idx.push(idx);
+            sl.val.push(val);
+            kinds.push(kind);
+        }
+        for (s, sp) in sparse.iter().enumerate() {
+            let mut row = Vec::new();
+            for k in 0..local {
+                let w = offset + k;
+                let (rows, kind) = (sl.idx[s][w].len(), kinds[s][w]);
+                let (ibuf, ip) = if paired[s] && kind < 2 {
+                    (sl.set[s - 1][k].0, sl.set[s - 1][k].1)
+                } else if rows == 0 && !uniform && kind == 0 {
+                    (None, std::ptr::null())
+                } else {
+                    let min = usize::from(rows > 0 || uniform || kind != 1);
+                    let i: Vec<f64> = sl.idx[s][w].iter().map(|&i| i as f64).collect();
+                    sl.push(make_buf(sp.idt, &i, min))
+                };
+                let vp = match ip.is_null() {
+                    true => std::ptr::null(),
+                    false => sl.push(make_buf(sp.vdt, &sl.val[s][w].clone(), 1)).1,
+                };
+                row.push((ibuf, ip, vp, rows));
+            }
+            sl.set.push(row);
+        }
+        sl
+    }
+}
+
+impl Bmuf {
+    /// `dpsync_bmuf_init` succeeded over the PARAMs `params` (indices into `dense`): world
+    /// replica 0's values everywhere, W = them, D = 0; `mu` < 0 is 1 - 1/N.
+    pub fn start(
+        dense: &mut [Dense],
+        params: &[usize],
+        total: usize,
+        (lr, mu, nesterov): (f64, f64, bool),
+    ) -> Bmuf {
+        let mu = if mu < 0.0 {
+            1.0 - 1.0 / total as f64
+        } else {
+            mu
+        };
+        let mut b = Bmuf {
+            lr,
+            mu,
+            nesterov,
+            params: vec![],
+            w: vec![],
+            d: vec![],
+        };
+        for &t in params {
+            let d = &mut dense[t];
+            d.vals = vec![d.vals[0].clone(); total];
+            b.params.push((d.name.clone(), d.id));
+            b.d.push(vec![0.0; d.vals[0].len()]);
+            b.w.push(d.vals[0].clone());
+        }
+        b
+    }
+
+    /// `dpsync_bmuf_step` succeeded: per element, the mean A as the averaging stores it, then
+    /// the filter in the state type (f32 for f32/f16/bf16, f64 for f64), the new param rounded
+    /// once to its dtype on every replica.
+    pub fn step(&mut self, dense: &mut [Dense]) {
+        for (p, (name, _)) in self.params.iter().enumerate() {
+            let t = dense.iter_mut().find(|t| &t.name == name).expect("a PARAM");
+            let (dt, n) = (t.dtype, t.vals.len());
+            let new: Vec<f64> = (0..self.w[p].len())
+                .map(|e| {
+                    let a = avg(dt, t.vals.iter().map(|v| v[e]).sum(), n);
+                    let x = [a, self.w[p][e], self.d[p][e], self.mu, self.lr];
+                    let [param, w, d] = match dt {
+                        DType::F64 => filter::<f64>(x, self.nesterov, |v| v, |v| v),
+                        _ => filter::<f32>(x, self.nesterov, |v| v as f32, |v| v as f64),
+                    };
+                    (self.w[p][e], self.d[p][e]) = (w, d);
+                    round(dt, param)
+                })
+                .collect();
+            t.vals = vec![new; n];
+        }
+    }
+}
