@@ -58,7 +58,8 @@ bundle() (
   # Named without cargo's hash: the world part calls them by name.
   {
     cargo test --release --features mpi --target-dir target/mpi --no-run \
-      --message-format=json --test world_cuda --test world_mpi --test world_comm 2>/dev/null |
+      --message-format=json --test world_cuda --test world_mpi --test world_comm \
+      --test world_agreement --test world_random 2>/dev/null |
       executables test
     cargo bench --features mpi --target-dir target/mpi --bench world_allreduce --no-run \
       --message-format=json 2>/dev/null | executables bench
@@ -181,7 +182,8 @@ run() {
   # compiler and prove nothing more on a GPU: CI runs them.
   part_tests() {
     for t in "$dir"/tests/cuda-* "$dir"/tests/cuda_bmuf-* "$dir"/tests/cuda_sparse-* \
-             "$dir"/tests/dpsync-* "$dir"/tests/collectives-* "$dir"/tests/bad_input-*; do
+             "$dir"/tests/shard-* "$dir"/tests/dpsync-* "$dir"/tests/collectives-* \
+             "$dir"/tests/bad_input-*; do
       section "test binary $(basename "$t")"
       test_binary "$t" --skip emulate || { failures=$((failures + 1)); echo "FAILED" >>"$report"; }
       endsection
@@ -254,7 +256,7 @@ run() {
     DPSYNC_TEST_RANKS=1 timed $m -n 1 "$dir/mpi/world_cuda" nccl_overlap_body --exact \
       --nocapture --test-threads=1 || failures=$((failures + 1))
     endsection
-    for t in world_mpi world_comm; do
+    for t in world_mpi world_comm world_agreement world_random; do
       section "test binary $t"
       timed "$dir/mpi/$t" --test-threads=1 || failures=$((failures + 1))
       endsection

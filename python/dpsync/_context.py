@@ -348,8 +348,8 @@ class Context:
     # -- collectives ------------------------------------------------------------------------
 
     def add_pre_allreduce_grads_hook(self, fn: Callable[[], None]) -> HookHandle:
-        """Run `fn()` at the start of every allreduce_grads, before the C call (dpsync.torch
-        uses it to put back gradients that zero_grad() set to None)."""
+        """Run `fn()` at the start of every allreduce_grads and reduce_scatter_grads, before
+        the C call (dpsync.torch uses it to put back gradients that zero_grad() set to None)."""
         self._pre_step.append(fn)
         return HookHandle(self._pre_step, fn)
 
@@ -420,6 +420,45 @@ class Context:
         st = self._lib.dpsync_set_stream(self._h, _size(replica, "replica"), address)
         if st:
             raise self._error(st, "dpsync_set_stream")
+
+    # -- shards (ZeRO stage 1) --------------------------------------------------------------
+
+    def shard(self, name: str, replica: int) -> Tuple[int, int]:
+        """dpsync_shard: (offset, count), the piece of dense tensor `name` that `replica` owns:
+        with W replicas in the world, world replica w owns elements [count * w / W,
+        count * (w + 1) / W) (count may be 0). A parameter and its gradient are cut alike."""
+        data = _NAMES.get(name) or _encode_name(name)
+        replica = _size(replica, "replica")
+        offset, count = c_size_t(0), c_size_t(0)
+        st = self._lib.dpsync_shard(self._h, data, replica, byref(offset), byref(count))
+        if st:
+            raise self._error(st, "dpsync_shard")
+        return offset.value, count.value
+
+    def reduce_scatter_grads(self, op: str = "sum") -> None:
+        """dpsync_reduce_scatter_grads: as allreduce_grads (the same hooks, buckets and sums,
+        sparse gradients gathered whole), but each replica receives the reduced values only in
+        the pieces of its GRAD tensors that it owns (shard); its other elements are left as
+        they were."""
+        code = OPS.get(op)
+        if code is None:
+            code = _op(op)
+        for fn in self._pre_step:
+            fn()
+        st = self._lib.dpsync_reduce_scatter_grads(self._h, code)
+        if st:
+            raise self._error(st, "dpsync_reduce_scatter_grads")
+        if self._slices:
+            # As in allreduce_grads: the slices were read (on CUDA replicas, in stream order).
+            self._retired = self._slices if self._cuda is not None else {}
+            self._slices = {}
+
+    def allgather(self, roles: Roles) -> None:
+        """dpsync_allgather: for every tensor whose role is in `roles`, each replica's owned
+        piece (shard) copied to every other replica, so that all replicas end identical."""
+        st = self._lib.dpsync_allgather(self._h, _roles(roles))
+        if st:
+            raise self._error(st, "dpsync_allgather")
 
     # -- BMUF -------------------------------------------------------------------------------
 

@@ -16,16 +16,23 @@ them back: before every ``ctx.allreduce_grads`` (and, with ``overlap=True``, as 
 accumulated) a gradient that is None is replaced by the registered tensor zeroed, and a new
 gradient tensor is copied into the registered one, which becomes ``p.grad`` again.
 ``zero_grad(set_to_none=False)`` avoids that copy. See docs/API.md, "Python".
+
+Sharded optimizer state (ZeRO stage 1): ``ShardedOptimizer`` gives each replica's optimizer
+only the pieces of the parameters that the replica owns (``ctx.shard``), so that its state
+(Adam's moments, SGD's momentum) takes about 1 / (replicas in the world) of the memory; its
+``step()`` is ``ctx.reduce_scatter_grads``, each replica's optimizer step on its pieces, then
+``ctx.allgather("param")``.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ._context import Context, HookHandle
-from ._errors import Error, InvalidArgument, NotFound
+from ._context import Context, HookHandle, _op
+from ._errors import Error, InvalidArgument, InvalidState, NotFound
 
 # torch >= 2.1 calls this hook after the gradient is accumulated into p.grad; older versions
 # get the same moment from a hook on the parameter's AccumulateGrad node (as DDP did). A hook
@@ -267,4 +274,209 @@ def _add_ready_hook(reg: ModuleRegistration, p: torch.Tensor, owned: torch.Tenso
         reg._hooks.append(acc.register_hook(ready))
 
 
-__all__ = ["HAS_POST_ACCUMULATE_GRAD_HOOK", "ModuleRegistration", "register_modules"]
+def optimizer_state_bytes(optimizer: Any) -> int:
+    """The bytes held by the tensors of ``optimizer.state`` (moments, momentum buffers, step
+    counters) of a ``torch.optim`` optimizer; a ShardedOptimizer has ``state_bytes()``."""
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()
+    return total
+
+
+# torch.optim.Optimizer.zero_grad's own default: set_to_none=True from PyTorch 2.0, False before.
+_SET_TO_NONE_DEFAULT = bool(inspect.signature(torch.optim.Optimizer.zero_grad).parameters["set_to_none"].default)
+
+
+class ShardedOptimizer:
+    """ZeRO stage 1 (as ``torch.distributed.optim.ZeroRedundancyOptimizer``) over dpsync: one
+    ``optimizer_class(pieces, **defaults)`` per replica, given only the pieces of the parameters
+    that the replica owns (``ctx.shard``), so that the optimizer state of each replica covers
+    about 1 / (replicas in the world) of the elements.
+
+    ``params`` has one entry per replica: a module (its ``parameters()``), an iterable of
+    parameters, or an iterable of param group dicts (``{"params": [...], "lr": ...}``), alike on
+    every replica. Every parameter must be registered with ``ctx`` on its replica as a PARAM
+    (``register_modules``, or ``ctx.register``), and its gradient as a GRAD that is ``p.grad``
+    when ``step()`` runs (``register_modules`` sees to that). Register the modules without
+    ``optimizers=``: the sharded state differs from replica to replica.
+
+    A piece is a flat view of the owned elements, ``p.detach().view(-1)[offset:offset + count]``
+    wrapped as a leaf ``torch.nn.Parameter`` that shares the parameter's storage, and its
+    gradient the same view of ``p.grad``: the optimizer updates the parameter's memory in place.
+    Empty pieces (a tensor with fewer elements than there are replicas) are left out. Param
+    groups keep their order and options on every replica (a group may hold no piece), so
+    ``optimizers[r].param_groups[i]`` is group i and learning-rate schedulers work on each.
+
+    ``step()`` is ``ctx.reduce_scatter_grads(op)``, then each replica's optimizer step on its
+    pieces, then ``ctx.allgather("param")`` (every PARAM registered with ``ctx``): every replica
+    ends with the parameters that ``ctx.allreduce_grads(op)`` and the whole optimizer give, byte
+    for byte in one process, as long as the optimizer's update is elementwise (SGD, Adam,
+    AdamW, RMSprop, ...; not LAMB-like per-tensor norms, nor an optimizer that needs a
+    closure). ``register_modules(..., overlap=True)`` gains nothing here: the buckets that
+    backward may start early follow the previous step's call, and after a reduce-scatter none
+    starts (dpsync_reduce_scatter_grads in include/dpsync.h).
+    """
+
+    def __init__(
+        self, ctx: Context, params: Sequence[Any], optimizer_class: Any, *, op: str = "avg", **defaults: Any
+    ) -> None:
+        n = ctx.replica_count
+        per_replica = list(params)
+        if len(per_replica) != n:
+            raise InvalidArgument(
+                "%d parameter lists for %d replicas: pass one per replica (a module, its parameters() or "
+                "param groups)" % (len(per_replica), n)
+            )
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise InvalidArgument("optimizer_class is %r: pass a torch.optim.Optimizer subclass, such as "
+                                  "torch.optim.Adam" % (optimizer_class,))
+        _op(op)
+        self.ctx = ctx
+        self.op = op
+        groups = [_param_groups(p, r) for r, p in enumerate(per_replica)]
+        registered = ctx.registered()
+        names_by_id: List[Dict[int, str]] = [{} for _ in range(n)]
+        for name, by_replica in registered.items():
+            for r, kept in by_replica.items():
+                if r < n:
+                    names_by_id[r][id(kept)] = name
+        names = [[[_registered_name(names_by_id[r], p, r, g, i) for i, p in enumerate(group["params"])]
+                  for g, group in enumerate(groups[r])] for r in range(n)]
+        for r in range(1, n):
+            if names[r] != names[0]:
+                a, b = _flat(names[0]), _flat(names[r])
+                diff = next(((x, y) for x, y in zip(a, b) if x != y), None)
+                if diff is None:
+                    diff = ("%d parameters in %d groups" % (len(a), len(names[0])),
+                            "%d parameters in %d groups" % (len(b), len(names[r])))
+                raise InvalidArgument("replica %d's parameters differ from replica 0's: %s on replica 0, %s on "
+                                      "replica %d (pass the same parameters in the same groups on every replica)"
+                                      % (r, diff[0], diff[1], r))
+        # Per replica: (parameter, piece, offset, count, storage address) of each non-empty piece.
+        self._pieces: List[List[Tuple[torch.Tensor, torch.Tensor, int, int, int]]] = []
+        self._params: List[List[torch.Tensor]] = []
+        self.pieces: List[List[Tuple[str, int, int]]] = []
+        self.optimizers: List[Any] = []
+        for r in range(n):
+            owned: List[Tuple[torch.Tensor, torch.Tensor, int, int, int]] = []
+            shards: List[Tuple[str, int, int]] = []
+            opt_groups = []
+            for g, group in enumerate(groups[r]):
+                pieces = []
+                for i, p in enumerate(group["params"]):
+                    name = names[r][g][i]
+                    offset, count = ctx.shard(name, r)
+                    shards.append((name, offset, count))
+                    if count == 0:
+                        continue
+                    view = p.detach().view(-1)[offset:offset + count]
+                    piece = torch.nn.Parameter(view, requires_grad=p.requires_grad)
+                    owned.append((p, piece, offset, count, p.data_ptr()))
+                    pieces.append(piece)
+                opt_groups.append(dict(group, params=pieces))
+            self._pieces.append(owned)
+            self._params.append([p for group in groups[r] for p in group["params"]])
+            self.pieces.append(shards)
+            self.optimizers.append(optimizer_class(opt_groups, **defaults))
+
+    def step(self) -> None:
+        """``ctx.reduce_scatter_grads(op)``, every replica's optimizer step on the pieces it
+        owns, ``ctx.allgather("param")``."""
+        for r, owned in enumerate(self._pieces):
+            for p, _, _, _, address in owned:
+                if p.data_ptr() != address:
+                    raise InvalidState(
+                        "a parameter of replica %d has new memory (p.data was replaced, or the module moved): "
+                        "its registration and the optimizer's views no longer see it; build the registration "
+                        "and the ShardedOptimizer again" % r
+                    )
+        self.ctx.reduce_scatter_grads(self.op)
+        for optimizer, owned in zip(self.optimizers, self._pieces):
+            for p, piece, offset, count, _ in owned:
+                g = p.grad
+                piece.grad = None if g is None else g.reshape(-1)[offset:offset + count]
+            try:
+                optimizer.step()
+            finally:
+                for _, piece, _, _, _ in owned:
+                    piece.grad = None
+        self.ctx.allgather("param")
+
+    def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
+        """The whole gradients of every replica's parameters, as torch.optim.Optimizer.zero_grad
+        (``set_to_none`` defaults as there: True from PyTorch 2.0)."""
+        if set_to_none is None:
+            set_to_none = _SET_TO_NONE_DEFAULT
+        for params in self._params:
+            for p in params:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
+                    p.grad.zero_()
+
+    def state_bytes(self) -> List[int]:
+        """The bytes of optimizer state held for each replica (optimizer_state_bytes)."""
+        return [optimizer_state_bytes(o) for o in self.optimizers]
+
+    def state_dict(self) -> List[Dict[str, Any]]:
+        """Each replica's optimizer state_dict (of its own pieces)."""
+        return [o.state_dict() for o in self.optimizers]
+
+    def load_state_dict(self, state_dicts: Sequence[Dict[str, Any]]) -> None:
+        """Load what state_dict returned, one per replica (the same replicas and world)."""
+        state_dicts = list(state_dicts)
+        if len(state_dicts) != len(self.optimizers):
+            raise InvalidArgument("%d state dicts for %d replicas" % (len(state_dicts), len(self.optimizers)))
+        for o, sd in zip(self.optimizers, state_dicts):
+            o.load_state_dict(sd)
+
+
+def _param_groups(params: Any, replica: int) -> List[Dict[str, Any]]:
+    """`params` of one replica as param group dicts whose "params" are lists of tensors."""
+    if isinstance(params, torch.nn.Module):
+        return [{"params": list(params.parameters())}]
+    if isinstance(params, torch.Tensor):
+        raise InvalidArgument("replica %d's parameters are one tensor: pass an iterable of parameters" % replica)
+    items = list(params)
+    if items and all(isinstance(g, dict) for g in items):
+        groups = []
+        for g in items:
+            if "params" not in g:
+                raise InvalidArgument("a param group of replica %d has no \"params\"" % replica)
+            ps = g["params"]
+            groups.append(dict(g, params=[ps] if isinstance(ps, torch.Tensor) else list(ps)))
+        return groups
+    if any(not isinstance(p, torch.Tensor) for p in items):
+        raise InvalidArgument("replica %d: pass a module, parameters, or param group dicts, not a mix" % replica)
+    return [{"params": items}]
+
+
+def _registered_name(names: Dict[int, str], p: torch.Tensor, replica: int, group: int, index: int) -> str:
+    name = names.get(id(p))
+    if name is None:
+        raise InvalidArgument(
+            "parameter %d of group %d on replica %d (shape %s) is not registered with this context on that "
+            "replica: register the modules first (register_modules)" % (index, group, replica, tuple(p.shape))
+        )
+    return name
+
+
+def _flat(names: List[List[str]]) -> List[str]:
+    return [name for group in names for name in group]
+
+
+__all__ = [
+    "HAS_POST_ACCUMULATE_GRAD_HOOK",
+    "ModuleRegistration",
+    "ShardedOptimizer",
+    "optimizer_state_bytes",
+    "register_modules",
+]

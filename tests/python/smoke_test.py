@@ -77,6 +77,9 @@ def load(path):
         "dpsync_allreduce": (status, [c_void_p, c_char_p, c_uint32]),
         "dpsync_broadcast": (status, [c_void_p, c_uint32, c_size_t]),
         "dpsync_average": (status, [c_void_p, c_uint32]),
+        "dpsync_shard": (status, [c_void_p, c_char_p, c_size_t, POINTER(c_size_t), POINTER(c_size_t)]),
+        "dpsync_reduce_scatter_grads": (status, [c_void_p, c_uint32]),
+        "dpsync_allgather": (status, [c_void_p, c_uint32]),
         "dpsync_register_sparse": (status, [c_void_p, c_char_p, c_size_t, c_size_t, c_uint32, c_uint32, c_size_t]),
         "dpsync_sparse_set": (status, [c_void_p, c_char_p, c_size_t, c_void_p, c_void_p, c_size_t]),
         "dpsync_sparse_get": (status, [c_void_p, c_char_p, c_size_t, POINTER(c_void_p), POINTER(c_void_p),
@@ -307,6 +310,71 @@ class Smoke:
         assert child.stderr == "", "stderr was written: %r" % child.stderr
         return "UNAVAILABLE (%s), stderr empty" % msg
 
+    def pieces(self, count):
+        """World replica w's piece of a tensor of `count` elements: [count*w/N, count*(w+1)/N)."""
+        return [(count * w // NREP, count * (w + 1) // NREP - count * w // NREP) for w in range(NREP)]
+
+    def check_shard(self):
+        for name, count in (("g32", 37), ("g64", 11), ("p32", 9)):
+            for r, want in enumerate(self.pieces(count)):
+                offset, n = c_size_t(99), c_size_t(99)
+                self.call("dpsync_shard", self.ctx, name.encode(), r, byref(offset), byref(n))
+                assert (offset.value, n.value) == want, "%s replica %d: piece %r, expected %r" % (
+                    name, r, (offset.value, n.value), want)
+        offset, n = c_size_t(99), c_size_t(99)
+        msg = self.expect_status(NOT_FOUND, "dpsync_shard", self.ctx, b"no_such_tensor", 0, byref(offset), byref(n))
+        assert "no_such_tensor" in msg, "message does not name the tensor: %r" % msg
+        msg2 = self.expect_status(INVALID_ARGUMENT, "dpsync_shard", self.ctx, b"g32", NREP, byref(offset), byref(n))
+        assert "replica" in msg2, "message does not name the replica: %r" % msg2
+        self.expect_status(INVALID_ARGUMENT, "dpsync_shard", self.ctx, b"g32", 0, None, byref(n))
+        assert (offset.value, n.value) == (99, 99), "a failed dpsync_shard wrote its outputs"
+        return "g32 %s; NOT_FOUND (%s); INVALID_ARGUMENT (%s)" % (self.pieces(37), msg, msg2)
+
+    def check_reduce_scatter(self):
+        # Fresh, differing inputs; each replica must end with the sums in its own pieces only.
+        rng = random.Random(11)
+        for name in ("g32", "g64"):
+            for arr in self.buffers[name]:
+                for i in range(len(arr)):
+                    arr[i] = rng.uniform(-100, 100)
+        before = {name: [list(a) for a in self.buffers[name]] for name in ("g32", "g64")}
+        p_before = self.snapshot()["p32"]
+        self.call("dpsync_reduce_scatter_grads", self.ctx, SUM)
+        for name, f32 in (("g32", True), ("g64", False)):
+            total = self.reference(before[name], SUM, f32)
+            for r, arr in enumerate(self.buffers[name]):
+                first, n = self.pieces(len(arr))[r]
+                for i, got in enumerate(arr):
+                    want = total[i] if first <= i < first + n else before[name][r][i]
+                    if got != want:
+                        raise AssertionError("%s replica %d element %d (piece [%d, %d)): %r, expected %r"
+                                             % (name, r, i, first, first + n, got, want))
+        assert self.snapshot()["p32"] == p_before, "reduce_scatter_grads changed the PARAM tensor"
+        # The pieces put together again: every replica holds the whole sums.
+        self.call("dpsync_allgather", self.ctx, GRAD)
+        self.assert_all_replicas("g32", self.reference(before["g32"], SUM, True))
+        self.assert_all_replicas("g64", self.reference(before["g64"], SUM, False))
+        return "sums in the owned pieces only, the rest untouched; allgather(GRAD) completes them"
+
+    def check_allgather(self):
+        for r, arr in enumerate(self.buffers["p32"]):
+            for i in range(len(arr)):
+                arr[i] = float(100 * r + i)
+        want = []
+        for w, (first, n) in enumerate(self.pieces(9)):
+            want += [float(100 * w + i) for i in range(first, first + n)]
+        grads = {name: self.snapshot()[name] for name in ("g32", "g64")}
+        self.call("dpsync_allgather", self.ctx, PARAM)
+        self.assert_all_replicas("p32", want)
+        after = self.snapshot()
+        assert all(after[name] == grads[name] for name in grads), "allgather(PARAM) changed a GRAD"
+        before = self.snapshot()
+        msg = self.expect_status(INVALID_ARGUMENT, "dpsync_allgather", self.ctx, 0)
+        self.expect_status(INVALID_ARGUMENT, "dpsync_reduce_scatter_grads", self.ctx, 7)
+        assert self.snapshot() == before, "a failed call changed tensor data"
+        self.p32 = [list(a) for a in self.buffers["p32"]]
+        return "p32 = the owners' pieces on every replica, GRAD untouched; roles 0 -> INVALID_ARGUMENT (%s)" % msg
+
     def check_not_found(self):
         msg = self.expect_status(NOT_FOUND, "dpsync_allreduce", self.ctx, b"no_such_tensor", SUM)
         assert "no_such_tensor" in msg, "message does not name the tensor: %r" % msg
@@ -373,6 +441,9 @@ class Smoke:
             self.check("allreduce AVG", self.check_allreduce_avg)
             self.check("broadcast from root 3", self.check_broadcast)
             self.check("describe JSON", self.check_describe)
+            self.check("shard pieces, unknown name, replica out of range", self.check_shard)
+            self.check("reduce_scatter_grads SUM", self.check_reduce_scatter)
+            self.check("allgather PARAM, roles 0", self.check_allgather)
             self.check("unknown name -> NOT_FOUND", self.check_not_found)
             self.check("count mismatch -> INCONSISTENT", self.check_inconsistent)
             self.check("sparse gradient gather", self.check_sparse)
