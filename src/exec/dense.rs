@@ -277,11 +277,7 @@ unsafe fn allreduce_staged(
         true => (0..site.levels.groups.iter().map(Vec::len).sum()).collect(),
         false => {
             let _span = timeline::span(trace, "local levels", || json!({}));
-            let local = Site {
-                ranks: None,
-                ..site
-            };
-            allreduce(local, bucket, None)?;
+            allreduce_levels(site.backend, site.levels, bucket, None, false)?;
             vec![0]
         }
     };
