@@ -6,7 +6,6 @@ use std::collections::HashMap;
 use serde_json::{json, Value};
 
 use crate::registry::sparse::{SparseInput, SparseSpec};
-use crate::types::DType;
 
 /// Slices gathered together: the first member's indices are gathered once for all of them.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -20,17 +19,22 @@ pub struct IndexGroup {
 /// gathered indices are exactly as long as each member's gathered values. A buffer shared with
 /// different row counts on some replica is not the same indices and is gathered separately.
 pub fn index_groups(inputs: &[SparseInput]) -> Vec<IndexGroup> {
-    type Key = (DType, Vec<(usize, usize)>);
-    let mut groups: Vec<IndexGroup> = Vec::new();
-    let mut by_key: HashMap<Key, usize> = HashMap::new();
-    for (i, input) in inputs.iter().enumerate() {
-        let key = (
+    groups_by_key(inputs.iter().map(|input| {
+        (
             input.spec.index_dtype,
             // An empty slice's pointer (NULL or not) is never read: every empty slice is alike.
             (input.slices.iter())
                 .map(|s| (if s.rows == 0 { 0 } else { s.indices }, s.rows))
-                .collect(),
-        );
+                .collect::<Vec<_>>(),
+        )
+    }))
+}
+
+/// The inputs grouped by `keys` (one per input): groups in order of their first member.
+fn groups_by_key<K: std::hash::Hash + Eq>(keys: impl Iterator<Item = K>) -> Vec<IndexGroup> {
+    let mut groups: Vec<IndexGroup> = Vec::new();
+    let mut by_key: HashMap<K, usize> = HashMap::new();
+    for (i, key) in keys.enumerate() {
         match by_key.get(&key) {
             Some(&g) => groups[g].members.push(i),
             None => {
@@ -59,19 +63,7 @@ pub fn group_labels(groups: &[IndexGroup], inputs: usize) -> Vec<usize> {
 /// order of their first member, the same on every rank.
 pub fn common_groups(labels: &[Vec<usize>]) -> Vec<IndexGroup> {
     let inputs = labels.first().map_or(0, Vec::len);
-    let mut groups: Vec<IndexGroup> = Vec::new();
-    let mut by_key: HashMap<Vec<usize>, usize> = HashMap::new();
-    for i in 0..inputs {
-        let key: Vec<usize> = labels.iter().map(|l| l[i]).collect();
-        match by_key.get(&key) {
-            Some(&g) => groups[g].members.push(i),
-            None => {
-                by_key.insert(key, groups.len());
-                groups.push(IndexGroup { members: vec![i] });
-            }
-        }
-    }
-    groups
+    groups_by_key((0..inputs).map(|i| labels.iter().map(|l| l[i]).collect::<Vec<usize>>()))
 }
 
 /// Row offsets of each replica's rows in the gathered slice (world order), and the total.
@@ -117,6 +109,7 @@ pub fn describe_gather(replicas: usize, coalesce: bool) -> Value {
 mod tests {
     use super::*;
     use crate::registry::sparse::SparseSlice;
+    use crate::types::DType;
 
     fn input(name: &str, index_dtype: DType, slices: &[(usize, usize)]) -> SparseInput {
         SparseInput {

@@ -86,6 +86,41 @@ impl HostBackend {
 
     /// Runs `f(segment, start, len)` over every element of `bucket`, split into contiguous
     /// ranges over up to `max_threads` threads when the call is large enough to pay for them.
+    /// [`kernels::reduce_span`] over every span of `bucket` (`touched` replicas' bytes per
+    /// element size the threads), the result written to every replica or to `only`.
+    ///
+    /// # Safety
+    /// As for [`Backend::reduce`].
+    unsafe fn reduce_spans(
+        &self,
+        bucket: &BucketView<'_>,
+        members: &[usize],
+        touched: usize,
+        avg: Option<usize>,
+        only: Option<usize>,
+    ) {
+        let (op, divisor) = match avg {
+            Some(divisor) => (ReduceOp::Avg, divisor),
+            None => (ReduceOp::Sum, 1),
+        };
+        let bytes_per_element = bucket.dtype.size() * touched;
+        macro_rules! run {
+            ($t:ty) => {
+                self.for_each_span(bucket, bytes_per_element, |seg, start, len| unsafe {
+                    kernels::reduce_span::<$t>(seg.ptrs, members, start, len, op, divisor, only)
+                })
+            };
+        }
+        match bucket.dtype {
+            DType::F32 => run!(f32),
+            DType::F64 => run!(f64),
+            DType::F16 => run!(f16),
+            DType::Bf16 => run!(bf16),
+            DType::I32 => run!(i32),
+            DType::I64 => run!(i64),
+        }
+    }
+
     fn for_each_span<F>(&self, bucket: &BucketView<'_>, bytes_per_element: usize, f: F)
     where
         F: Fn(&Segment<'_>, usize, usize) + Sync,
@@ -158,30 +193,9 @@ impl Backend for HostBackend {
         bucket: &BucketView<'_>,
         avg: Option<usize>,
     ) -> Result<()> {
-        let Some(first) = bucket.segments.first() else {
-            return Ok(());
-        };
-        let replicas = first.ptrs.len();
-        let (op, divisor) = match avg {
-            Some(divisor) => (ReduceOp::Avg, divisor),
-            None => (ReduceOp::Sum, 1),
-        };
-        let bytes_per_element = bucket.dtype.size() * replicas * 2;
-        macro_rules! run {
-            ($t:ty) => {
-                self.for_each_span(bucket, bytes_per_element, |seg, start, len| unsafe {
-                    kernels::reduce_span::<$t>(seg.ptrs, members, start, len, op, divisor, None)
-                })
-            };
-        }
-        match bucket.dtype {
-            DType::F32 => run!(f32),
-            DType::F64 => run!(f64),
-            DType::F16 => run!(f16),
-            DType::Bf16 => run!(bf16),
-            DType::I32 => run!(i32),
-            DType::I64 => run!(i64),
-        }
+        // Reads and writes every replica.
+        let replicas = bucket.segments.first().map_or(0, |s| s.ptrs.len());
+        self.reduce_spans(bucket, members, replicas * 2, avg, None);
         Ok(())
     }
 
@@ -192,17 +206,8 @@ impl Backend for HostBackend {
         avg: Option<usize>,
         owned: &dyn Fn(usize, usize) -> (usize, usize),
     ) -> Result<()> {
-        let Some(first) = bucket.segments.first() else {
-            return Ok(());
-        };
-        let replicas = first.ptrs.len();
-        let (op, divisor) = match avg {
-            Some(divisor) => (ReduceOp::Avg, divisor),
-            None => (ReduceOp::Sum, 1),
-        };
+        let replicas = bucket.segments.first().map_or(0, |s| s.ptrs.len());
         let size = bucket.dtype.size();
-        // Reads every replica, writes one.
-        let bytes_per_element = size * (replicas + 1);
         for owner in 0..replicas {
             // The owner's piece of every segment, as a bucket of its own.
             let pieces: Vec<(Vec<usize>, usize)> = (bucket.segments.iter().enumerate())
@@ -220,29 +225,8 @@ impl Backend for HostBackend {
                     })
                     .collect(),
             };
-            macro_rules! run {
-                ($t:ty) => {
-                    self.for_each_span(&piece, bytes_per_element, |seg, start, len| unsafe {
-                        kernels::reduce_span::<$t>(
-                            seg.ptrs,
-                            members,
-                            start,
-                            len,
-                            op,
-                            divisor,
-                            Some(owner),
-                        )
-                    })
-                };
-            }
-            match bucket.dtype {
-                DType::F32 => run!(f32),
-                DType::F64 => run!(f64),
-                DType::F16 => run!(f16),
-                DType::Bf16 => run!(bf16),
-                DType::I32 => run!(i32),
-                DType::I64 => run!(i64),
-            }
+            // Reads every replica, writes one.
+            self.reduce_spans(&piece, members, replicas + 1, avg, Some(owner));
         }
         Ok(())
     }
