@@ -59,7 +59,7 @@ bundle() (
   {
     cargo test --release --features mpi --target-dir target/mpi --no-run \
       --message-format=json --test world_cuda --test world_mpi --test world_comm \
-      --test world_agreement --test world_random 2>/dev/null |
+      --test world_agreement --test world_random --test world_random_cuda 2>/dev/null |
       executables test
     cargo bench --features mpi --target-dir target/mpi --bench world_allreduce --no-run \
       --message-format=json 2>/dev/null | executables bench
@@ -237,7 +237,9 @@ run() {
   }
   # Worlds over MPI on this machine's Open MPI: CUDA replicas across ranks (tests/world_cuda.rs
   # bodies; on one GPU every replica is on GPU 0, so NCCL worlds have one rank and AUTO stages
-  # across several), the host world tests, and the world benchmark (its overlap also with
+  # across several), the host world tests, the randomized cross-rank test on host and on CUDA
+  # replicas (world_random_cuda: on one GPU its NCCL part says it is skipped unless
+  # NCCL_MULTI_RANK_GPU_ENABLE=1), and the world benchmark (its overlap also with
   # --bind-to none: mpirun binds each of 2 ranks to one core, which leaves the engine's progress
   # thread off).
   part_world() {
@@ -256,7 +258,7 @@ run() {
     DPSYNC_TEST_RANKS=1 timed $m -n 1 "$dir/mpi/world_cuda" nccl_overlap_body --exact \
       --nocapture --test-threads=1 || failures=$((failures + 1))
     endsection
-    for t in world_mpi world_comm world_agreement world_random; do
+    for t in world_mpi world_comm world_agreement world_random world_random_cuda; do
       section "test binary $t"
       timed "$dir/mpi/$t" --test-threads=1 || failures=$((failures + 1))
       endsection

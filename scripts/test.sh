@@ -56,11 +56,11 @@ cargo clippy --release --all-targets --features mpi --target-dir target/mpi -- -
 cargo test --release --features mpi --target-dir target/mpi --lib --test world --test world_mpi --test world_comm --test world_agreement
 step "randomized cross-rank test: tests/world_random.rs (mpirun -n 2 and -n 3, default seeds; more: scripts/world-random.sh)"
 cargo test --release --features mpi --target-dir target/mpi --test world_random
-step "CUDA replicas across ranks on the fake CUDA driver and NCCL (two fake GPUs per rank; tests/world_cuda.rs: NCCL across the ranks and the staged path): synchronous, then asynchronous streams"
+step "CUDA replicas across ranks on the fake CUDA driver and NCCL (two fake GPUs per rank; tests/world_cuda.rs: NCCL across the ranks and the staged path; tests/world_random_cuda.rs: the randomized cross-rank test on CUDA replicas, 10 seeds x 150 calls per layout and transport): synchronous, then asynchronous streams"
 for async in "" 1; do
   DPSYNC_FAKE_CUDA=1 DPSYNC_REQUIRE_GPU=1 FAKE_CUDA_DEVICES=2 FAKE_CUDA_ASYNC=$async \
     LD_LIBRARY_PATH="$PWD/target/fakecuda:${LD_LIBRARY_PATH:-}" \
-    cargo test --release --features mpi --target-dir target/mpi --test world_cuda
+    cargo test --release --features mpi --target-dir target/mpi --test world_cuda --test world_random_cuda
 done
 step "world benchmark smoke run (figures: cargo bench --features mpi --bench world_allreduce)"
 cargo bench --features mpi --target-dir target/mpi --bench world_allreduce -- --quick

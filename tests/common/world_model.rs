@@ -1,6 +1,9 @@
-//! The model of tests/world_random.rs: its settings, the calls it draws and the outcomes it
-//! expects, every tensor's values as exact f64 (small integers, so that every sum is exact in
-//! every dtype), the library's rounding of AVG and BMUF, and the sparse slices of a step.
+//! The model of the randomized cross-rank tests (tests/world_random.rs on host replicas,
+//! tests/world_random_cuda.rs on CUDA replicas; the calls themselves: common/world_calls.rs):
+//! their settings, the calls drawn and the outcomes expected, every tensor's values as exact
+//! f64 (small integers, so that every sum is exact in every dtype), the library's rounding of
+//! AVG and BMUF, the sparse slices of a step, and where the memory lives ([`Where`]: host
+//! buffers, or device memory of CUDA replicas).
 
 use std::collections::BTreeMap;
 use std::ffi::c_void;
@@ -12,6 +15,7 @@ use super::buf::{Buf, DType};
 use super::context::Context;
 use super::float16::*;
 use super::lcg::Lcg;
+use super::place::{download, Mem, Place};
 use super::sparse::SparseOut;
 use dpsync::*;
 
@@ -56,10 +60,12 @@ pub struct Config {
 }
 
 impl Config {
-    pub fn from_env() -> Config {
+    /// The settings from the environment; without it, seeds `0..seeds` of `calls` calls each.
+    pub fn from_env(seeds: u64, calls: u64) -> Config {
+        let default = seeds;
         let num = |s: &str| -> u64 { s.trim().parse().expect("DPSYNC_RANDOM_SEEDS: N or A..B") };
         let seeds = match env("DPSYNC_RANDOM_SEEDS") {
-            None => (0..50).collect(),
+            None => (0..default).collect(),
             Some(s) => match s.split_once("..") {
                 Some((a, b)) => (num(a)..=num(b)).collect(),
                 None => (0..num(&s)).collect(),
@@ -76,7 +82,7 @@ impl Config {
         }
         Config {
             seeds,
-            calls: env_num("DPSYNC_RANDOM_CALLS", 800) as usize,
+            calls: env_num("DPSYNC_RANDOM_CALLS", calls) as usize,
             off,
             timeout_ms: env_num("DPSYNC_RANDOM_TIMEOUT_MS", 20_000),
             trace: env("DPSYNC_RANDOM_TRACE").is_some_and(|v| v != "0"),
@@ -199,9 +205,133 @@ where
     [from(p), from(w2), from(d2)]
 }
 
+/// The library's default `dpsync_options_set_fusion_bytes`.
+pub const DEFAULT_FUSION_BYTES: usize = 25 << 20;
+
+/// The buckets of the GRADs among `dense` (registration order), as tensor indices: the last
+/// registered first, packed per dtype into buckets of at most `fusion` bytes (a larger tensor
+/// alone), in the order of their first tensor: the order they start in (src/plan/buckets.rs).
+pub fn buckets(dense: &[Dense], fusion: usize) -> Vec<Vec<usize>> {
+    // (position of the first tensor, dtype, bytes, tensors); one open bucket per dtype.
+    let mut done: Vec<(usize, DType, usize, Vec<usize>)> = Vec::new();
+    let mut open: Vec<(usize, DType, usize, Vec<usize>)> = Vec::new();
+    let grads = (0..dense.len()).rev().filter(|&t| dense[t].role == GRAD);
+    for (pos, t) in grads.enumerate() {
+        let (dt, count) = (dense[t].dtype, dense[t].vals[0].len());
+        let bytes = count * dt.size();
+        if let Some(slot) = open.iter().position(|b| b.1 == dt) {
+            if open[slot].2 + bytes <= fusion {
+                open[slot].2 += bytes;
+                open[slot].3.push(t);
+                continue;
+            }
+            done.push(open.swap_remove(slot));
+        }
+        open.push((pos, dt, bytes, vec![t]));
+    }
+    done.extend(open);
+    done.sort_by_key(|b| b.0);
+    done.into_iter().map(|b| b.3).collect()
+}
+
 /// Bit for bit (the library's bytes, not just equal values).
 pub fn same(a: &[f64], b: &[f64]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+// ------------------------------------------------------------------ where the memory lives
+
+/// Where a run keeps its tensors and slices: host buffers (host replicas), or device memory of
+/// CUDA replicas, local replica `k` on GPU `ordinals[k]` of `place`.
+// Each binary makes one of them (tests/world_random.rs Host, world_random_cuda.rs Cuda).
+#[allow(dead_code)]
+pub enum Where {
+    Host,
+    Cuda(Place, Vec<i32>),
+}
+
+/// One tensor or slice on one local replica, where its run keeps it.
+pub enum Store {
+    Host(Buf),
+    /// Device memory holding a buffer of this dtype (the bytes of [`Buf::bytes`]).
+    Device(Mem, DType),
+}
+
+/// A buffer of `dt` holding `bytes` (native endianness).
+pub fn buf_of(dt: DType, bytes: &[u8]) -> Buf {
+    let mut b = Buf::zeros(dt, bytes.len() / dt.size());
+    let n = b.len() * dt.size();
+    // SAFETY: `b` holds `n` bytes, and `bytes` at least as many.
+    unsafe { ptr::copy_nonoverlapping(bytes.as_ptr(), b.ptr().cast::<u8>(), n) };
+    b
+}
+
+impl Where {
+    /// `b` on local replica `k`: as it is on the host; on a CUDA replica, a copy in its GPU's
+    /// memory, except an empty buffer: its dangling address stays (a slice of no rows, whose
+    /// pointers the library never reads, as an empty tensor's data pointer can be anything).
+    pub fn put(&self, k: usize, b: Buf) -> Store {
+        match self {
+            Where::Cuda(place, ordinals) if !b.is_empty() => {
+                Store::Device(place.mem_on(ordinals[k], &b.bytes()), b.dtype())
+            }
+            _ => Store::Host(b),
+        }
+    }
+
+    /// A copy of `bytes` bytes of a library output at `ptr` on one of this rank's replicas.
+    pub fn fetch(&self, ptr: *const c_void, bytes: usize) -> Vec<u8> {
+        match self {
+            _ if bytes == 0 => Vec::new(),
+            // SAFETY: the library keeps its outputs valid until the next step.
+            Where::Host => unsafe { std::slice::from_raw_parts(ptr.cast::<u8>(), bytes) }.to_vec(),
+            Where::Cuda(..) => download(ptr as usize, bytes),
+        }
+    }
+
+    pub fn cuda(&self) -> bool {
+        matches!(self, Where::Cuda(..))
+    }
+}
+
+impl Store {
+    pub fn ptr(&mut self) -> *mut c_void {
+        match self {
+            Store::Host(b) => b.ptr(),
+            Store::Device(m, _) => m.ptr() as *mut c_void,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Store::Host(b) => b.len(),
+            Store::Device(m, dt) => m.len() / dt.size(),
+        }
+    }
+
+    /// The elements as f64 (from the device: once the work queued on its replica's stream ran).
+    pub fn vals(&self) -> Vec<f64> {
+        match self {
+            Store::Host(b) => vals_of(b),
+            Store::Device(m, dt) => vals_of(&buf_of(*dt, &m.read())),
+        }
+    }
+
+    /// Writes `vals` into the first elements, rounded to the dtype (as [`store`]).
+    pub fn set(&mut self, vals: &[f64]) {
+        match self {
+            Store::Host(b) => store(b, vals),
+            Store::Device(m, dt) => {
+                let n = m.len() / dt.size();
+                let mut b = match vals.len() < n {
+                    true => buf_of(*dt, &m.read()),
+                    false => Buf::zeros(*dt, n),
+                };
+                store(&mut b, vals);
+                m.write(&b.bytes());
+            }
+        }
+    }
 }
 
 // ------------------------------------------------------------------ the model's state
@@ -215,7 +345,7 @@ pub struct Dense {
     /// Expected values on every world replica.
     pub vals: Vec<Vec<f64>>,
     /// This rank's registered memory, one per local replica.
-    pub bufs: Vec<Buf>,
+    pub bufs: Vec<Store>,
 }
 
 pub struct Sparse {
@@ -229,31 +359,17 @@ pub struct Sparse {
 }
 
 impl Sparse {
-    /// A gathered slice as (indices, values); None when a 0-row slice has non-NULL pointers.
-    pub fn read(&self, o: SparseOut) -> Option<(Vec<i64>, Vec<f64>)> {
+    /// A gathered slice as (indices, values), read where `at` keeps this rank's replicas; None
+    /// when a 0-row slice has non-NULL pointers.
+    pub fn read(&self, o: SparseOut, at: &Where) -> Option<(Vec<i64>, Vec<f64>)> {
         if o.rows == 0 && !(o.indices.is_null() && o.values.is_null()) {
             return None;
         }
-        let idx = match self.idt {
-            DType::I32 => o.indices::<i32>().into_iter().map(i64::from).collect(),
-            _ => o.indices::<i64>(),
-        };
-        let n = self.row_len;
-        let vals = match self.vdt {
-            DType::F32 => o.values::<f32>(n).into_iter().map(f64::from).collect(),
-            DType::F64 => o.values::<f64>(n),
-            DType::F16 => o
-                .values::<u16>(n)
-                .into_iter()
-                .map(|x| f16_to_f32(x) as f64)
-                .collect(),
-            _ => o
-                .values::<u16>(n)
-                .into_iter()
-                .map(|x| bf16_to_f32(x) as f64)
-                .collect(),
-        };
-        Some((idx, vals))
+        let (rows, (idt, vdt)) = (o.rows, (self.idt, self.vdt));
+        let idx = vals_of(&buf_of(idt, &at.fetch(o.indices, rows * idt.size())));
+        let n = rows * self.row_len * vdt.size();
+        let vals = vals_of(&buf_of(vdt, &at.fetch(o.values, n)));
+        Some((idx.into_iter().map(|i| i as i64).collect(), vals))
     }
 
     /// The gathered slice of `idx` / `val` (per world replica): every replica's rows in world
@@ -310,15 +426,17 @@ pub struct Slices {
     pub idx: Vec<Vec<Vec<i64>>>,
     pub val: Vec<Vec<Vec<f64>>>,
     /// Kept alive until the step ends (a failed step consumes no slice).
-    pub bufs: Vec<Buf>,
+    pub bufs: Vec<Store>,
     /// `[s][k]`: what `dpsync_sparse_set` gets.
     pub set: Vec<Vec<SliceSet>>,
     /// Gradients whose indices are the previous gradient's buffer on every world replica.
     pub shared: Vec<usize>,
+    /// `[s][w]`: gradient `s` has the previous one's index buffer on world replica `w`.
+    pub with_prev: Vec<Vec<bool>>,
 }
 
 impl Slices {
-    pub fn push(&mut self, mut b: Buf) -> (Option<usize>, *const c_void) {
+    pub fn push(&mut self, mut b: Store) -> (Option<usize>, *const c_void) {
         let p = b.ptr() as *const c_void;
         self.bufs.push(b);
         (Some(self.bufs.len() - 1), p)
@@ -327,9 +445,16 @@ impl Slices {
     /// Sets index 0 of gradient `s`'s slice on local replica `k` to `v`; the old value.
     pub fn poke(&mut self, s: usize, k: usize, v: i64) -> i64 {
         match &mut self.bufs[self.set[s][k].0.expect("rows")] {
-            Buf::I32(x) => std::mem::replace(&mut x[0], v as i32) as i64,
-            Buf::I64(x) => std::mem::replace(&mut x[0], v),
-            _ => unreachable!("indices are i32 or i64"),
+            Store::Host(Buf::I32(x)) => std::mem::replace(&mut x[0], v as i32) as i64,
+            Store::Host(Buf::I64(x)) => std::mem::replace(&mut x[0], v),
+            Store::Host(_) => unreachable!("indices are i32 or i64"),
+            b => {
+                // Small indices: exact as f64.
+                let mut x = b.vals();
+                let old = std::mem::replace(&mut x[0], v as f64);
+                b.set(&x);
+                old as i64
+            }
         }
     }
 }
@@ -429,7 +554,7 @@ impl Expect {
 /// Tensors registered for a deviation on this rank, undone after the call.
 pub struct Temp {
     pub name: &'static str,
-    pub bufs: Vec<Buf>,
+    pub bufs: Vec<Store>,
 }
 
 /// One rank's deviation from the common call.
@@ -458,34 +583,35 @@ fn below(g: &mut Lcg, n: usize) -> usize {
     g.below(n as u64) as usize
 }
 
-/// Rank `rank`'s `dpsync_grad_ready` marks `(tensor, local replica)` of the `grads` (tensor
+/// Every rank's `dpsync_grad_ready` marks `(tensor, local replica)` of the `grads` (tensor
 /// indices, in the order to mark them): per rank all, some or none; with `uniform` the same
 /// tensors on every rank, on all its replicas. Drawn for every rank, so that every rank draws
-/// alike.
+/// alike (and knows what every other marked).
 pub fn marks(
     g: &mut Lcg,
     per_rank: &[usize],
-    rank: usize,
     grads: &[usize],
     uniform: bool,
-) -> Vec<(usize, usize)> {
+) -> Vec<Vec<(usize, usize)>> {
     let common = below(g, 3);
     let picks: Vec<bool> = grads.iter().map(|_| g.below(2) == 0).collect();
-    let mut mine = Vec::new();
-    for (r, &replicas) in per_rank.iter().enumerate() {
+    let mut every = Vec::new();
+    for &replicas in per_rank {
         let pattern = if uniform { common } else { below(g, 3) };
+        let mut its = Vec::new();
         for (i, &t) in grads.iter().enumerate() {
             for k in 0..replicas {
                 let pick = g.below(2) == 0;
                 let marked =
                     pattern == 1 || (pattern == 2 && if uniform { picks[i] } else { pick });
-                if marked && r == rank {
-                    mine.push((t, k));
+                if marked {
+                    its.push((t, k));
                 }
             }
         }
+        every.push(its);
     }
-    mine
+    every
 }
 
 impl Slices {
@@ -493,13 +619,15 @@ impl Slices {
     /// gradients sharing their indices (one buffer, or two of the same content), empty slices
     /// NULL, with an empty buffer's address or one of their own; this rank's buffers for its
     /// replicas `offset..offset + local`. `uniform`: every world replica set up alike, and
-    /// every buffer with an address of its own (ranks group slices by their buffers).
+    /// every buffer with an address of its own (ranks group slices by their buffers). The
+    /// buffers live where `at` says.
     pub fn draw(
         g: &mut Lcg,
         sparse: &[Sparse],
         total: usize,
         (offset, local): (usize, usize),
         uniform: bool,
+        at: &Where,
     ) -> Slices {
         let mut sl = Slices::default();
         let mut paired = vec![false; sparse.len()];
@@ -529,6 +657,8 @@ impl Slices {
             if paired[s] && kind.iter().all(|&k| k < 2) {
                 sl.shared.push(s);
             }
+            let shares = kind.iter().map(|&k| paired[s] && k < 2).collect();
+            sl.with_prev.push(shares);
             sl.idx.push(idx);
             sl.val.push(val);
             kinds.push(kind);
@@ -545,11 +675,11 @@ impl Slices {
                 } else {
                     let min = usize::from(rows > 0 || uniform || kind != 1);
                     let i: Vec<f64> = sl.idx[s][w].iter().map(|&i| i as f64).collect();
-                    sl.push(make_buf(sp.idt, &i, min))
+                    sl.push(at.put(k, make_buf(sp.idt, &i, min)))
                 };
                 let vp = match ip.is_null() {
                     true => std::ptr::null(),
-                    false => sl.push(make_buf(sp.vdt, &sl.val[s][w].clone(), 1)).1,
+                    false => sl.push(at.put(k, make_buf(sp.vdt, &sl.val[s][w], 1))).1,
                 };
                 row.push((ibuf, ip, vp, rows));
             }

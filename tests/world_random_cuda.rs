@@ -1,0 +1,156 @@
+//! The randomized cross-rank test on CUDA replicas (built with `--features mpi` only;
+//! docs/ARCHITECTURE.md, "Randomized cross-rank test"): the calls, deviations and model of
+//! tests/world_random.rs (common/world_calls.rs, common/world_model.rs), with every tensor and
+//! sparse slice in device memory of CUDA replicas, read back after `dpsync_synchronize`.
+//!
+//! `random_calls_across_ranks_on_cuda` runs `random_cuda_body` under `mpirun -n 2` (1 and 2
+//! replicas: GPU 0; GPUs 0 and 1) and `-n 3` (3, 1 and 2: GPUs 0, 0 and 1; GPU 1; GPUs 0 and 0);
+//! every rank runs the seeds with transport NCCL (one clique over every rank's GPUs), then with
+//! PEER_COPY (each rank's sum staged through page-locked host memory and MPI), in one mpirun so
+//! that each rank compiles dpsync's kernels once. scripts/test.sh runs it on the fake CUDA
+//! driver and NCCL (two fake GPUs per rank), with synchronous and asynchronous streams; on a
+//! machine without a CUDA driver every rank prints that it was skipped. Smaller than the host
+//! run by default: 10 seeds of 150 calls per layout and transport. Values are read after
+//! `dpsync_synchronize` when a call succeeded, and as the replicas' streams see them after a
+//! failure (`World::check_unchanged` says why).
+//!
+//! What the CUDA form does differently, by the library's rules for CUDA replicas:
+//! - a bad sparse index (`sparse_index`) is found by a kernel on the device: the step succeeds
+//!   on every rank with the index gathered as given, and only that rank's next
+//!   `dpsync_synchronize` reports it (docs/API.md, worlds);
+//! - `dpsync_grad_ready` starts buckets early only with NCCL across the ranks (on the staged
+//!   path CUDA replicas only mark): every rank checks the buckets it started against describe,
+//!   and a rank that calls another collective (`call`) while it has buckets in flight on the
+//!   clique is refused at once, with its own INVALID_STATE;
+//! - excluded: with synchronous streams (the fake driver without FAKE_CUDA_ASYNC=1) a fake
+//!   NCCL collective completes inside the call that queues it only once every rank queued it,
+//!   so ranks that start different buckets early would wait for each other for ever: there the
+//!   marks are alike on every rank, and made only where every rank starts the same buckets
+//!   (`Setup::lockstep`; uneven marks run with FAKE_CUDA_ASYNC=1 and on a GPU).
+//!
+//! Environment: as tests/world_random.rs (`DPSYNC_RANDOM_SEEDS`, `DPSYNC_RANDOM_CALLS`,
+//! `DPSYNC_RANDOM_NO`, `DPSYNC_RANDOM_RANKS`, `DPSYNC_RANDOM_LIMIT_S`, `DPSYNC_RANDOM_TIMEOUT_MS`,
+//! `DPSYNC_RANDOM_TRACE`), and `DPSYNC_RANDOM_TRANSPORTS` (`nccl,peer_copy`).
+#![cfg(feature = "mpi")]
+
+mod common {
+    pub mod abi;
+    pub mod buf;
+    pub mod context;
+    pub mod cuda_context;
+    pub mod float16;
+    pub mod lcg;
+    pub mod mpi;
+    pub mod place;
+    pub mod skip;
+    pub mod sparse;
+    pub mod world_calls;
+    pub mod world_model;
+}
+
+use common::abi::{T_NCCL, T_PEER_COPY};
+use common::mpi::{as_rank, launch, under_mpirun};
+use common::place::{device_count, Place};
+use common::world_calls::{layout, run, Setup};
+use common::world_model::{env, env_num, Config, Where};
+
+fn flag(key: &str) -> bool {
+    std::env::var(key).as_deref() == Ok("1")
+}
+
+#[test]
+fn random_calls_across_ranks_on_cuda() {
+    if under_mpirun() {
+        return; // a rank runs random_cuda_body only
+    }
+    let limit = env_num("DPSYNC_RANDOM_LIMIT_S", 300);
+    for n in env("DPSYNC_RANDOM_RANKS")
+        .unwrap_or("2,3".into())
+        .split(',')
+    {
+        let n = n.trim().parse().expect("DPSYNC_RANDOM_RANKS: e.g. 2,3");
+        // Every transport in one mpirun: each rank compiles dpsync's kernels once.
+        launch("random_cuda_body", n, limit, None);
+    }
+}
+
+/// Each rank's CUDA ordinals, `layout`'s replica counts: two GPUs where there are (the fakes
+/// give each rank two), replicas sharing a GPU and replicas on several; on one GPU all on it.
+fn ordinals(rank: usize, ranks: usize) -> Vec<i32> {
+    let gpus = device_count().clamp(1, 2) as i32;
+    let on: Vec<i32> = match (ranks, layout(ranks)[rank]) {
+        (3, _) => [&[0, 0, 1][..], &[1], &[0, 0]][rank].to_vec(),
+        (_, 1) => vec![0],
+        (_, n) => (0..n as i32).collect(),
+    };
+    on.into_iter().map(|d| d % gpus).collect()
+}
+
+#[test]
+fn random_cuda_body() {
+    let Some((rank, ranks)) = as_rank("random_cuda_body") else {
+        return;
+    };
+    let cfg = Config::from_env(10, 150);
+    let transports = env("DPSYNC_RANDOM_TRANSPORTS").unwrap_or("nccl,peer_copy".into());
+    for transport in transports.split(',').map(str::trim) {
+        let (transport, test) = match transport {
+            "nccl" => (T_NCCL, "world_random_cuda, NCCL across the ranks"),
+            "peer_copy" => (T_PEER_COPY, "world_random_cuda, staged (PEER_COPY)"),
+            t => panic!("DPSYNC_RANDOM_TRANSPORTS: nccl, peer_copy (not '{t}')"),
+        };
+        // Without a CUDA driver every rank says it is skipped, once.
+        let Some(place) = Place::gpus("random_cuda_body", 1) else {
+            return;
+        };
+        // On one GPU every replica is on it: a real NCCL refuses ranks sharing it
+        // ("Duplicate GPU detected") unless NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL >= 2.30).
+        let shared_gpu = ranks > 1
+            && device_count() == 1
+            && std::env::var_os("NCCL_MULTI_RANK_GPU_ENABLE").is_none();
+        if transport == T_NCCL && shared_gpu {
+            if rank == 0 {
+                println!(
+                    "{test}: skipped on {ranks} ranks: they share the one GPU (set \
+                     NCCL_MULTI_RANK_GPU_ENABLE=1 on NCCL >= 2.30)"
+                );
+            }
+            continue;
+        }
+        let nccl = transport == T_NCCL;
+        let setup = Setup {
+            test,
+            at: Where::Cuda(place, ordinals(rank, ranks)),
+            transport,
+            lockstep: nccl && flag("DPSYNC_FAKE_CUDA") && !flag("FAKE_CUDA_ASYNC"),
+            replay,
+        };
+        run(rank, &layout(ranks), &cfg, &setup);
+    }
+}
+
+/// The command line that replays `seed` of `setup`'s run on the fake CUDA driver (or on the
+/// GPUs of this machine).
+fn replay(setup: &Setup, seed: u64, calls: usize, ranks: usize) -> String {
+    let no = env("DPSYNC_RANDOM_NO").unwrap_or_default();
+    let transport = if setup.transport == T_NCCL {
+        "nccl"
+    } else {
+        "peer_copy"
+    };
+    let fake = match flag("DPSYNC_FAKE_CUDA") {
+        true => {
+            let streams = if flag("FAKE_CUDA_ASYNC") { "1" } else { "" };
+            format!(
+                "DPSYNC_FAKE_CUDA=1 DPSYNC_REQUIRE_GPU=1 FAKE_CUDA_DEVICES=2 \
+                 FAKE_CUDA_ASYNC={streams} LD_LIBRARY_PATH=$PWD/target/fakecuda "
+            )
+        }
+        false => String::new(),
+    };
+    format!(
+        "{fake}DPSYNC_RANDOM_SEEDS={seed}..{seed} DPSYNC_RANDOM_CALLS={calls} \
+         DPSYNC_RANDOM_RANKS={ranks} DPSYNC_RANDOM_TRANSPORTS={transport} DPSYNC_RANDOM_NO={no} \
+         cargo test --release --features mpi --target-dir target/mpi --test world_random_cuda"
+    )
+}
