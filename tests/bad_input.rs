@@ -523,6 +523,7 @@ fn an_empty_name_is_invalid_argument_for_every_call_that_takes_one() {
     let mut data = [1.0f32; 4];
     let (idx, vals) = ([0i64; 1], [0f32; 2]);
     let (mut pi, mut pv, mut rows) = (ptr::null(), ptr::null(), 0usize);
+    let (mut offset, mut count) = (77usize, 88usize);
     let e = empty.as_ptr();
     // Each status and message checked right after its call (the message is per call).
     let check = |call: &str, st: dpsync_status| {
@@ -546,7 +547,9 @@ fn an_empty_name_is_invalid_argument_for_every_call_that_takes_one() {
         check("sparse_set", dpsync_sparse_set(ctx, e, 0, i, v, 1));
         let st = dpsync_sparse_get(ctx, e, 0, &mut pi, &mut pv, &mut rows);
         check("sparse_get", st);
+        check("shard", dpsync_shard(ctx, e, 0, &mut offset, &mut count));
     }
+    assert_eq!((offset, count), (77, 88), "shard's outputs untouched");
     assert!(
         pi.is_null() && pv.is_null() && rows == 0,
         "outputs untouched"
@@ -813,30 +816,23 @@ enum Bad {
     Overlap,
 }
 
-#[test]
-fn inconsistent_registrations_fail_the_collective_that_touches_them() {
-    for bad in [
+impl Bad {
+    const ALL: [Bad; 6] = [
         Bad::Count,
         Bad::Dtype,
         Bad::Role,
         Bad::MissingOnLast,
         Bad::MissingOnFirst,
         Bad::Overlap,
-    ] {
-        let what = format!("{bad:?}");
-        let mut fx = Fx::new();
-        let mut bufs: Vec<Vec<f32>> = vec![
-            vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
-            vec![10.0, 20.0, 30.0, 40.0, 50.0, 60.0],
-            vec![100.0, 200.0, 300.0, 400.0, 500.0, 600.0],
-        ];
-        let copies = bufs.clone();
-        let ptrs: Vec<*mut c_void> = bufs.iter_mut().map(|b| b.as_mut_ptr().cast()).collect();
-        let ctx = fx.ctx.0;
+    ];
+
+    /// Registers 'bad' this way on a 3-replica context from `ptrs` (three buffers of 6 f32):
+    /// the replica the collectives' messages name.
+    fn register(self, ctx: *mut dpsync_context, ptrs: &[*mut c_void], what: &str) -> &'static str {
         let reg = |r: usize, p: *mut c_void, role: u32, count: usize, dtype: u32| {
-            check(register_raw(ctx, "bad", role, r, p, count, dtype), &what);
+            check(register_raw(ctx, "bad", role, r, p, count, dtype), what);
         };
-        let culprit = match bad {
+        match self {
             Bad::Count => {
                 reg(0, ptrs[0], GRAD, 4, F32);
                 reg(1, ptrs[1], GRAD, 4, F32);
@@ -873,7 +869,23 @@ fn inconsistent_registrations_fail_the_collective_that_touches_them() {
                 reg(2, ptrs[2], GRAD, 4, F32);
                 "replica"
             }
-        };
+        }
+    }
+}
+
+#[test]
+fn inconsistent_registrations_fail_the_collective_that_touches_them() {
+    for bad in Bad::ALL {
+        let what = format!("{bad:?}");
+        let mut fx = Fx::new();
+        let mut bufs: Vec<Vec<f32>> = vec![
+            vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
+            vec![10.0, 20.0, 30.0, 40.0, 50.0, 60.0],
+            vec![100.0, 200.0, 300.0, 400.0, 500.0, 600.0],
+        ];
+        let copies = bufs.clone();
+        let ptrs: Vec<*mut c_void> = bufs.iter_mut().map(|b| b.as_mut_ptr().cast()).collect();
+        let culprit = bad.register(fx.ctx.0, &ptrs, &what);
         let before = fx.snapshot();
         let desc = fx.ctx.describe();
 
@@ -979,6 +991,13 @@ fn grads_sharing_memory_are_refused_by_allreduce_grads() {
         &["'flat'", "'view'", "share memory", "twice"],
     );
     assert!(r0.iter().all(|&x| x == 1.0) && r1.iter().all(|&x| x == 2.0));
+    // dpsync_reduce_scatter_grads validates as dpsync_allreduce_grads does (docs/API.md).
+    expect_err(
+        reduce_scatter(ctx.0, SUM),
+        INCONSISTENT,
+        &["'flat'", "'view'", "share memory"],
+    );
+    assert!(r0.iter().all(|&x| x == 1.0) && r1.iter().all(|&x| x == 2.0));
     expect_err(
         ctx.grad_ready("view", 0),
         INCONSISTENT,
@@ -1025,6 +1044,7 @@ fn tensors_sharing_memory_across_replicas_are_refused() {
     ];
     expect_err(ctx.broadcast(PARAM | STATE, 0), INCONSISTENT, &needles);
     expect_err(ctx.average(PARAM | STATE), INCONSISTENT, &needles);
+    expect_err(allgather(ctx.0, PARAM | STATE), INCONSISTENT, &needles);
     assert_eq!(
         (a, b, c),
         ([1f32; 4], [2f32; 4], [3f32; 4]),
@@ -1145,6 +1165,518 @@ fn sparse_set_refuses_a_slice_whose_index_or_value_bytes_overflow() {
             };
             assert_eq!(index, 3, "{case}: gathered index");
             ok(dpsync_context_destroy(ctx), "context_destroy");
+        }
+    }
+}
+
+// ------------------------------------------------------------------ shards (ZeRO stage 1)
+
+/// dpsync_reduce_scatter_grads(ctx, op).
+fn reduce_scatter(ctx: *mut dpsync_context, op: u32) -> dpsync_status {
+    // SAFETY: the handle is valid or NULL (refused).
+    unsafe { dpsync_reduce_scatter_grads(ctx, op) }
+}
+
+/// dpsync_allgather(ctx, roles).
+fn allgather(ctx: *mut dpsync_context, roles: u32) -> dpsync_status {
+    // SAFETY: the handle is valid or NULL (refused).
+    unsafe { dpsync_allgather(ctx, roles) }
+}
+
+/// dpsync_shard of `name` on `replica`: the status and the outputs (sentinels where unwritten).
+fn shard(ctx: *const dpsync_context, name: &str, replica: usize) -> (dpsync_status, usize, usize) {
+    let c = cstr(name);
+    let (mut offset, mut count) = (0xDEAD_usize, 0xBEEF_usize);
+    // SAFETY: valid handle, name and out pointers.
+    let st = unsafe { dpsync_shard(ctx, c.as_ptr(), replica, &mut offset, &mut count) };
+    (st, offset, count)
+}
+
+/// The contract's rule: world replica `w` of `total` owns `[count * w / total, count * (w + 1)
+/// / total)`, as (first element, elements).
+fn owned(count: usize, w: usize, total: usize) -> (usize, usize) {
+    let at = |w: usize| count * w / total;
+    (at(w), at(w + 1) - at(w))
+}
+
+/// `b` with elements `[at, at + k)` taken from `src`.
+fn spliced(b: &Buf, src: &Buf, at: usize, k: usize) -> Buf {
+    let size = b.dtype().size();
+    let mut bytes = b.bytes();
+    bytes[at * size..(at + k) * size].copy_from_slice(&src.bytes()[at * size..(at + k) * size]);
+    let mut out = Buf::zeros(b.dtype(), b.len());
+    // SAFETY: `out` holds exactly `bytes.len()` bytes.
+    unsafe { ptr::copy_nonoverlapping(bytes.as_ptr(), out.ptr().cast::<u8>(), bytes.len()) };
+    out
+}
+
+impl Fx {
+    /// A reduce-scatter (SUM) and an allgather of the GRADs work on the fixture, with exact
+    /// results: the owned pieces get the reduction and nothing else changes, then every replica
+    /// holds the whole reduction; other roles untouched throughout.
+    #[track_caller]
+    fn assert_shards_usable(&mut self, what: &str) {
+        let n = self.n;
+        let before = self.snapshot();
+        check(
+            reduce_scatter(self.ctx.0, SUM),
+            &format!("{what}: reduce_scatter_grads afterwards"),
+        );
+        for ((name, role, bufs), pre) in self.tensors.iter().zip(&before) {
+            let want = reference_allreduce(&pre.iter().collect::<Vec<_>>(), SUM);
+            for (r, (b, p)) in bufs.iter().zip(pre).enumerate() {
+                let expect = match *role {
+                    GRAD => {
+                        let (at, k) = owned(p.len(), r, n);
+                        spliced(p, &want, at, k)
+                    }
+                    _ => p.clone(),
+                };
+                let tag = format!("{what}: '{name}' on replica {r} after reduce_scatter_grads");
+                assert_same_bytes(b, &expect, &tag);
+            }
+        }
+        check(
+            allgather(self.ctx.0, GRAD),
+            &format!("{what}: allgather(GRAD) afterwards"),
+        );
+        for ((name, role, bufs), pre) in self.tensors.iter().zip(&before) {
+            let want = reference_allreduce(&pre.iter().collect::<Vec<_>>(), SUM);
+            for (r, (b, p)) in bufs.iter().zip(pre).enumerate() {
+                let expect = if *role == GRAD { &want } else { p };
+                let tag = format!("{what}: '{name}' on replica {r} after allgather(GRAD)");
+                assert_same_bytes(b, expect, &tag);
+            }
+        }
+    }
+}
+
+/// dpsync_shard: NOT_FOUND for an unknown name (and for a sparse gradient, which is gathered
+/// whole), INVALID_ARGUMENT naming the argument for a replica out of range, a NULL out pointer,
+/// a NULL name and a NULL context; the outputs are untouched on failure and nothing else
+/// changes. Valid calls follow the contract's rule for every tensor of every role.
+#[test]
+fn shard_rejects_bad_arguments_and_changes_nothing() {
+    let mut fx = Fx::new();
+    let n = fx.n;
+    let desc = fx.ctx.describe();
+    let before = fx.snapshot();
+    let ctx = fx.ctx.0;
+    let w = cstr("w");
+    let (mut offset, mut count) = (0xDEAD_usize, 0xBEEF_usize);
+    let untouched = |offset: usize, count: usize, what: &str| {
+        assert_eq!(
+            (offset, count),
+            (0xDEAD, 0xBEEF),
+            "{what}: outputs written by a failed dpsync_shard"
+        );
+    };
+
+    for name in ["nope", "W", "w ", "g\u{e9}"] {
+        let (st, o, c) = shard(ctx, name, 0);
+        expect_err(st, NOT_FOUND, &[name]);
+        untouched(o, c, name);
+    }
+    for replica in [n, n + 5, usize::MAX] {
+        let (st, o, c) = shard(ctx, "w", replica);
+        let m = expect_err(st, INVALID_ARGUMENT, &["replica", "'w'"]);
+        untouched(o, c, &m);
+    }
+    // The replica out of range is named by its number.
+    let (st, _, _) = shard(ctx, "g", n);
+    expect_err(st, INVALID_ARGUMENT, &[&format!("replica {n}"), "'g'"]);
+    // SAFETY: valid handle and name; the NULL pointers are what is tested.
+    unsafe {
+        let st = dpsync_shard(ctx, w.as_ptr(), 0, ptr::null_mut(), &mut count);
+        expect_err(st, INVALID_ARGUMENT, &["offset"]);
+        untouched(offset, count, "NULL offset");
+        let st = dpsync_shard(ctx, w.as_ptr(), 0, &mut offset, ptr::null_mut());
+        expect_err(st, INVALID_ARGUMENT, &["count"]);
+        untouched(offset, count, "NULL count");
+        let st = dpsync_shard(ctx, w.as_ptr(), 0, ptr::null_mut(), ptr::null_mut());
+        assert_eq!(st, INVALID_ARGUMENT, "both out pointers NULL");
+        let st = dpsync_shard(ctx, ptr::null(), 0, &mut offset, &mut count);
+        expect_err(st, INVALID_ARGUMENT, &["name"]);
+        untouched(offset, count, "NULL name");
+        let st = dpsync_shard(ptr::null(), w.as_ptr(), 0, &mut offset, &mut count);
+        expect_err(st, INVALID_ARGUMENT, &["context"]);
+        untouched(offset, count, "NULL context");
+        let bad_utf8 = [0x66u8, 0xff, 0xfe, 0x00];
+        let st = dpsync_shard(ctx, bad_utf8.as_ptr().cast(), 0, &mut offset, &mut count);
+        expect_err(st, INVALID_ARGUMENT, &["name"]);
+        untouched(offset, count, "name not UTF-8");
+        // A sparse gradient is gathered whole, not sharded.
+        let emb = cstr("emb");
+        let st = dpsync_register_sparse(ctx, emb.as_ptr(), 0, 2, F32, I64, 0);
+        check(st, "register_sparse");
+        let st = dpsync_shard(ctx, emb.as_ptr(), 0, &mut offset, &mut count);
+        expect_err(st, NOT_FOUND, &["'emb'", "sparse"]);
+        untouched(offset, count, "sparse gradient");
+        check(fx.ctx.unregister("emb"), "unregister 'emb'");
+    }
+    assert_eq!(
+        fx.ctx.describe(),
+        desc,
+        "failed shard calls changed the registry"
+    );
+    fx.assert_unchanged(&before, "failed shard calls");
+
+    // Valid calls: the rule, for every role and dtype, the pieces covering each tensor once.
+    for (name, _, bufs) in &fx.tensors {
+        let len = bufs[0].len();
+        let mut next = 0;
+        for r in 0..n {
+            let (st, o, c) = shard(ctx, name, r);
+            check(st, &format!("dpsync_shard '{name}' on replica {r}"));
+            assert_eq!(
+                (o, c),
+                owned(len, r, n),
+                "'{name}' ({len} elements) on replica {r}"
+            );
+            assert_eq!(o, next, "'{name}': pieces in replica order");
+            next += c;
+        }
+        assert_eq!(next, len, "'{name}': the pieces cover it");
+    }
+    fx.assert_usable("after failed shard calls");
+    fx.assert_shards_usable("after failed shard calls");
+}
+
+/// dpsync_reduce_scatter_grads with a NULL context or an op other than SUM and AVG, and
+/// dpsync_allgather with a NULL context or roles 0 or outside the four roles: INVALID_ARGUMENT
+/// naming the argument, nothing changed, and both still work afterwards.
+#[test]
+fn reduce_scatter_and_allgather_reject_bad_arguments_and_change_nothing() {
+    let mut fx = Fx::new();
+    let desc = fx.ctx.describe();
+    let before = fx.snapshot();
+    let nul: *mut dpsync_context = ptr::null_mut();
+    expect_err(reduce_scatter(nul, SUM), INVALID_ARGUMENT, &["context"]);
+    expect_err(reduce_scatter(nul, 7), INVALID_ARGUMENT, &[]);
+    for op in [2u32, 3, 7, 0x8000_0000, 0xFFFF_FFFF] {
+        expect_err(reduce_scatter(fx.ctx.0, op), INVALID_ARGUMENT, &["op"]);
+        // the status allreduce_grads gives for the same op
+        let ar = fx.ctx.allreduce_grads(op);
+        assert_eq!(ar, INVALID_ARGUMENT, "allreduce_grads op {op}");
+    }
+    fx.assert_unchanged(&before, "reduce_scatter_grads with a bad op");
+    expect_err(allgather(nul, PARAM), INVALID_ARGUMENT, &["context"]);
+    for roles in [0u32, 0x10, 0x1F, 0x20, 0x8000_0001, 0xFFFF_FFFF] {
+        expect_err(allgather(fx.ctx.0, roles), INVALID_ARGUMENT, &["roles"]);
+        fx.assert_unchanged(&before, &format!("allgather(roles={roles:#x})"));
+    }
+    assert_eq!(fx.ctx.describe(), desc, "the context is unchanged");
+    fx.assert_unchanged(&before, "failed reduce_scatter_grads and allgather");
+    fx.assert_shards_usable("after failed shard collectives");
+    fx.assert_usable("after failed shard collectives");
+}
+
+/// Registrations that disagree between replicas fail dpsync_reduce_scatter_grads exactly as they
+/// fail dpsync_allreduce_grads (INCONSISTENT naming the tensor and the replica), and
+/// dpsync_allgather over their role as dpsync_broadcast: nothing changed on any replica. After
+/// unregistering, both work again.
+#[test]
+fn inconsistent_registrations_fail_reduce_scatter_and_allgather() {
+    for bad in Bad::ALL {
+        let what = format!("{bad:?}");
+        let mut fx = Fx::new();
+        let mut bufs: Vec<Vec<f32>> = vec![
+            vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
+            vec![10.0, 20.0, 30.0, 40.0, 50.0, 60.0],
+            vec![100.0, 200.0, 300.0, 400.0, 500.0, 600.0],
+        ];
+        let copies = bufs.clone();
+        let ptrs: Vec<*mut c_void> = bufs.iter_mut().map(|b| b.as_mut_ptr().cast()).collect();
+        let culprit = bad.register(fx.ctx.0, &ptrs, &what);
+        let before = fx.snapshot();
+        let desc = fx.ctx.describe();
+
+        let st = fx.ctx.allreduce_grads(SUM);
+        let ar = expect_err(st, INCONSISTENT, &["'bad'", culprit]);
+        for op in [SUM, AVG] {
+            let st = reduce_scatter(fx.ctx.0, op);
+            let rs = expect_err(st, INCONSISTENT, &["'bad'", culprit]);
+            assert_eq!(
+                rs.replace("dpsync_reduce_scatter_grads", "dpsync_allreduce_grads"),
+                ar,
+                "{what}: the same message as allreduce_grads"
+            );
+        }
+        let roles = match bad {
+            Bad::Role => vec![GRAD, COMPUTED, GRAD | COMPUTED, GRAD | PARAM],
+            _ => vec![GRAD, GRAD | PARAM | STATE | COMPUTED],
+        };
+        for roles in roles {
+            let want = fx.ctx.broadcast(roles, 0);
+            assert_eq!(want, INCONSISTENT, "{what}: broadcast({roles:#x})");
+            let st = allgather(fx.ctx.0, roles);
+            expect_err(st, INCONSISTENT, &["'bad'"]);
+        }
+        assert_eq!(
+            bufs, copies,
+            "{what}: 'bad' buffers changed by a failed collective"
+        );
+        fx.assert_unchanged(&before, &what);
+        assert_eq!(fx.ctx.describe(), desc, "{what}: the context is unchanged");
+
+        // An allgather of roles 'bad' does not have still works, and changes only those.
+        if !matches!(bad, Bad::Role) {
+            check(
+                allgather(fx.ctx.0, COMPUTED),
+                &format!("{what}: allgather(COMPUTED)"),
+            );
+        }
+        check(
+            allgather(fx.ctx.0, STATE),
+            &format!("{what}: allgather(STATE)"),
+        );
+        assert_eq!(bufs, copies, "{what}: 'bad' buffers changed");
+
+        check(fx.ctx.unregister("bad"), &what);
+        fx.assert_shards_usable(&what);
+        assert_eq!(
+            bufs, copies,
+            "{what}: 'bad' buffers changed after unregister"
+        );
+    }
+}
+
+/// dpsync_allgather touches only the roles asked: each replica's owned piece of every such
+/// tensor is copied to every other replica, every other tensor keeps its bytes.
+#[test]
+fn allgather_touches_only_the_roles_asked() {
+    for roles in [
+        PARAM,
+        STATE,
+        COMPUTED,
+        GRAD,
+        PARAM | STATE,
+        PARAM | GRAD | STATE | COMPUTED,
+    ] {
+        let fx = Fx::new();
+        let n = fx.n;
+        let before = fx.snapshot();
+        check(
+            allgather(fx.ctx.0, roles),
+            &format!("allgather({roles:#x})"),
+        );
+        for ((name, role, bufs), pre) in fx.tensors.iter().zip(&before) {
+            // Element i comes from the replica that owns it.
+            let len = pre[0].len();
+            let mut want = pre[0].clone();
+            for (w, src) in pre.iter().enumerate() {
+                let (at, k) = owned(len, w, n);
+                want = spliced(&want, src, at, k);
+            }
+            for (r, (b, p)) in bufs.iter().zip(pre).enumerate() {
+                let expect = if roles & role != 0 { &want } else { p };
+                let tag = format!("allgather({roles:#x}): '{name}' on replica {r}");
+                assert_same_bytes(b, expect, &tag);
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------ shards: the owned pieces only
+
+/// Filled around and between the registered tensors: a write outside them shows.
+const SENTINEL: u8 = 0xA5;
+/// Sentinel bytes before and after each tensor (a multiple of 8, so every tensor stays aligned).
+const GAP: usize = 40;
+
+/// One replica's tensors in one allocation, each between sentinel gaps.
+struct Arena {
+    words: Vec<u64>,
+    /// Byte offset of each tensor.
+    at: Vec<usize>,
+}
+
+impl Arena {
+    fn new(tensors: &[Buf]) -> Arena {
+        let mut at = Vec::new();
+        let mut end = GAP;
+        for t in tensors {
+            at.push(end);
+            end += (t.len() * t.dtype().size()).next_multiple_of(8) + GAP;
+        }
+        let mut arena = Arena {
+            words: vec![u64::from_ne_bytes([SENTINEL; 8]); end / 8],
+            at,
+        };
+        for (i, t) in tensors.iter().enumerate() {
+            arena.write(i, t);
+        }
+        arena
+    }
+
+    fn bytes(&self) -> Vec<u8> {
+        self.words.iter().flat_map(|w| w.to_ne_bytes()).collect()
+    }
+
+    fn write(&mut self, i: usize, t: &Buf) {
+        let b = t.bytes();
+        assert!(self.at[i] + b.len() <= self.words.len() * 8);
+        // SAFETY: in bounds of the words (checked above); registered memory is only written
+        // by the library inside a call, and no call runs now.
+        unsafe { ptr::copy_nonoverlapping(b.as_ptr(), self.ptr(i).cast::<u8>(), b.len()) };
+    }
+
+    fn ptr(&mut self, i: usize) -> *mut c_void {
+        // SAFETY: the offset is inside the words.
+        unsafe { self.words.as_mut_ptr().cast::<u8>().add(self.at[i]).cast() }
+    }
+
+    /// What byte `b` of the arena belongs to, for a failure message.
+    fn locate(&self, b: usize, names: &[String], sizes: &[usize]) -> String {
+        for (i, &at) in self.at.iter().enumerate() {
+            if b >= at && b < at + sizes[i] {
+                return format!("'{}' byte {}", names[i], b - at);
+            }
+        }
+        format!("a sentinel gap (arena byte {b})")
+    }
+}
+
+/// dpsync_reduce_scatter_grads writes only the owned pieces of the GRADs: every replica's memory
+/// around and between the tensors is filled with a sentinel, and after the call each replica's
+/// whole allocation holds exactly its inputs with only its owned pieces replaced by the
+/// reduction (dpsync_allreduce_grads' bytes): the sentinels, the other elements and the other
+/// roles are as they were. Every dtype, SUM and AVG, 1 to 7 replicas (pieces that are empty when
+/// a tensor has fewer elements than replicas), fusion off, small and the default, the host's
+/// threaded path (a tensor over a MiB), and a second step whose gradients were marked ready.
+/// dpsync_allgather then gives every replica the whole reduction, sentinels still intact.
+#[test]
+fn reduce_scatter_writes_only_the_owned_pieces() {
+    let shapes: [(&str, u32, DType, usize); 11] = [
+        ("g_one", GRAD, DType::F32, 1),
+        ("g_two", GRAD, DType::F32, 2),
+        ("g_f16", GRAD, DType::F16, 5),
+        ("g_bf16", GRAD, DType::BF16, 9),
+        ("p", PARAM, DType::F32, 6),
+        ("g_f64", GRAD, DType::F64, 3),
+        ("g_i32", GRAD, DType::I32, 7),
+        ("s", STATE, DType::I64, 3),
+        ("g_i64", GRAD, DType::I64, 4),
+        ("g_f32", GRAD, DType::F32, 13),
+        ("g_large", GRAD, DType::F32, 300_000 + 7),
+    ];
+    let names: Vec<String> = shapes.iter().map(|s| s.0.to_owned()).collect();
+    let sizes: Vec<usize> = shapes.iter().map(|s| s.3 * s.2.size()).collect();
+    for (n, fusion) in [
+        (1, None),
+        (2, Some(0)),
+        (3, Some(48)),
+        (3, None),
+        (4, Some(0)),
+        (7, Some(64)),
+    ] {
+        for op in [SUM, AVG] {
+            let what = format!("{n} replicas, fusion {fusion:?}, op {op}");
+            let ctx = Context::host(n, fusion);
+            let input = |step: usize| -> Vec<Vec<Buf>> {
+                (0..n)
+                    .map(|r| {
+                        (shapes.iter().enumerate())
+                            .map(|(t, &(_, _, d, count))| {
+                                Buf::random(d, count, (step * 1000 + r * 50 + t) as u64)
+                            })
+                            .collect()
+                    })
+                    .collect()
+            };
+            let first = input(0);
+            let inputs = first.clone();
+            let mut arenas: Vec<Arena> = inputs.iter().map(|ts| Arena::new(ts)).collect();
+            for (r, arena) in arenas.iter_mut().enumerate() {
+                for (t, &(name, role, d, count)) in shapes.iter().enumerate() {
+                    let p = arena.ptr(t);
+                    check(
+                        register_raw(ctx.0, name, role, r, p, count, d.code()),
+                        &what,
+                    );
+                }
+            }
+            let expect = |inputs: &[Vec<Buf>], gathered: bool| -> Vec<Vec<u8>> {
+                let mut want: Vec<Arena> = inputs.iter().map(|ts| Arena::new(ts)).collect();
+                for (t, &(_, role, _, count)) in shapes.iter().enumerate() {
+                    if role != GRAD {
+                        continue;
+                    }
+                    let per: Vec<&Buf> = inputs.iter().map(|ts| &ts[t]).collect();
+                    let red = reference_allreduce(&per, op);
+                    for (r, a) in want.iter_mut().enumerate() {
+                        let (at, k) = if gathered {
+                            (0, count)
+                        } else {
+                            owned(count, r, n)
+                        };
+                        a.write(t, &spliced(&inputs[r][t], &red, at, k));
+                    }
+                }
+                want.iter().map(Arena::bytes).collect()
+            };
+            let compare = |arenas: &[Arena], want: &[Vec<u8>], when: &str| {
+                for (r, (a, w)) in arenas.iter().zip(want).enumerate() {
+                    let got = a.bytes();
+                    if let Some(b) = (0..got.len()).find(|&b| got[b] != w[b]) {
+                        panic!(
+                            "{what}, {when}: replica {r}: {} is {:#04x}, want {:#04x}",
+                            a.locate(b, &names, &sizes),
+                            got[b],
+                            w[b]
+                        );
+                    }
+                }
+            };
+
+            check(reduce_scatter(ctx.0, op), &what);
+            compare(
+                &arenas,
+                &expect(&inputs, false),
+                "after reduce_scatter_grads",
+            );
+            for (t, &(name, _, _, count)) in shapes.iter().enumerate() {
+                for r in 0..n {
+                    let (st, o, c) = shard(ctx.0, name, r);
+                    check(st, &format!("{what}: shard '{name}' on replica {r}"));
+                    assert_eq!((o, c), owned(count, r, n), "{what}: '{name}' #{t}");
+                }
+            }
+            check(allgather(ctx.0, GRAD), &what);
+            compare(&arenas, &expect(&inputs, true), "after allgather(GRAD)");
+
+            // Step 2: new gradients, every one marked ready (nothing starts early after a
+            // reduce-scatter step), then a reduce-scatter again.
+            let inputs = input(1);
+            for (r, a) in arenas.iter_mut().enumerate() {
+                for (t, &(name, role, _, _)) in shapes.iter().enumerate() {
+                    if role == GRAD {
+                        a.write(t, &inputs[r][t]);
+                        check(ctx.grad_ready(name, r), &format!("{what}: grad_ready"));
+                    }
+                }
+            }
+            // The other roles keep step 0's bytes.
+            let mut mixed = inputs.clone();
+            for (t, &(_, role, _, _)) in shapes.iter().enumerate() {
+                if role != GRAD {
+                    for r in 0..n {
+                        mixed[r][t] = first[r][t].clone();
+                    }
+                }
+            }
+            check(reduce_scatter(ctx.0, op), &format!("{what}: step 2"));
+            compare(
+                &arenas,
+                &expect(&mixed, false),
+                "step 2, after reduce_scatter_grads",
+            );
+            drop(ctx);
+            compare(
+                &arenas,
+                &expect(&mixed, false),
+                "step 2, after context_destroy",
+            );
         }
     }
 }

@@ -28,7 +28,7 @@ use std::ffi::c_void;
 use std::io::Write;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{mpsc, Barrier, Mutex};
+use std::sync::{mpsc, Barrier, Mutex, RwLock};
 use std::time::Duration;
 
 /// Longest a test may take before the watchdog aborts the process (a deadlock must not hang CI).
@@ -1132,5 +1132,631 @@ fn independent_contexts_driven_at_the_same_time() {
             panic!("context of seed {}: {}", cfg.seed, panic_text(&*p));
         });
         assert!(out.early_buckets > 0, "seed {}", cfg.seed);
+    }
+}
+
+// ------------------------------------------------------------------ shards (ZeRO stage 1)
+//
+// The same replica threads, each step ending with dpsync_reduce_scatter_grads (now and then
+// dpsync_allreduce_grads), then each replica thread asking dpsync_shard for its pieces and
+// updating only those, and one dpsync_allgather of the parameters. docs/API.md ("Shards",
+// "Overlap"): after a reduce-scatter step nothing starts early; a step whose buckets
+// dpsync_grad_ready reduced whole (after an allreduce step) refuses a reduce-scatter with
+// INVALID_STATE, nothing changed, and ends with dpsync_allreduce_grads.
+
+fn shard_of(ctx: &Context, name: &str, replica: usize) -> (dpsync::dpsync_status, usize, usize) {
+    let c = cstr(name);
+    let (mut offset, mut count) = (usize::MAX, usize::MAX);
+    // SAFETY: valid handle, name and out pointers.
+    let st = unsafe { dpsync::dpsync_shard(ctx.0, c.as_ptr(), replica, &mut offset, &mut count) };
+    (st, offset, count)
+}
+
+fn reduce_scatter(ctx: &Context, op: u32) -> dpsync::dpsync_status {
+    // SAFETY: valid handle.
+    unsafe { dpsync::dpsync_reduce_scatter_grads(ctx.0, op) }
+}
+
+fn allgather(ctx: &Context, roles: u32) -> dpsync::dpsync_status {
+    // SAFETY: valid handle.
+    unsafe { dpsync::dpsync_allgather(ctx.0, roles) }
+}
+
+/// The contract's piece of a tensor of `count` elements owned by replica `w` of `total`.
+fn owned(count: usize, w: usize, total: usize) -> (usize, usize) {
+    let at = |w: usize| count * w / total;
+    (at(w), at(w + 1) - at(w))
+}
+
+/// The replica that owns element `i` of a tensor of `count` elements among `total`.
+fn owner_of(count: usize, i: usize, total: usize) -> usize {
+    (0..total)
+        .find(|&w| {
+            let (at, k) = owned(count, w, total);
+            (at..at + k).contains(&i)
+        })
+        .expect("every element has an owner")
+}
+
+/// Asserts `raw` holds `want(i)` at every element.
+#[track_caller]
+fn expect_all(raw: &Raw, what: &str, want: impl Fn(usize) -> u64) {
+    for i in 0..raw.len {
+        let (got, w) = (raw.get(i), want(i));
+        assert!(
+            got == w,
+            "{what}: element {i} of {}: got {}, want {}",
+            raw.len,
+            show(raw.dtype, got),
+            show(raw.dtype, w)
+        );
+    }
+}
+
+#[derive(Clone)]
+struct ShardConfig {
+    seed: u64,
+    replicas: usize,
+    tensors: usize,
+    large: usize,
+    fusion: Option<usize>,
+    steps: usize,
+    op: u32,
+    /// Every `allreduce_every`-th step ends with dpsync_allreduce_grads (0: never).
+    allreduce_every: usize,
+    /// The replica threads declare every gradient with dpsync_grad_ready.
+    marks: bool,
+    /// An observer thread beside them: shard queries, failing calls, allgather and average of
+    /// its own COMPUTED tensors, describe.
+    observer: bool,
+}
+
+impl ShardConfig {
+    fn steps(&self) -> usize {
+        if cfg!(debug_assertions) {
+            (self.steps / 3).max(8)
+        } else {
+            self.steps
+        }
+    }
+
+    fn data_key(&self, step: usize, r: usize, t: usize) -> u64 {
+        key(&[self.seed, 31, step as u64, r as u64, t as u64])
+    }
+
+    fn ends_with_allreduce(&self, step: usize) -> bool {
+        self.allreduce_every > 0 && step % self.allreduce_every == self.allreduce_every - 1
+    }
+}
+
+#[derive(Debug, Default)]
+struct ShardOutcome {
+    reduce_scatter_steps: usize,
+    allreduce_steps: usize,
+    /// Reduce-scatters refused with INVALID_STATE (buckets reduced whole early).
+    refused: usize,
+    observed: usize,
+}
+
+struct ShardRun<'a> {
+    cfg: &'a ShardConfig,
+    model: &'a [Tensor],
+    ctx: &'a Shared,
+    grads: &'a [Vec<Raw>],
+    params: &'a [Vec<Raw>],
+    stats: &'a [Raw],
+    barrier: Barrier,
+    step: AtomicUsize,
+    /// This step's gradient call reduced every element (allreduce_grads).
+    whole: AtomicBool,
+    stop: AtomicBool,
+    done: AtomicBool,
+    observed: AtomicUsize,
+    failure: Mutex<Option<String>>,
+    /// This step's reduced gradients, as bits: `[tensor][element]`.
+    reduced: RwLock<Vec<Vec<u64>>>,
+}
+
+impl ShardRun<'_> {
+    fn fail(&self, who: &str, p: Box<dyn std::any::Any + Send>) {
+        let mut f = self.failure.lock().unwrap();
+        if f.is_none() {
+            *f = Some(format!("{who}: {}", panic_text(&*p)));
+        }
+    }
+
+    fn raise(&self) {
+        if let Some(f) = self.failure.lock().unwrap().take() {
+            panic!("{f}");
+        }
+    }
+
+    fn n(&self) -> usize {
+        self.cfg.replicas
+    }
+
+    fn param_name(&self, t: usize) -> String {
+        format!("layer{t:03}_param")
+    }
+
+    /// Computes `step`'s reduced gradients (every tensor, every element) for the checks.
+    fn reduce_expected(&self, step: usize) {
+        let n = self.n();
+        let reds = (self.model.iter().enumerate())
+            .map(|(t, m)| {
+                let keys: Vec<u64> = (0..n).map(|r| self.cfg.data_key(step, r, t)).collect();
+                (0..m.len)
+                    .map(|i| {
+                        let s: i128 = keys.iter().map(|&k| value(m.dtype, k, i) as i128).sum();
+                        reduced(m.dtype, want_of(self.cfg.op), s, n)
+                    })
+                    .collect()
+            })
+            .collect();
+        *self.reduced.write().unwrap() = reds;
+    }
+
+    /// The reduction of `step`'s gradient element `i` of tensor `t`, and replica `r`'s input.
+    fn grad_bits(
+        &self,
+        reds: &[Vec<u64>],
+        step: usize,
+        t: usize,
+        i: usize,
+        r: usize,
+    ) -> (u64, u64) {
+        let dt = self.model[t].dtype;
+        (
+            reds[t][i],
+            encode(dt, value(dt, self.cfg.data_key(step, r, t), i)),
+        )
+    }
+
+    fn replica(&self, r: usize) {
+        let ctx = &self.ctx.0;
+        let setup = catch_unwind(AssertUnwindSafe(|| {
+            for (t, m) in self.model.iter().enumerate() {
+                let (g, p) = (self.grads[r][t], self.params[r][t]);
+                let st = register_raw(ctx.0, &m.name, GRAD, r, g.ptr, g.len, g.dtype.code());
+                check(st, &format!("register '{}' on replica {r}", m.name));
+                let name = self.param_name(t);
+                let st = register_raw(ctx.0, &name, PARAM, r, p.ptr, p.len, p.dtype.code());
+                check(st, &format!("register '{name}' on replica {r}"));
+            }
+        }));
+        if let Err(p) = setup {
+            self.fail(&format!("replica {r} registering"), p);
+        }
+        self.barrier.wait();
+        loop {
+            self.barrier.wait();
+            if self.stop.load(Ordering::SeqCst) {
+                return;
+            }
+            let step = self.step.load(Ordering::SeqCst);
+            let res = catch_unwind(AssertUnwindSafe(|| self.backward(r, step)));
+            if let Err(p) = res {
+                self.fail(&format!("replica {r} step {step} backward"), p);
+            }
+            self.barrier.wait(); // the coordinator ends the gradient step
+            self.barrier.wait();
+            let res = catch_unwind(AssertUnwindSafe(|| self.update(r, step)));
+            if let Err(p) = res {
+                self.fail(&format!("replica {r} step {step} update"), p);
+            }
+            self.barrier.wait();
+        }
+    }
+
+    fn backward(&self, r: usize, step: usize) {
+        let ctx = &self.ctx.0;
+        for t in (0..self.model.len()).rev() {
+            fill(&self.grads[r][t], self.cfg.data_key(step, r, t));
+            if self.cfg.marks {
+                let name = &self.model[t].name;
+                check(
+                    ctx.grad_ready(name, r),
+                    &format!("grad_ready '{name}' on replica {r}, step {step}"),
+                );
+            }
+        }
+    }
+
+    /// After the gradient step: this replica's gradients hold the reduction in its own pieces
+    /// (everywhere after an allreduce) and its input elsewhere; it asks dpsync_shard for its
+    /// pieces (while the other replica threads do the same) and copies the reduced gradient
+    /// into its parameter there.
+    fn update(&self, r: usize, step: usize) {
+        let (ctx, n) = (&self.ctx.0, self.n());
+        let whole = self.whole.load(Ordering::SeqCst);
+        let reds = self.reduced.read().unwrap();
+        for (t, m) in self.model.iter().enumerate() {
+            let (g, p) = (&self.grads[r][t], &self.params[r][t]);
+            let (st, at, k) = shard_of(ctx, &m.name, r);
+            check(st, &format!("shard '{}' on replica {r}", m.name));
+            assert_eq!((at, k), owned(m.len, r, n), "'{}' on replica {r}", m.name);
+            let (st, pat, pk) = shard_of(ctx, &self.param_name(t), r);
+            check(st, "shard of a parameter");
+            assert_eq!(
+                (pat, pk),
+                (at, k),
+                "a parameter and its gradient are cut alike"
+            );
+            let what = format!(
+                "step {step} ({}), '{}' on replica {r}",
+                if whole { "allreduce" } else { "reduce-scatter" },
+                m.name
+            );
+            expect_all(g, &what, |i| {
+                let (red, mine) = self.grad_bits(&reds, step, t, i, r);
+                if whole || (at..at + k).contains(&i) {
+                    red
+                } else {
+                    mine
+                }
+            });
+            for i in at..at + k {
+                p.set(i, g.get(i));
+            }
+        }
+    }
+
+    /// The coordinating thread: ends each step's gradients, then (after the replica threads'
+    /// updates) gathers the parameters. A failure inside a step is raised at its end, where
+    /// the replica threads wait for the next one.
+    fn coordinate(&self) -> ShardOutcome {
+        let cfg = self.cfg;
+        let mut out = ShardOutcome::default();
+        self.raise();
+        while cfg.observer && self.observed.load(Ordering::SeqCst) == 0 {
+            self.raise();
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        let mut prev_whole = false;
+        for step in 0..cfg.steps() {
+            self.step.store(step, Ordering::SeqCst);
+            self.barrier.wait(); // backward
+            self.barrier.wait();
+            let ended = catch_unwind(AssertUnwindSafe(|| {
+                self.raise();
+                self.reduce_expected(step);
+                self.end_gradients(step, prev_whole, &mut out)
+            }));
+            self.whole
+                .store(*ended.as_ref().unwrap_or(&false), Ordering::SeqCst);
+            self.barrier.wait(); // updates
+            self.barrier.wait();
+            let whole = ended.unwrap_or_else(|p| resume_unwind(p));
+            self.raise();
+            self.gather(step, whole);
+            prev_whole = whole;
+        }
+        out
+    }
+
+    /// Ends `step`'s gradients: whether every element was reduced (allreduce_grads).
+    fn end_gradients(&self, step: usize, prev_whole: bool, out: &mut ShardOutcome) -> bool {
+        let (cfg, ctx) = (self.cfg, &self.ctx.0);
+        let early = describe_now(ctx)["overlap"]["buckets_reduced_early_this_step"]
+            .as_u64()
+            .unwrap();
+        if !prev_whole {
+            assert_eq!(
+                early, 0,
+                "step {step}: nothing starts early after a reduce-scatter"
+            );
+        }
+        let whole = if cfg.ends_with_allreduce(step) {
+            check(
+                ctx.allreduce_grads(cfg.op),
+                &format!("step {step}: allreduce"),
+            );
+            true
+        } else {
+            let st = reduce_scatter(ctx, cfg.op);
+            if prev_whole && early > 0 {
+                expect_err(st, INVALID_STATE, &["dpsync_allreduce_grads"]);
+                out.refused += 1;
+                // Nothing changed (the replica threads check every element after the
+                // allreduce that ends the step).
+                check(
+                    ctx.allreduce_grads(cfg.op),
+                    &format!("step {step}: after refusal"),
+                );
+                true
+            } else {
+                check(st, &format!("step {step}: reduce_scatter_grads"));
+                false
+            }
+        };
+        if whole {
+            out.allreduce_steps += 1;
+        } else {
+            out.reduce_scatter_steps += 1;
+        }
+        whole
+    }
+
+    /// dpsync_allgather(PARAM) after the updates: every replica's parameters are the whole
+    /// reduced gradient, and the gradients are left alone.
+    fn gather(&self, step: usize, whole: bool) {
+        let (ctx, n) = (&self.ctx.0, self.n());
+        check(
+            allgather(ctx, PARAM),
+            &format!("step {step}: allgather(PARAM)"),
+        );
+        let reds = self.reduced.read().unwrap();
+        for (t, m) in self.model.iter().enumerate() {
+            for r in 0..n {
+                let what = format!("step {step}: '{}' on replica {r}", self.param_name(t));
+                expect_all(&self.params[r][t], &what, |i| {
+                    self.grad_bits(&reds, step, t, i, r).0
+                });
+                let what = format!("step {step}: '{}' on replica {r} after allgather", m.name);
+                let (at, k) = owned(m.len, r, n);
+                expect_all(&self.grads[r][t], &what, |i| {
+                    let (red, mine) = self.grad_bits(&reds, step, t, i, r);
+                    if whole || (at..at + k).contains(&i) {
+                        red
+                    } else {
+                        mine
+                    }
+                });
+            }
+        }
+    }
+
+    /// Until the run is done: dpsync_shard of any tensor on any replica (the rule), failing
+    /// shard, reduce-scatter and allgather calls (their own statuses and messages, nothing
+    /// changed), and allgather / average of the COMPUTED tensors only it uses, checked exactly.
+    fn observe(&self) {
+        let (ctx, n) = (&self.ctx.0, self.n());
+        let mut round = 0usize;
+        loop {
+            round += 1;
+            let res = catch_unwind(AssertUnwindSafe(|| {
+                let t = round % self.model.len();
+                let m = &self.model[t];
+                let (st, at, k) = shard_of(ctx, &m.name, round % n);
+                check(st, "observer: shard");
+                assert_eq!((at, k), owned(m.len, round % n, n));
+                let (st, _, _) = shard_of(ctx, &m.name, n + round % 3);
+                expect_err(st, INVALID_ARGUMENT, &["replica", &m.name]);
+                let (st, _, _) = shard_of(ctx, "no_such_tensor", 0);
+                expect_err(st, NOT_FOUND, &["no_such_tensor"]);
+                expect_err(reduce_scatter(ctx, 9), INVALID_ARGUMENT, &["op"]);
+                expect_err(allgather(ctx, 0), INVALID_ARGUMENT, &["roles"]);
+                expect_err(allgather(ctx, 0x40), INVALID_ARGUMENT, &["roles"]);
+                let k = |r: usize| key(&[self.cfg.seed, 32, round as u64, r as u64]);
+                for (r, raw) in self.stats.iter().enumerate() {
+                    fill(raw, k(r));
+                }
+                let dt = self.stats[0].dtype;
+                let len = self.stats[0].len;
+                if round % 2 == 0 {
+                    check(allgather(ctx, COMPUTED), "observer: allgather(COMPUTED)");
+                    for (r, raw) in self.stats.iter().enumerate() {
+                        expect_all(raw, &format!("observer round {round} replica {r}"), |i| {
+                            encode(dt, value(dt, k(owner_of(len, i, n)), i))
+                        });
+                    }
+                } else {
+                    check(ctx.average(COMPUTED), "observer: average(COMPUTED)");
+                    for (r, raw) in self.stats.iter().enumerate() {
+                        expect_all(raw, &format!("observer round {round} replica {r}"), |i| {
+                            let s: i128 = (0..n).map(|q| value(dt, k(q), i) as i128).sum();
+                            reduced(dt, Want::Avg, s, n)
+                        });
+                    }
+                }
+                let d = describe_now(ctx);
+                assert_eq!(d["replicas"].as_array().unwrap().len(), n);
+            }));
+            if let Err(p) = res {
+                self.fail(&format!("observer round {round}"), p);
+                return;
+            }
+            self.observed.store(round, Ordering::SeqCst);
+            if self.done.load(Ordering::SeqCst) {
+                return;
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+}
+
+/// Runs `cfg` on its own context: one thread per replica registering its gradients and
+/// parameters and running backward and its update, the calling thread ending each step, and an
+/// observer if asked.
+fn shard_run(cfg: &ShardConfig) -> ShardOutcome {
+    let n = cfg.replicas;
+    assert!((1..=8).contains(&n));
+    let model = model(cfg.seed, cfg.tensors, cfg.large);
+    let bufs = |_: ()| -> Vec<Vec<Buf>> {
+        (0..n)
+            .map(|_| (model.iter()).map(|t| Buf::zeros(t.dtype, t.len)).collect())
+            .collect()
+    };
+    let (mut grad_bufs, mut param_bufs) = (bufs(()), bufs(()));
+    let raws = |b: &mut Vec<Vec<Buf>>| -> Vec<Vec<Raw>> {
+        b.iter_mut()
+            .map(|per| per.iter_mut().map(Raw::of).collect())
+            .collect()
+    };
+    let (grads, params) = (raws(&mut grad_bufs), raws(&mut param_bufs));
+    let mut stat_bufs: Vec<Buf> = (0..n).map(|_| Buf::zeros(DType::F64, 700)).collect();
+    let ctx = Shared(Context::host(n, cfg.fusion));
+    let mut stats = Vec::new();
+    if cfg.observer {
+        for (r, b) in stat_bufs.iter_mut().enumerate() {
+            ctx.0.reg_buf("bn_stats", COMPUTED, r, b);
+            stats.push(Raw::of(b));
+        }
+    }
+    let state = ShardRun {
+        cfg,
+        model: &model,
+        ctx: &ctx,
+        grads: &grads,
+        params: &params,
+        stats: &stats,
+        barrier: Barrier::new(n + 1),
+        step: AtomicUsize::new(0),
+        whole: AtomicBool::new(false),
+        stop: AtomicBool::new(false),
+        done: AtomicBool::new(false),
+        observed: AtomicUsize::new(0),
+        failure: Mutex::new(None),
+        reduced: RwLock::new(Vec::new()),
+    };
+    let result = std::thread::scope(|s| {
+        let st = &state;
+        for r in 0..n {
+            s.spawn(move || st.replica(r));
+        }
+        st.barrier.wait(); // every replica registered
+        let observer = cfg.observer.then(|| s.spawn(move || st.observe()));
+        let result = catch_unwind(AssertUnwindSafe(|| st.coordinate()));
+        // The replica threads wait at the start of a step: let them go.
+        st.stop.store(true, Ordering::SeqCst);
+        st.barrier.wait();
+        st.done.store(true, Ordering::SeqCst);
+        if let Some(h) = observer {
+            h.join().expect("the observer catches its own panics");
+        }
+        result
+    });
+    let mut out = result.unwrap_or_else(|p| resume_unwind(p));
+    if let Some(f) = state.failure.lock().unwrap().take() {
+        panic!("{f}");
+    }
+    out.observed = state.observed.load(Ordering::SeqCst);
+    drop(state);
+    drop(ctx);
+    drop((grad_bufs, param_bufs, stat_bufs));
+    out
+}
+
+fn shard_base(seed: u64, replicas: usize) -> ShardConfig {
+    ShardConfig {
+        seed,
+        replicas,
+        tensors: 40,
+        large: 1,
+        fusion: None,
+        steps: 15,
+        op: SUM,
+        allreduce_every: 0,
+        marks: true,
+        observer: false,
+    }
+}
+
+/// ZeRO-1 steps from one thread per replica: every gradient declared ready from its replica's
+/// thread, the step ended by dpsync_reduce_scatter_grads, each replica thread asking
+/// dpsync_shard for its pieces at the same time as the others and updating only those, then
+/// dpsync_allgather(PARAM): every value exact, every step, 1 to 5 replicas, SUM and AVG, fusion
+/// off / small / default.
+#[test]
+fn reduce_scatter_steps_from_replica_threads_are_exact() {
+    let _w = watchdog("reduce_scatter_steps_from_replica_threads_are_exact");
+    for cfg in [
+        shard_config(61, 1, Some(0), SUM),
+        shard_config(62, 2, Some(1024), AVG),
+        shard_config(63, 3, None, SUM),
+        shard_config(64, 5, Some(256), AVG),
+    ] {
+        let out = shard_run(&cfg);
+        assert_eq!(out.reduce_scatter_steps, cfg.steps(), "seed {}", cfg.seed);
+        assert_eq!(out.refused, 0);
+    }
+}
+
+fn shard_config(seed: u64, n: usize, fusion: Option<usize>, op: u32) -> ShardConfig {
+    ShardConfig {
+        fusion,
+        op,
+        ..shard_base(seed, n)
+    }
+}
+
+/// Steps ending with dpsync_allreduce_grads now and then, gradients declared ready from the
+/// replica threads: the step after an allreduce step has its buckets reduced whole early, so
+/// its reduce-scatter is INVALID_STATE (nothing changed: the check after the allreduce that
+/// ends it is exact), and the one after that starts nothing early. An observer thread queries
+/// shards, makes failing shard calls and runs allgather / average on other tensors meanwhile.
+#[test]
+fn reduce_scatter_after_allreduce_steps_with_an_observer() {
+    let _w = watchdog("reduce_scatter_after_allreduce_steps_with_an_observer");
+    let mut refused = 0;
+    for cfg in [
+        ShardConfig {
+            allreduce_every: 3,
+            observer: true,
+            fusion: Some(512),
+            ..shard_base(71, 3)
+        },
+        ShardConfig {
+            allreduce_every: 4,
+            observer: true,
+            op: AVG,
+            large: 0,
+            ..shard_base(72, 4)
+        },
+        ShardConfig {
+            allreduce_every: 2,
+            marks: false,
+            observer: true,
+            fusion: Some(0),
+            ..shard_base(73, 2)
+        },
+    ] {
+        let out = shard_run(&cfg);
+        assert!(
+            out.allreduce_steps > 0 && out.reduce_scatter_steps > 0,
+            "{out:?}"
+        );
+        assert!(out.observed > 0, "{out:?}");
+        if !cfg.marks {
+            assert_eq!(out.refused, 0, "nothing reduced early without marks");
+        }
+        refused += out.refused;
+    }
+    assert!(refused > 0, "no step exercised the refused reduce-scatter");
+}
+
+/// Several contexts running ZeRO-1 steps at the same time from their own threads: each gives
+/// its own exact results.
+#[test]
+fn independent_contexts_run_reduce_scatter_steps_at_the_same_time() {
+    let _w = watchdog("independent_contexts_run_reduce_scatter_steps_at_the_same_time");
+    let configs = [
+        ShardConfig {
+            fusion: Some(0),
+            ..shard_base(81, 2)
+        },
+        ShardConfig {
+            op: AVG,
+            allreduce_every: 3,
+            observer: true,
+            ..shard_base(82, 3)
+        },
+        ShardConfig {
+            fusion: Some(2048),
+            large: 0,
+            ..shard_base(83, 4)
+        },
+    ];
+    let outcomes: Vec<std::thread::Result<ShardOutcome>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (configs.iter())
+            .map(|c| s.spawn(move || shard_run(c)))
+            .collect();
+        handles.into_iter().map(|h| h.join()).collect()
+    });
+    for (cfg, out) in configs.iter().zip(outcomes) {
+        let out = out.unwrap_or_else(|p| {
+            panic!("context of seed {}: {}", cfg.seed, panic_text(&*p));
+        });
+        assert!(out.reduce_scatter_steps > 0, "seed {}", cfg.seed);
     }
 }
