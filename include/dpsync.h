@@ -393,6 +393,19 @@ enum dpsync_status dpsync_options_set_peer_access(struct dpsync_options *options
                                                   size_t n);
 
 /**
+ * Reproducible reductions (default false). When true, every floating-point SUM or AVG dpsync
+ * computes (allreduce_grads, reduce_scatter_grads, allreduce, average, bmuf_step's mean and the
+ * sums of coalesced sparse rows) is a function of the multiset of the W contributions alone:
+ * the same bytes whatever the arrangement of replicas over ranks, hosts and devices, the fusion
+ * size, threads, transport or arrival order. F32/F16/BF16 results are within one ulp of the
+ * exact sum unless the element cancels below 2^-12 of its largest contribution; F64 within
+ * 2^-36 of that largest contribution (worlds up to 4096 replicas). Integer dtypes are exact
+ * either way. In a world every rank must set the same value (otherwise dpsync_context_create
+ * is INCONSISTENT naming the option and the ranks). Costs: docs/PERFORMANCE.md.
+ */
+enum dpsync_status dpsync_options_set_reproducible(struct dpsync_options *options, bool enabled);
+
+/**
  * Sparse gradients: coalesce duplicate indices (each replica's slice before the gather and the
  * gathered result after), so gathered slices hold unique, sorted indices with summed rows
  * (f16/bf16 summed in f32). Default false: the gathered slice is the plain concatenation in

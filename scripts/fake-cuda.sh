@@ -23,7 +23,7 @@ build_fake_cuda
 # DPSYNC_REQUIRE_GPU: with the fake driver and NCCL here, an UNAVAILABLE context is a failure.
 export DPSYNC_FAKE_CUDA=1 DPSYNC_REQUIRE_GPU=1 LD_LIBRARY_PATH="$PWD/target/fakecuda:${LD_LIBRARY_PATH:-}"
 unset FAKE_CUDA_DEVICES FAKE_CUDA_PEER FAKE_NCCL_FAULT FAKE_NCCL_INIT_FAULT DPSYNC_NCCL_LIBRARY
-TESTS=(--test cuda --test cuda_bmuf --test cuda_sparse --test shard)
+TESTS=(--test cuda --test cuda_bmuf --test cuda_sparse --test shard --test repro)
 # Twice: with synchronous streams (every launch and copy done when the call returns), then with
 # FAKE_CUDA_ASYNC=1 (streams as worker threads with random pauses, events and waits as on a GPU),
 # where a missing event wait gives wrong values and the stream-order and timeout tests run.

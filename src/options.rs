@@ -28,6 +28,9 @@ pub struct Options {
     pub peer_access: Option<Vec<u8>>,
     /// Coalesce sparse gradients (each replica's slice before the gather, the result after).
     pub sparse_coalesce: bool,
+    /// Float sums that depend on the contributions alone, not on how the replicas are
+    /// arranged (`dpsync_options_set_reproducible`, backend/host/repro.rs).
+    pub reproducible: bool,
     /// With transport NCCL: one NCCL rank per replica even where replicas share a GPU, instead
     /// of summing them on the GPU first. Only an NCCL that allows several ranks per GPU accepts
     /// it (`NCCL_MULTI_RANK_GPU_ENABLE=1`, NCCL >= 2.30); it exists to exercise multi-rank
@@ -64,6 +67,7 @@ impl Default for Options {
             timeout_set: false,
             peer_access: None,
             sparse_coalesce: false,
+            reproducible: false,
             nccl_rank_per_replica: std::env::var("DPSYNC_NCCL_RANK_PER_REPLICA")
                 .is_ok_and(|v| matches!(v.trim(), "1" | "true" | "yes")),
             world: None,

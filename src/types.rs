@@ -43,7 +43,6 @@ impl DType {
     }
 
     /// Floating-point (f32, f64, f16, bf16), as opposed to the integer types.
-    #[cfg(test)]
     pub fn is_float(self) -> bool {
         !matches!(self, DType::I32 | DType::I64)
     }

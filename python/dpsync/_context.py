@@ -101,6 +101,7 @@ def _options(
     sparse_coalesce: Optional[bool],
     peer_access: Optional[Sequence[Sequence[Any]]],
     world_mpi: Any,
+    reproducible: Optional[bool] = None,
 ) -> c_void_p:
     """A dpsync_options handle with every given setting; the caller frees it."""
     handle = c_void_p()
@@ -133,6 +134,8 @@ def _options(
             call("dpsync_options_set_timeout_ms", _size(timeout_ms, "timeout_ms"))
         if sparse_coalesce is not None:
             call("dpsync_options_set_sparse_coalesce", bool(sparse_coalesce))
+        if reproducible is not None:
+            call("dpsync_options_set_reproducible", bool(reproducible))
         if peer_access is not None:
             rows = [list(row) for row in peer_access]
             n = len(rows)
@@ -175,7 +178,8 @@ class Context:
     docs/API.md, "Options": host_replicas (default 1) or cuda_replicas (a list of device
     ordinals), transport ("auto", "nccl", "peer_copy", "host"), fusion_bytes, timeout_ms,
     sparse_coalesce, peer_access (an n x n matrix of truthy entries), world_mpi (True for
-    MPI_COMM_WORLD, or an mpi4py communicator).
+    MPI_COMM_WORLD, or an mpi4py communicator), reproducible (float sums that give the same
+    bytes however the replicas are arranged: docs/API.md, "Reproducible sums").
 
     The context keeps a reference to every registered array until it is unregistered or the
     context closed, and to every sparse_set slice until the step that reads it has ended, so
@@ -194,12 +198,13 @@ class Context:
         sparse_coalesce: Optional[bool] = None,
         peer_access: Optional[Sequence[Sequence[Any]]] = None,
         world_mpi: Any = None,
+        reproducible: Optional[bool] = None,
     ) -> None:
         self._closed = True  # until created, so that __del__ of a failed __init__ does nothing
         lib, _ = _lib.load()
         self._lib = lib
         options = _options(
-            lib, host_replicas, cuda_replicas, transport, fusion_bytes, timeout_ms, sparse_coalesce, peer_access, world_mpi
+            lib, host_replicas, cuda_replicas, transport, fusion_bytes, timeout_ms, sparse_coalesce, peer_access, world_mpi, reproducible
         )
         handle = c_void_p()
         try:
@@ -615,12 +620,13 @@ def plan_describe(
     sparse_coalesce: Optional[bool] = None,
     peer_access: Optional[Sequence[Sequence[Any]]] = None,
     world_mpi: Any = None,
+    reproducible: Optional[bool] = None,
 ) -> Dict[str, Any]:
     """dpsync_plan_describe: the plan for these options (Context's keywords) as a dict,
     touching no device."""
     lib, _ = _lib.load()
     options = _options(
-        lib, host_replicas, cuda_replicas, transport, fusion_bytes, timeout_ms, sparse_coalesce, peer_access, world_mpi
+        lib, host_replicas, cuda_replicas, transport, fusion_bytes, timeout_ms, sparse_coalesce, peer_access, world_mpi, reproducible
     )
     try:
         return _describe(lib.dpsync_plan_describe, options, lib, "dpsync_plan_describe")

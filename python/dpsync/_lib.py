@@ -26,6 +26,7 @@ SIGNATURES = {
     "dpsync_options_set_timeout_ms": (_STATUS, [c_void_p, c_uint64]),
     "dpsync_options_set_peer_access": (_STATUS, [c_void_p, POINTER(c_uint8), c_size_t]),
     "dpsync_options_set_sparse_coalesce": (_STATUS, [c_void_p, c_bool]),
+    "dpsync_options_set_reproducible": (_STATUS, [c_void_p, c_bool]),
     "dpsync_options_set_world_mpi": (_STATUS, [c_void_p, c_void_p]),
     "dpsync_context_create": (_STATUS, [c_void_p, POINTER(c_void_p)]),
     "dpsync_context_destroy": (_STATUS, [c_void_p]),

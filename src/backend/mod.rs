@@ -171,6 +171,27 @@ pub(crate) trait Backend: Send {
         ))
     }
 
+    /// [`Backend::reduce`] of a group that is the whole collective (host memory in one
+    /// process), reproducibly (`dpsync_options_set_reproducible`, backend/host/repro.rs): the
+    /// float sums are a function of the members' values alone, whatever their order. Backends
+    /// without it are never asked: the executor stages their memory through the host's
+    /// kernels (exec/repro.rs).
+    ///
+    /// # Safety
+    /// As for [`Backend::reduce`].
+    unsafe fn reduce_reproducible(
+        &self,
+        members: &[usize],
+        bucket: &BucketView<'_>,
+        avg: Option<usize>,
+    ) -> Result<()> {
+        let _ = (members, bucket, avg);
+        Err(Error::new(
+            crate::error::ErrorKind::Panic,
+            format!("{} offers no reduce_reproducible", self.name()),
+        ))
+    }
+
     /// Level 1 in place: every member of `group` gets replica `root`'s segments (`root` is a
     /// member).
     ///

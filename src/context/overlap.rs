@@ -176,7 +176,11 @@ impl Context {
         // allreduce_grads reduces them instead, once.
         // In a world, buckets must cross the ranks in the same order on every rank, which the
         // order of readiness does not give: they start in bucket order (below).
-        let early = !self.executor.touching_waits(planned.memory) && !self.in_world();
+        // Reproducible sums are not started early either: an early SUM later divided for AVG would
+        // round twice where the step's AVG rounds once.
+        let early = !self.executor.touching_waits(planned.memory)
+            && !self.in_world()
+            && !self.options.reproducible;
         if let (1, Some(op), true) = (self.overlap.missing[b], self.overlap.op, early) {
             // The bucket over its own tensors only, renumbered: a step costs O(tensors), not
             // O(tensors x buckets) (backends key their caches by pointers, not indices).
@@ -219,7 +223,9 @@ impl Context {
         op: ReduceOp,
         upto: Option<usize>,
     ) -> Result<()> {
-        if self.options.has_cuda_replicas() && self.topology.world_nccl.is_none() {
+        if (self.options.has_cuda_replicas() && self.topology.world_nccl.is_none())
+            || self.options.reproducible
+        {
             return Ok(());
         }
         let divisor = self.divisor();

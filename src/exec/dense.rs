@@ -39,6 +39,9 @@ pub(super) unsafe fn allreduce(
     bucket: &BucketView<'_>,
     avg: Option<usize>,
 ) -> Result<()> {
+    if site.levels.reproducible && bucket.dtype.is_float() {
+        return super::repro::allreduce(site, bucket, avg);
+    }
     let Site {
         backend,
         levels,
@@ -325,7 +328,7 @@ unsafe fn stage_out(
 ///
 /// # Safety
 /// As for [`allreduce`]; the stage holds the bucket from `at`.
-unsafe fn copy_out(
+pub(super) unsafe fn copy_out(
     streams: &dyn Streams,
     bucket: &BucketView<'_>,
     replica: usize,
@@ -345,7 +348,7 @@ unsafe fn copy_out(
 ///
 /// # Safety
 /// As for [`allreduce`]; the stage holds the bucket.
-unsafe fn stage_in(
+pub(super) unsafe fn stage_in(
     streams: &dyn Streams,
     levels: &Levels,
     bucket: &BucketView<'_>,

@@ -11,6 +11,7 @@
 pub mod bmuf;
 mod dense;
 mod early;
+mod repro;
 pub mod shard;
 mod sparse;
 mod transfer;
@@ -466,7 +467,10 @@ impl Executor {
                 }],
             };
             // Every block of the records ends with the result; the first is copied out.
-            backend.reduce(0, &members, &sum, avg)?;
+            match self.levels.reproducible && t.dtype.is_float() {
+                true => backend.reduce_reproducible(&members, &sum, avg)?,
+                false => backend.reduce(0, &members, &sum, avg)?,
+            }
             drop(sum);
             ptrs.truncate(1);
             ptrs.extend_from_slice(&t.ptrs);

@@ -83,7 +83,7 @@ impl Executor {
             return Ok(());
         };
         let site = self.site_to_touch(bucket.memory)?;
-        if bucket.memory == Memory::Host && site.levels.in_place() {
+        if bucket.memory == Memory::Host && site.levels.in_place() && !site.levels.reproducible {
             // Host memory in one process: the host's own reduce-scatter, which sums as its
             // allreduce does and writes each piece once.
             let _span = self.bucket_span("reduce-scatter bucket", 0, bucket, tensors);

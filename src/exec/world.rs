@@ -19,6 +19,7 @@ fn shared_options(options: &Options) -> Value {
         ["fusion_bytes", options.fusion_bytes],
         ["timeout_ms", options.timeout()],
         ["sparse_coalesce", options.sparse_coalesce],
+        ["reproducible", options.reproducible],
     ])
 }
 

@@ -57,6 +57,7 @@ pub fn describe(
         "peer_access": peer,
         "peer_access_source": topology.peer_source.name(),
         "fusion_bytes": fusion_bytes,
+        "reproducible": topology.reproducible,
         "loss_scale": 1.0 / topology.world_replicas() as f64,
         "tensors": snapshot.tensors.len(),
         "buckets": buckets,

@@ -83,6 +83,8 @@ pub struct Levels {
     /// The whole reduction program of one allreduce in one process (describe's `steps`;
     /// level 2's steps are taken from it).
     pub program: Vec<Step>,
+    /// Float sums go through the reproducible path (exec/repro.rs) whatever the route.
+    pub reproducible: bool,
 }
 
 impl Levels {
@@ -114,6 +116,7 @@ impl Levels {
             ranks: topology.replicas_per_rank.clone(),
             route: Route::of(topology),
             program,
+            reproducible: topology.reproducible,
         }
     }
 

@@ -71,6 +71,8 @@ pub struct Topology {
     pub world_nccl: Option<WorldGroups>,
     /// In a world of processes (of one rank, too): collectives go through its engine.
     pub in_world: bool,
+    /// Float sums reproducible whatever the arrangement (`Options::reproducible`).
+    pub reproducible: bool,
 }
 
 /// Where a process stands in its world, as the ranks settled it ([`Topology::in_world`]).
@@ -162,6 +164,7 @@ impl Topology {
             rank_per_replica,
             world_nccl: None,
             in_world: false,
+            reproducible: options.reproducible,
         };
         topology.own_devices_readable();
         Ok(topology)

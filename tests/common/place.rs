@@ -186,6 +186,8 @@ impl Mem {
     }
 
     /// Overwrites the contents in place (the address stays the same).
+    // Some binaries only read (tests/repro.rs).
+    #[allow(dead_code)]
     pub fn write(&mut self, bytes: &[u8]) {
         assert_eq!(bytes.len(), self.len());
         match self {

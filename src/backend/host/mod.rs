@@ -9,6 +9,7 @@
 
 mod bmuf;
 mod kernels;
+pub(crate) mod repro;
 mod sparse;
 
 use std::sync::{Arc, OnceLock};
@@ -40,6 +41,11 @@ pub struct HostBackend {
     /// Idle library memory, reused by `alloc` (host work is done when a call returns, so a
     /// dropped allocation is idle at once).
     spares: Arc<Mutex<Spares<Words>>>,
+}
+
+/// The threads a host backend made now would use.
+pub(crate) fn host_threads() -> usize {
+    HostBackend::new().max_threads
 }
 
 /// Host library memory: u128 words, so 16-byte aligned for every dtype (and SIMD loads).
@@ -227,6 +233,31 @@ impl Backend for HostBackend {
             };
             // Reads every replica, writes one.
             self.reduce_spans(&piece, members, replicas + 1, avg, Some(owner));
+        }
+        Ok(())
+    }
+
+    unsafe fn reduce_reproducible(
+        &self,
+        members: &[usize],
+        bucket: &BucketView<'_>,
+        avg: Option<usize>,
+    ) -> Result<()> {
+        let replicas = bucket.segments.first().map_or(0, |s| s.ptrs.len());
+        let bytes_per_element = bucket.dtype.size() * replicas * 2;
+        macro_rules! run {
+            ($t:ty) => {
+                self.for_each_span(bucket, bytes_per_element, |seg, start, len| unsafe {
+                    repro::reduce_span::<$t>(seg.ptrs, members, start, len, avg)
+                })
+            };
+        }
+        match bucket.dtype {
+            DType::F32 => run!(f32),
+            DType::F64 => run!(f64),
+            DType::F16 => run!(f16),
+            DType::Bf16 => run!(bf16),
+            DType::I32 | DType::I64 => return self.reduce(0, members, bucket, avg),
         }
         Ok(())
     }

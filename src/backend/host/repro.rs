@@ -1,0 +1,505 @@
+//! Reproducible sums (`dpsync_options_set_reproducible`), the host's kernels. Per element, `E`
+//! is the largest exponent field over every contribution in the world; each contribution is
+//! cut to an `i64` on the grid `2^(E - bias - 49)` (rounded to nearest, ties to even), the
+//! integers are summed exactly, and the sum is turned back into the dtype once. Integer
+//! addition is associative, so the result is a function of the multiset of contributions: any
+//! order, thread split, engine or arrangement of replicas gives the same bytes.
+//! docs/ARCHITECTURE.md "Reproducible sums" gives the error bound and the cost.
+//!
+//! The pieces are separate ([`exponents`], [`cut_sum`], [`uncut`]) so that a world can take
+//! the maximum of `E` and the sum of the integers across its ranks between them;
+//! [`reduce_span`] runs all three block by block while the block is in cache (one process).
+
+use half::{bf16, f16};
+
+use crate::backend::{BucketView, Segment};
+use crate::types::DType;
+
+/// Grid bits below the leading bit of the element's largest possible contribution: a
+/// contribution is below `2^(E - bias + 1)`, so its integer is at most `2^50`, and 4096 of them
+/// sum below `2^62`.
+const GRID: i32 = 49;
+
+/// `y + MAGIC`, for `|y| < 2^51`, is a double whose low mantissa bits are `y` rounded to the
+/// nearest integer (ties to even): a rounding conversion SSE2 vectorizes, unlike `as i64`.
+const MAGIC: f64 = 6_755_399_441_055_744.0; // 1.5 * 2^52
+
+/// An infinity or NaN among the contributions makes `E` the all-ones field; each contribution
+/// then counts as one of these (at most 4096 of each fit in 16 bits), and the counts decide.
+const POS_INF: i64 = 1;
+const NEG_INF: i64 = 1 << 16;
+const NAN: i64 = 1 << 32;
+
+/// Elements per block of [`reduce_span`]: exponents, integers and the result of a block stay
+/// in L1 while every replica's block is read twice.
+const BLOCK: usize = 512;
+
+/// A floating-point dtype's bit layout.
+pub(crate) trait Cut: Copy + Default + Send + Sync + 'static {
+    /// Explicit fraction bits.
+    const FRAC: u32;
+    /// Exponent field bits.
+    const EXP_BITS: u32;
+    const BIAS: i32;
+    fn bits(self) -> u64;
+    fn widen(self) -> f64;
+    /// One rounding to nearest, ties to even.
+    fn narrow(x: f64) -> Self;
+    /// The all-ones exponent field.
+    const SPECIAL: u16 = ((1u32 << Self::EXP_BITS) - 1) as u16;
+}
+
+impl Cut for f32 {
+    const FRAC: u32 = 23;
+    const EXP_BITS: u32 = 8;
+    const BIAS: i32 = 127;
+    #[inline(always)]
+    fn bits(self) -> u64 {
+        self.to_bits() as u64
+    }
+    #[inline(always)]
+    fn widen(self) -> f64 {
+        self as f64
+    }
+    #[inline(always)]
+    fn narrow(x: f64) -> f32 {
+        x as f32
+    }
+}
+
+impl Cut for f64 {
+    const FRAC: u32 = 52;
+    const EXP_BITS: u32 = 11;
+    const BIAS: i32 = 1023;
+    #[inline(always)]
+    fn bits(self) -> u64 {
+        self.to_bits()
+    }
+    #[inline(always)]
+    fn widen(self) -> f64 {
+        self
+    }
+    #[inline(always)]
+    fn narrow(x: f64) -> f64 {
+        x
+    }
+}
+
+impl Cut for f16 {
+    const FRAC: u32 = 10;
+    const EXP_BITS: u32 = 5;
+    const BIAS: i32 = 15;
+    #[inline(always)]
+    fn bits(self) -> u64 {
+        self.to_bits() as u64
+    }
+    #[inline(always)]
+    fn widen(self) -> f64 {
+        self.to_f64()
+    }
+    #[inline(always)]
+    fn narrow(x: f64) -> f16 {
+        f16::from_f64(x)
+    }
+}
+
+impl Cut for bf16 {
+    const FRAC: u32 = 7;
+    const EXP_BITS: u32 = 8;
+    const BIAS: i32 = 127;
+    #[inline(always)]
+    fn bits(self) -> u64 {
+        self.to_bits() as u64
+    }
+    #[inline(always)]
+    fn widen(self) -> f64 {
+        // Exact: a bf16 is the top half of an f32.
+        f32::from_bits((self.to_bits() as u32) << 16) as f64
+    }
+    #[inline(always)]
+    fn narrow(x: f64) -> bf16 {
+        bf16::from_f64(x)
+    }
+}
+
+/// The exponent field of `x`, at least 1 (subnormals and zeros share the smallest normal
+/// exponent's scale).
+#[inline(always)]
+fn field<T: Cut>(x: T) -> u16 {
+    (((x.bits() >> T::FRAC) as u32 & T::SPECIAL as u32) as u16).max(1)
+}
+
+/// `2^k` for `k` in the normal range.
+#[inline(always)]
+fn pow2(k: i32) -> f64 {
+    f64::from_bits(((k + 1023) as u64) << 52)
+}
+
+/// `x * 2^k`: one multiplication where `2^k` is a normal double (every dtype but f64), two
+/// where it may not be (f64 grids reach `2^1071`); exact until the product is far below the
+/// grid, where it rounds to 0 either way.
+#[inline(always)]
+fn scale<T: Cut>(x: f64, k: i32) -> f64 {
+    if T::EXP_BITS > 8 {
+        let half = k / 2;
+        x * pow2(k - half) * pow2(half)
+    } else {
+        x * pow2(k)
+    }
+}
+
+/// `x` on the grid of exponent field `e` (not the all-ones field).
+#[inline(always)]
+fn cut<T: Cut>(x: T, e: u16) -> i64 {
+    let y = scale::<T>(x.widen(), T::BIAS + GRID - e as i32);
+    ((y + MAGIC).to_bits() as i64).wrapping_sub(MAGIC.to_bits() as i64)
+}
+
+/// What `x` counts for when the element's field is the all-ones one.
+#[inline]
+fn cut_special<T: Cut>(x: T) -> i64 {
+    let bits = x.bits();
+    let frac = bits & ((1u64 << T::FRAC) - 1);
+    let negative = bits >> (T::FRAC + T::EXP_BITS) & 1 == 1;
+    match (field(x) == T::SPECIAL, frac != 0, negative) {
+        (false, ..) => 0,
+        (true, true, _) => NAN,
+        (true, false, false) => POS_INF,
+        (true, false, true) => NEG_INF,
+    }
+}
+
+/// The sum `s` on the grid of field `e`, divided by `avg` when given, in the dtype.
+#[inline]
+fn uncut<T: Cut>(s: i64, e: u16, avg: Option<usize>) -> T {
+    if e == T::SPECIAL {
+        let count = |unit: i64| (s / unit) & 0xFFFF;
+        let v = match (count(NAN), count(POS_INF), count(NEG_INF)) {
+            (0, 0, _) => f64::NEG_INFINITY,
+            (0, _, 0) => f64::INFINITY,
+            _ => f64::NAN,
+        };
+        return T::narrow(v);
+    }
+    let k = e as i32 - T::BIAS - GRID;
+    let mut v = s as f64;
+    // f64 grids go below the normal range: scale in two steps, the second rounding once.
+    v = if k < -1000 {
+        v * pow2(k + 600) * pow2(-600)
+    } else {
+        v * pow2(k)
+    };
+    if let Some(w) = avg {
+        v /= w as f64;
+    }
+    T::narrow(v)
+}
+
+/// `exps[i] := max(exps[i], field(src[i]))`.
+#[inline]
+fn max_fields<T: Cut>(src: &[T], exps: &mut [u16]) {
+    for (e, &x) in exps.iter_mut().zip(src) {
+        *e = (*e).max(field(x));
+    }
+}
+
+/// `acc[i] += cut(src[i], exps[i])`; `special`: some element's field is the all-ones one.
+#[inline]
+fn cut_add<T: Cut>(src: &[T], exps: &[u16], acc: &mut [i64], special: bool) {
+    if special {
+        for ((a, &x), &e) in acc.iter_mut().zip(src).zip(exps) {
+            *a = a.wrapping_add(match e == T::SPECIAL {
+                true => cut_special(x),
+                false => cut(x, e),
+            });
+        }
+    } else {
+        for ((a, &x), &e) in acc.iter_mut().zip(src).zip(exps) {
+            *a = a.wrapping_add(cut(x, e));
+        }
+    }
+}
+
+/// Reduces elements `[start, start + len)` of one segment in one pass: each block's exponents
+/// over `members`, their integers, and the result written to every member.
+///
+/// # Safety
+/// As for [`super::kernels::reduce_span`].
+pub(super) unsafe fn reduce_span<T: Cut>(
+    ptrs: &[usize],
+    members: &[usize],
+    start: usize,
+    len: usize,
+    avg: Option<usize>,
+) {
+    let mut exps = [0u16; BLOCK];
+    let mut acc = [0i64; BLOCK];
+    let mut out = [T::default(); BLOCK];
+    let mut done = 0;
+    while done < len {
+        let n = BLOCK.min(len - done);
+        let at = |replica: usize| (ptrs[replica] as *mut T).add(start + done);
+        let block = |replica: usize| std::slice::from_raw_parts(at(replica), n);
+        exps[..n].fill(1);
+        for &r in members {
+            max_fields(block(r), &mut exps[..n]);
+        }
+        let special = exps[..n].contains(&T::SPECIAL);
+        acc[..n].fill(0);
+        for &r in members {
+            cut_add(block(r), &exps[..n], &mut acc[..n], special);
+        }
+        for ((o, &s), &e) in out[..n].iter_mut().zip(&acc[..n]).zip(&exps[..n]) {
+            *o = uncut(s, e, avg);
+        }
+        for &r in members {
+            std::ptr::copy_nonoverlapping(out.as_ptr(), at(r), n);
+        }
+        done += n;
+    }
+}
+
+/// The exponent fields as they cross the ranks: one byte each where the field fits (every
+/// dtype but f64), two otherwise.
+pub(crate) fn field_bytes(dtype: DType) -> usize {
+    match dtype {
+        DType::F64 => 2,
+        _ => 1,
+    }
+}
+
+/// Runs `f(segment, first element in it, count, first element in the bucket)` over the
+/// elements of `bucket`, split into contiguous ranges over `threads` threads.
+fn for_each_range<F>(bucket: &BucketView<'_>, threads: usize, f: F)
+where
+    F: Fn(&Segment<'_>, usize, usize, usize) + Sync,
+{
+    let total = bucket.elements();
+    let run = |lo: usize, hi: usize| {
+        let mut offset = 0;
+        for seg in &bucket.segments {
+            let (a, b) = (lo.max(offset), hi.min(offset + seg.count));
+            if a < b {
+                f(seg, a - offset, b - a, a);
+            }
+            offset += seg.count;
+            if offset >= hi {
+                break;
+            }
+        }
+    };
+    let threads = threads.clamp(1, (total / (64 << 10)).max(1));
+    if threads == 1 {
+        return run(0, total);
+    }
+    let bound = |t: usize| total * t / threads;
+    std::thread::scope(|scope| {
+        for t in 1..threads {
+            let run = &run;
+            scope.spawn(move || run(bound(t), bound(t + 1)));
+        }
+        run(0, bound(1));
+    });
+}
+
+/// A mutable slice shared by threads that write disjoint ranges of it.
+#[derive(Clone, Copy)]
+struct Shared<T>(*mut T);
+unsafe impl<T> Send for Shared<T> {}
+unsafe impl<T> Sync for Shared<T> {}
+
+impl<T> Shared<T> {
+    /// # Safety
+    /// `[at, at + n)` is inside the slice and no other thread touches it.
+    unsafe fn range<'a>(self, at: usize, n: usize) -> &'a mut [T] {
+        std::slice::from_raw_parts_mut(self.0.add(at), n)
+    }
+}
+
+macro_rules! by_float {
+    ($dtype:expr, $f:ident, $($arg:expr),*) => {
+        match $dtype {
+            DType::F32 => $f::<f32>($($arg),*),
+            DType::F64 => $f::<f64>($($arg),*),
+            DType::F16 => $f::<f16>($($arg),*),
+            DType::Bf16 => $f::<bf16>($($arg),*),
+            DType::I32 | DType::I64 => unreachable!("integer sums are exact already"),
+        }
+    };
+}
+
+/// `exps[i] := max(exps[i], field of element i on each of `members`)` over the bucket
+/// (`exps` starts at 1s, or at another rank's maxima).
+///
+/// # Safety
+/// Every member's pointers are valid host memory for their segments.
+pub(crate) unsafe fn exponents(
+    bucket: &BucketView<'_>,
+    members: &[usize],
+    exps: &mut [u16],
+    threads: usize,
+) {
+    unsafe fn run<T: Cut>(b: &BucketView<'_>, m: &[usize], e: Shared<u16>, threads: usize) {
+        for_each_range(b, threads, |seg, start, n, at| {
+            let exps = e.range(at, n);
+            for &r in m {
+                let src = std::slice::from_raw_parts((seg.ptrs[r] as *const T).add(start), n);
+                max_fields(src, exps);
+            }
+        });
+    }
+    by_float!(
+        bucket.dtype,
+        run,
+        bucket,
+        members,
+        Shared(exps.as_mut_ptr()),
+        threads
+    )
+}
+
+/// `acc[i] := Σ over members of element i cut on the grid of `exps[i]`.
+///
+/// # Safety
+/// As for [`exponents`].
+pub(crate) unsafe fn cut_sum(
+    bucket: &BucketView<'_>,
+    members: &[usize],
+    exps: &[u16],
+    acc: &mut [i64],
+    threads: usize,
+) {
+    unsafe fn run<T: Cut>(
+        b: &BucketView<'_>,
+        m: &[usize],
+        (exps, a): (&[u16], Shared<i64>),
+        threads: usize,
+    ) {
+        for_each_range(b, threads, |seg, start, n, at| {
+            let (exps, acc) = (&exps[at..at + n], a.range(at, n));
+            acc.fill(0);
+            let special = exps.contains(&T::SPECIAL);
+            for &r in m {
+                let src = std::slice::from_raw_parts((seg.ptrs[r] as *const T).add(start), n);
+                cut_add(src, exps, acc, special);
+            }
+        });
+    }
+    by_float!(
+        bucket.dtype,
+        run,
+        bucket,
+        members,
+        (exps, Shared(acc.as_mut_ptr())),
+        threads
+    )
+}
+
+/// Every member's element i := `acc[i]` on the grid of `exps[i]` in the dtype, divided by
+/// `avg` when given.
+///
+/// # Safety
+/// As for [`exponents`], the members' memory writable.
+pub(crate) unsafe fn write_sums(
+    bucket: &BucketView<'_>,
+    members: &[usize],
+    (acc, exps): (&[i64], &[u16]),
+    avg: Option<usize>,
+    threads: usize,
+) {
+    unsafe fn run<T: Cut>(
+        b: &BucketView<'_>,
+        m: &[usize],
+        (acc, exps): (&[i64], &[u16]),
+        (avg, threads): (Option<usize>, usize),
+    ) {
+        for_each_range(b, threads, |seg, start, n, at| {
+            for (i, (&s, &e)) in acc[at..at + n].iter().zip(&exps[at..at + n]).enumerate() {
+                let v: T = uncut(s, e, avg);
+                for &r in m {
+                    *(seg.ptrs[r] as *mut T).add(start + i) = v;
+                }
+            }
+        });
+    }
+    by_float!(
+        bucket.dtype,
+        run,
+        bucket,
+        members,
+        (acc, exps),
+        (avg, threads)
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The reproducible sum of `values` (one contribution each) in one block.
+    fn sum<T: Cut>(values: &[T], avg: Option<usize>) -> T {
+        let mut replicas: Vec<Vec<T>> = values.iter().map(|&v| vec![v]).collect();
+        let ptrs: Vec<usize> = replicas
+            .iter_mut()
+            .map(|r| r.as_mut_ptr() as usize)
+            .collect();
+        let members: Vec<usize> = (0..ptrs.len()).collect();
+        unsafe { reduce_span::<T>(&ptrs, &members, 0, 1, avg) };
+        let out = replicas[0][0];
+        assert!(replicas.iter().all(|r| r[0].bits() == out.bits()));
+        out
+    }
+
+    #[test]
+    fn sums_are_exact_where_the_grid_holds_every_bit() {
+        assert_eq!(sum(&[1.0f32, 2.0, 3.5], None), 6.5);
+        assert_eq!(sum(&[1.0f32, -1.0], None), 0.0);
+        assert_eq!(sum(&[3.0f64, 4.0, 5.0], Some(3)), 4.0);
+        assert_eq!(
+            sum(&[f16::from_f32(2048.0), f16::ONE, f16::ONE], None).to_f32(),
+            2050.0
+        );
+        assert_eq!(
+            sum(&[bf16::from_f32(3.0), bf16::from_f32(4.0)], Some(2)).to_f32(),
+            3.5
+        );
+        // Subnormals and zeros.
+        let tiny = f32::from_bits(1);
+        assert_eq!(sum(&[tiny, tiny, 0.0], None), f32::from_bits(2));
+        assert_eq!(sum(&[f32::MAX, -f32::MAX], None), 0.0);
+    }
+
+    #[test]
+    fn order_does_not_matter_where_plain_sums_differ() {
+        let v = [1.0e8f32, 1.0, -1.0e8, 1.0, 3.0e-3, 7.0];
+        let first = sum(&v, None);
+        let mut w = v;
+        w.reverse();
+        assert_eq!(sum(&w, None).to_bits(), first.to_bits());
+        w.swap(0, 3);
+        assert_eq!(sum(&w, None).to_bits(), first.to_bits());
+        // Exact sum is 2 + 0.003 + 7 = 9.003: within one ulp.
+        assert!((first - 9.003).abs() <= f32::EPSILON * 16.0, "{first}");
+    }
+
+    #[test]
+    fn infinities_and_nans_propagate() {
+        assert_eq!(sum(&[1.0f32, f32::INFINITY], None), f32::INFINITY);
+        assert_eq!(sum(&[f32::NEG_INFINITY, 5.0], None), f32::NEG_INFINITY);
+        assert!(sum(&[f32::INFINITY, f32::NEG_INFINITY], None).is_nan());
+        assert!(sum(&[f64::NAN, 1.0], None).is_nan());
+        assert!(sum(&[f16::NAN, f16::ONE], None).is_nan());
+        assert_eq!(sum(&[f64::INFINITY, f64::MAX], Some(2)), f64::INFINITY);
+    }
+
+    #[test]
+    fn f64_grids_cover_the_whole_exponent_range() {
+        let tiny = f64::from_bits(1);
+        // Grid 2^-1071 for subnormal maxima: a lone subnormal is within 2^-1072 of itself.
+        assert!((sum(&[tiny * 1000.0, tiny * 24.0], None) - tiny * 1024.0).abs() <= tiny * 4.0);
+        let (big, half) = (2f64.powi(1023), 2f64.powi(1022));
+        assert_eq!(sum(&[big, half], None), big + half);
+        // 53 bits do not all fit the grid: within 2^-36 of the largest contribution.
+        assert!((sum(&[1.0e300f64, 1.0e300], Some(2)) - 1.0e300).abs() <= 1.0e300 * 2f64.powi(-36));
+    }
+}

@@ -1,0 +1,144 @@
+//! Reproducible sums over every route (`dpsync_options_set_reproducible`): the same bytes
+//! whatever the arrangement of the replicas, so each float bucket leaves the plan's levels and
+//! goes through the host's kernels (backend/host/repro.rs) in three pieces:
+//!
+//! 1. the largest exponent field of every element over this process's replicas, then over the
+//!    ranks (every rank's fields gathered, the maximum taken: "exponent max across ranks");
+//! 2. every contribution cut onto the integer grid that field sets and summed exactly, then
+//!    summed over the ranks as i64 on the route's engine ("integer sum across ranks");
+//! 3. the sum turned back into the dtype once (AVG divided) and written to every replica.
+//!
+//! Host memory in one process runs all three block by block ([`Backend::reduce_reproducible`]);
+//! device memory goes through the host stage, every replica's bucket to the host and the
+//! result back (the GPU kernels of the same scheme are a known gap, docs/ARCHITECTURE.md).
+//! Integer buckets never come here: their sums are exact already.
+
+use serde_json::json;
+
+use super::dense::{copy_out, stage_in};
+use super::Site;
+use crate::backend::host::{host_threads, repro};
+use crate::backend::{BucketView, Ranks, Segment};
+use crate::error::{Error, ErrorKind, Result};
+use crate::timeline;
+use crate::types::DType;
+
+/// Every replica of `site` ends with the reproducible sum of `bucket` over all replicas
+/// (divided by `avg`).
+///
+/// # Safety
+/// Every pointer of the bucket is valid for its segment on its replica.
+pub(super) unsafe fn allreduce(
+    site: Site<'_>,
+    bucket: &BucketView<'_>,
+    avg: Option<usize>,
+) -> Result<()> {
+    if bucket.elements() == 0 {
+        return Ok(());
+    }
+    let replicas: Vec<usize> = site.levels.groups.iter().flatten().copied().collect();
+    let Some(streams) = site.backend.streams() else {
+        return match site.ranks {
+            None => site.backend.reduce_reproducible(&replicas, bucket, avg),
+            Some(_) => pieces(site, bucket, &replicas, &replicas, avg),
+        };
+    };
+    let bytes = bucket.dtype.size() * bucket.elements();
+    let host = {
+        let _span = timeline::span(site.trace, "to host", || json!({}));
+        let host = streams.host_stage(bytes * replicas.len())?;
+        for (k, &replica) in replicas.iter().enumerate() {
+            copy_out(streams, bucket, replica, host + k * bytes)?;
+        }
+        streams.wait_all()?;
+        host
+    };
+    let staged: Vec<usize> = (0..replicas.len()).map(|k| host + k * bytes).collect();
+    let view = BucketView {
+        dtype: bucket.dtype,
+        segments: vec![Segment {
+            ptrs: &staged,
+            count: bucket.elements(),
+        }],
+    };
+    let members: Vec<usize> = (0..staged.len()).collect();
+    // The result lands in the first stage slot, which `stage_in` copies to every replica.
+    pieces(site, &view, &members, &[0], avg)?;
+    let _span = timeline::span(site.trace, "from host", || json!({}));
+    stage_in(streams, site.levels, bucket, host)
+}
+
+/// The three pieces over host memory: `members`' contributions, the ranks' above them, the
+/// result written to `write_to`.
+///
+/// # Safety
+/// `view`'s pointers of `members` are valid host memory, those of `write_to` writable.
+unsafe fn pieces(
+    site: Site<'_>,
+    view: &BucketView<'_>,
+    members: &[usize],
+    write_to: &[usize],
+    avg: Option<usize>,
+) -> Result<()> {
+    let n = view.elements();
+    let threads = host_threads();
+    let mut exps = vec![1u16; n];
+    repro::exponents(view, members, &mut exps, threads);
+    if let Some(ranks) = site.ranks {
+        let _span = timeline::span(
+            site.trace,
+            "exponent max across ranks",
+            || json!({"ranks": ranks.ranks(), "bytes": n * repro::field_bytes(view.dtype)}),
+        );
+        max_across(ranks, view.dtype, &mut exps)?;
+    }
+    let mut sums = vec![0i64; n];
+    repro::cut_sum(view, members, &exps, &mut sums, threads);
+    if let Some(ranks) = site.ranks {
+        let _span = timeline::span(
+            site.trace,
+            "integer sum across ranks",
+            || json!({"ranks": ranks.ranks(), "bytes": n * 8}),
+        );
+        let ptrs = [sums.as_mut_ptr() as usize];
+        let segment = Segment {
+            ptrs: &ptrs,
+            count: n,
+        };
+        ranks.allreduce(site.channel, DType::I64, &[segment], None)?;
+    }
+    repro::write_sums(view, write_to, (&sums, &exps), avg, threads);
+    Ok(())
+}
+
+/// `exps[i] := max over the ranks of their exps[i]` (one gather of every rank's fields, one
+/// byte each where the dtype's field fits one).
+fn max_across(ranks: &dyn Ranks, dtype: DType, exps: &mut [u16]) -> Result<()> {
+    let wide = repro::field_bytes(dtype) == 2;
+    let mine: Vec<u8> = match wide {
+        true => exps.iter().flat_map(|e| e.to_le_bytes()).collect(),
+        false => exps.iter().map(|&e| e as u8).collect(),
+    };
+    for (rank, theirs) in ranks.allgather(&mine)?.iter().enumerate() {
+        if theirs.len() != mine.len() {
+            return Err(Error::new(
+                ErrorKind::Backend,
+                format!(
+                    "rank {rank} sent {} bytes of exponents where {} were expected",
+                    theirs.len(),
+                    mine.len()
+                ),
+            ));
+        }
+        if wide {
+            for (e, c) in exps.iter_mut().zip(theirs.chunks_exact(2)) {
+                *e = (*e).max(u16::from_le_bytes([c[0], c[1]]));
+            }
+        } else {
+            for (e, &b) in exps.iter_mut().zip(theirs) {
+                *e = (*e).max(u16::from(b));
+            }
+        }
+    }
+    Ok(())
+}
