@@ -285,13 +285,16 @@ pub(crate) trait Backend: Send {
     /// f32, every output element rounded once). Deterministic: the same input gives the same
     /// bytes on any replica. A result's row count depends on the data (a device backend has to
     /// read it back). The results are in the order of `slices`; a backend may work on them at
-    /// once (the host sorts on several threads).
+    /// once (the host sorts on several threads). With `reproducible`, float rows of one index
+    /// are summed as reproducible sums (backend/host/repro.rs), whatever their order; backends
+    /// without that refuse it (the executor coalesces their rows on the host, exec/sparse.rs).
     ///
     /// # Safety
     /// Every slice's pointers are valid on its replica for `rows` aligned indices and rows.
     unsafe fn coalesce(
         &self,
         slices: &[(usize, SliceRef<'_>)],
+        reproducible: bool,
         alloc: &mut dyn FnMut(usize, usize) -> Result<Allocation>,
     ) -> Result<Vec<Coalesced>>;
 

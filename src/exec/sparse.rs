@@ -19,7 +19,8 @@ use super::transfer::{transfer, Transfer};
 use super::Executor;
 
 mod gather;
-use crate::backend::{Allocation, Coalesced, IndexCheck, SliceRef, ValuesRef};
+use crate::backend::host::HostBackend;
+use crate::backend::{Allocation, Backend, Coalesced, IndexCheck, SliceRef, Streams, ValuesRef};
 use crate::error::{Error, ErrorKind, Result};
 use crate::plan::sparse::{world_offsets, IndexGroup};
 use crate::registry::sparse::SparseInput;
@@ -309,6 +310,102 @@ impl Executor {
         })
     }
 
+    /// A replica's slice as it is, standing in for its local coalescing (reproducible sums):
+    /// the root's coalescing sums its rows with everyone's. Its rows are copied into library
+    /// memory of the replica, as a coalesced slice would be.
+    unsafe fn raw_part(&self, replica: usize, slice: &SliceRef<'_>) -> Result<Coalesced> {
+        let copy = |ptr: usize, bytes: usize| -> Result<Allocation> {
+            let to = self.alloc_output(replica, bytes)?;
+            self.backend.copy(replica, ptr, replica, to.ptr(), bytes)?;
+            Ok(to)
+        };
+        Ok(Coalesced {
+            rows: slice.rows,
+            indices: copy(slice.indices, slice.rows * slice.index_dtype.size())?,
+            values: (slice.values.iter())
+                .map(|v| copy(v.ptr, slice.rows * v.row_bytes()))
+                .collect::<Result<_>>()?,
+        })
+    }
+
+    /// The gathered rows on the root coalesced, reproducibly with `repro`: by the backend where
+    /// it can, otherwise (device memory) through the host stage and the host's kernels.
+    unsafe fn coalesce_root(&self, gathered: SliceRef<'_>, repro: bool) -> Result<Coalesced> {
+        let via_host = match (repro, self.backend.streams(), &self.host) {
+            (true, Some(streams), Some((host, _))) => Some((streams, host)),
+            _ => None,
+        };
+        let mut one = match via_host {
+            Some((streams, host)) => vec![self.coalesce_on_host(streams, host, gathered)?],
+            None => (self.backend).coalesce(&[(ROOT, gathered)], repro, &mut |r, bytes| {
+                self.alloc_output(r, bytes)
+            })?,
+        };
+        one.pop()
+            .ok_or_else(|| short_result(self.backend.name(), 0, 1))
+    }
+
+    /// [`Executor::coalesce_root`] of rows in device memory by the host: the rows down to the
+    /// stage, coalesced by the host backend, the result up into new memory of the root.
+    unsafe fn coalesce_on_host(
+        &self,
+        streams: &dyn Streams,
+        host: &HostBackend,
+        g: SliceRef<'_>,
+    ) -> Result<Coalesced> {
+        let index_size = g.index_dtype.size();
+        let spans: Vec<(usize, usize)> = std::iter::once((g.indices, g.rows * index_size))
+            .chain(g.values.iter().map(|v| (v.ptr, g.rows * v.row_bytes())))
+            .collect();
+        let stage = streams.host_stage(spans.iter().map(|s| s.1).sum::<usize>().max(1))?;
+        let mut at = stage;
+        let mut staged = Vec::with_capacity(spans.len());
+        for &(ptr, bytes) in &spans {
+            if bytes > 0 {
+                streams.stage_copy(ROOT, at, ptr, bytes)?;
+            }
+            staged.push(at);
+            at += bytes;
+        }
+        streams.wait_all()?;
+        let values: Vec<ValuesRef> = (g.values.iter().zip(&staged[1..]))
+            .map(|(v, &ptr)| ValuesRef { ptr, ..*v })
+            .collect();
+        let on_host = SliceRef {
+            indices: staged[0],
+            values: &values,
+            ..g
+        };
+        let c = host
+            .coalesce(&[(0, on_host)], true, &mut |r, bytes| host.alloc(r, bytes))?
+            .pop()
+            .ok_or_else(|| short_result(host.name(), 0, 1))?;
+        // Up through the stage (the result is no larger than the rows it came from).
+        let outputs = std::iter::once((&c.indices, c.rows * index_size)).chain(
+            (c.values.iter())
+                .zip(g.values)
+                .map(|(a, v)| (a, c.rows * v.row_bytes())),
+        );
+        let mut at = stage;
+        let mut uploads = Vec::with_capacity(spans.len());
+        for (from, bytes) in outputs {
+            let to = self.alloc_output(ROOT, bytes.max(1))?;
+            std::ptr::copy_nonoverlapping(from.ptr() as *const u8, at as *mut u8, bytes);
+            if bytes > 0 {
+                streams.stage_copy(ROOT, to.ptr(), at, bytes)?;
+            }
+            uploads.push(to);
+            at += bytes;
+        }
+        streams.wait_all()?;
+        let indices = uploads.remove(0);
+        Ok(Coalesced {
+            rows: c.rows,
+            indices,
+            values: uploads,
+        })
+    }
+
     /// Coalesce locally, gather onto the root, coalesce there, divide there by `avg`, copy the
     /// result to every replica. Returns the rows each replica contributed as well. (Dividing the
     /// root's result after the copies were queued on the other replicas' streams would race
@@ -339,8 +436,16 @@ impl Executor {
                 (r, slice)
             })
             .collect();
-        let coalesced =
-            (self.backend).coalesce(&slices, &mut |r, bytes| self.alloc_output(r, bytes))?;
+        // Reproducible sums coalesce once, at the root, over every row: a local sum would round
+        // before the other replicas' rows join it.
+        let repro = self.levels.reproducible;
+        let coalesced = match repro {
+            true => (slices.iter())
+                .map(|(r, s)| self.raw_part(*r, s))
+                .collect::<Result<Vec<_>>>()?,
+            false => (self.backend)
+                .coalesce(&slices, false, &mut |r, bytes| self.alloc_output(r, bytes))?,
+        };
         if coalesced.len() != slices.len() {
             return Err(short_result(
                 self.backend.name(),
@@ -359,7 +464,8 @@ impl Executor {
         let total: usize = sent.iter().sum();
         // One replica (and no other rank): its coalesced slice is the result. Otherwise gather
         // onto the root.
-        let result: Option<Coalesced> = if self.ranks().is_none() && (replicas == 1 || total == 0) {
+        let alone = self.ranks().is_none() && (replicas == 1 || total == 0);
+        let result: Option<Coalesced> = if alone && (!repro || total == 0) {
             local.swap_remove(ROOT)
         } else {
             let parts: Vec<Part> = (local.iter())
@@ -391,12 +497,7 @@ impl Executor {
                         rows: total,
                         values: &refs,
                     };
-                    let result = (self.backend)
-                        .coalesce(&[(ROOT, gathered)], &mut |r, bytes| {
-                            self.alloc_output(r, bytes)
-                        })?
-                        .pop()
-                        .ok_or_else(|| short_result(self.backend.name(), 0, 1))?;
+                    let result = self.coalesce_root(gathered, repro)?;
                     scratch.push((ROOT, indices));
                     scratch.extend(values.into_iter().map(|v| (ROOT, v)));
                     Some(result)

@@ -53,7 +53,7 @@ use super::{
     Allocation, Backend, BmufFilter, BmufSpan, BucketView, Coalesced, IndexCheck, Layout, Links,
     Members, SliceRef, Slot, Streams,
 };
-use crate::error::Result;
+use crate::error::{Error, ErrorKind, Result};
 use crate::plan::TransportChoice;
 use crate::types::DType;
 
@@ -205,8 +205,15 @@ impl Backend for CudaBackend {
     unsafe fn coalesce(
         &self,
         slices: &[(usize, SliceRef<'_>)],
+        reproducible: bool,
         alloc: &mut dyn FnMut(usize, usize) -> Result<Allocation>,
     ) -> Result<Vec<Coalesced>> {
+        if reproducible {
+            return Err(Error::new(
+                ErrorKind::Panic,
+                "the CUDA backend has no reproducible coalesce (exec/sparse.rs stages the rows)",
+            ));
+        }
         (slices.iter())
             .map(|(r, s)| self.device_coalesce(*r, s, &mut |bytes| alloc(*r, bytes)))
             .collect()

@@ -176,7 +176,9 @@ impl HostBackend {
         replica: usize,
         slice: &SliceRef<'_>,
     ) -> Result<Coalesced> {
-        let mut one = self.coalesce(&[(replica, *slice)], &mut |r, bytes| self.alloc(r, bytes))?;
+        let mut one = self.coalesce(&[(replica, *slice)], false, &mut |r, bytes| {
+            self.alloc(r, bytes)
+        })?;
         Ok(one.remove(0))
     }
 }
@@ -248,7 +250,7 @@ impl Backend for HostBackend {
         macro_rules! run {
             ($t:ty) => {
                 self.for_each_span(bucket, bytes_per_element, |seg, start, len| unsafe {
-                    repro::reduce_span::<$t>(seg.ptrs, members, start, len, avg)
+                    repro::reduce_span::<$t>(seg.ptrs, (members, members), start, len, avg)
                 })
             };
         }
@@ -356,9 +358,10 @@ impl Backend for HostBackend {
     unsafe fn coalesce(
         &self,
         slices: &[(usize, SliceRef<'_>)],
+        reproducible: bool,
         alloc: &mut dyn FnMut(usize, usize) -> Result<Allocation>,
     ) -> Result<Vec<Coalesced>> {
-        sparse::coalesce_many(self.max_threads, slices, alloc)
+        sparse::coalesce_many(self.max_threads, slices, reproducible, alloc)
     }
 
     unsafe fn divide(

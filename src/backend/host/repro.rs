@@ -221,13 +221,13 @@ fn cut_add<T: Cut>(src: &[T], exps: &[u16], acc: &mut [i64], special: bool) {
 }
 
 /// Reduces elements `[start, start + len)` of one segment in one pass: each block's exponents
-/// over `members`, their integers, and the result written to every member.
+/// over `members`, their integers, and the result written to every replica of `write`.
 ///
 /// # Safety
 /// As for [`super::kernels::reduce_span`].
 pub(super) unsafe fn reduce_span<T: Cut>(
     ptrs: &[usize],
-    members: &[usize],
+    (members, write): (&[usize], &[usize]),
     start: usize,
     len: usize,
     avg: Option<usize>,
@@ -252,11 +252,26 @@ pub(super) unsafe fn reduce_span<T: Cut>(
         for ((o, &s), &e) in out[..n].iter_mut().zip(&acc[..n]).zip(&exps[..n]) {
             *o = uncut(s, e, avg);
         }
-        for &r in members {
+        for &r in write {
             std::ptr::copy_nonoverlapping(out.as_ptr(), at(r), n);
         }
         done += n;
     }
+}
+
+/// A coalesced sparse gradient's run of rows with one index (`positions` into `src`, rows of
+/// `row_len`) summed reproducibly into `dst`.
+///
+/// # Safety
+/// `src` holds every position's row, `dst` one row, as `T`.
+pub(super) unsafe fn sum_rows<T: Cut>(src: usize, positions: &[usize], row_len: usize, dst: usize) {
+    let size = std::mem::size_of::<T>();
+    let mut ptrs: Vec<usize> = (positions.iter())
+        .map(|p| src + p * row_len * size)
+        .collect();
+    ptrs.push(dst);
+    let members: Vec<usize> = (0..positions.len()).collect();
+    reduce_span::<T>(&ptrs, (&members, &[positions.len()]), 0, row_len, None);
 }
 
 /// The exponent fields as they cross the ranks: one byte each where the field fits (every
@@ -444,7 +459,7 @@ mod tests {
             .map(|r| r.as_mut_ptr() as usize)
             .collect();
         let members: Vec<usize> = (0..ptrs.len()).collect();
-        unsafe { reduce_span::<T>(&ptrs, &members, 0, 1, avg) };
+        unsafe { reduce_span::<T>(&ptrs, (&members, &members), 0, 1, avg) };
         let out = replicas[0][0];
         assert!(replicas.iter().all(|r| r[0].bits() == out.bits()));
         out

@@ -89,6 +89,29 @@ unsafe fn sum_runs<T: Reducible>(
     }
 }
 
+/// [`sum_runs`] with every run of several rows a reproducible sum.
+unsafe fn sum_runs_repro<T: super::repro::Cut>(
+    src: usize,
+    positions: &[usize],
+    bounds: &[usize],
+    row_len: usize,
+    dst: usize,
+) {
+    let size = std::mem::size_of::<T>();
+    for (k, run) in bounds.windows(2).enumerate() {
+        let out = dst + k * row_len * size;
+        match run[1] - run[0] {
+            // A lone row is its own sum (the same bytes wherever it came from).
+            1 => std::ptr::copy_nonoverlapping(
+                (src + positions[run[0]] * row_len * size) as *const u8,
+                out as *mut u8,
+                row_len * size,
+            ),
+            _ => super::repro::sum_rows::<T>(src, &positions[run[0]..run[1]], row_len, out),
+        }
+    }
+}
+
 /// [`crate::backend::Backend::coalesce`] on the host: the sorts, then the row sums, run on
 /// up to `threads` threads, one slice per thread at a time (the sorts are CPU-bound; four
 /// replicas' slices of a few thousand rows take a few hundred microseconds on one thread). The
@@ -96,6 +119,7 @@ unsafe fn sum_runs<T: Reducible>(
 pub(super) unsafe fn coalesce_many(
     threads: usize,
     slices: &[(usize, SliceRef<'_>)],
+    reproducible: bool,
     alloc: &mut dyn FnMut(usize, usize) -> Result<Allocation>,
 ) -> Result<Vec<Coalesced>> {
     let bytes: usize = (slices.iter())
@@ -145,6 +169,10 @@ pub(super) unsafe fn coalesce_many(
             for (v, &dst) in slice.values.iter().zip(ptrs) {
                 let (p, b, n) = (positions.as_slice(), bounds.as_slice(), v.row_len);
                 match v.dtype {
+                    DType::F32 if reproducible => sum_runs_repro::<f32>(v.ptr, p, b, n, dst),
+                    DType::F64 if reproducible => sum_runs_repro::<f64>(v.ptr, p, b, n, dst),
+                    DType::F16 if reproducible => sum_runs_repro::<f16>(v.ptr, p, b, n, dst),
+                    DType::Bf16 if reproducible => sum_runs_repro::<bf16>(v.ptr, p, b, n, dst),
                     DType::F32 => sum_runs::<f32>(v.ptr, p, b, n, dst),
                     DType::F64 => sum_runs::<f64>(v.ptr, p, b, n, dst),
                     DType::F16 => sum_runs::<f16>(v.ptr, p, b, n, dst),
@@ -335,12 +363,13 @@ mod tests {
             (idx.to_vec(), val.to_vec())
         };
         let together =
-            unsafe { coalesce_many(3, &slices, &mut |r, bytes| b.alloc(r, bytes)) }.unwrap();
+            unsafe { coalesce_many(3, &slices, false, &mut |r, bytes| b.alloc(r, bytes)) }.unwrap();
         assert_eq!(together.len(), 4);
         for (k, s) in slices.iter().enumerate() {
-            let alone =
-                unsafe { coalesce_many(1, std::slice::from_ref(s), &mut |r, n| b.alloc(r, n)) }
-                    .unwrap();
+            let alone = unsafe {
+                coalesce_many(1, std::slice::from_ref(s), false, &mut |r, n| b.alloc(r, n))
+            }
+            .unwrap();
             assert!(together[k].rows > 0 && together[k].rows < rows, "slice {k}");
             assert_eq!(read(&together[k]), read(&alone[0]), "slice {k}");
         }
