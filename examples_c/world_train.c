@@ -10,6 +10,16 @@
  *
  *   mpirun -n 2 world_train --replicas-per-rank 3,1 [--steps S] [--batch B] [--lr LR]
  *                           [--save FILE] [--expect FILE --tol T] [--describe]
+ *                           [--reproducible]
+ *
+ * --save FILE writes rank 0's final weights (N_PARAMS raw floats); --expect FILE --tol T compares
+ * every rank's against such a file. --describe prints rank 0's dpsync_describe JSON.
+ * --reproducible sets dpsync_options_set_reproducible on every rank: every float SUM (the F32
+ * gradients, the F64 loss) then gives the same bytes however the world's replicas are spread over
+ * the ranks, so `--replicas-per-rank 4`, `2,2`, `1,1,1,1` and `2,1,1` save byte-identical weights.
+ * Without it the summation order follows the arrangement and some of them end a few bits apart
+ * (the CTests world_train_reproducible and world_train_plain_differs check both: CMakeLists.txt,
+ * world_repro.cmake).
  *
  * Exit code 77 (skipped) when the library was built without MPI.
  */
@@ -24,7 +34,10 @@ static void usage(void) {
   fprintf(stderr,
           "usage: world_train --replicas-per-rank N0,N1,... [--steps S] [--batch B] [--lr LR]\n"
           "                   [--save FILE] [--expect FILE --tol T] [--describe]\n"
-          "  one count per rank; B must be a multiple of the total.\n");
+          "                   [--reproducible]\n"
+          "  one count per rank; B must be a multiple of the total.\n"
+          "  --reproducible: float sums give the same bytes whatever the arrangement of the\n"
+          "  replicas over the ranks (dpsync_options_set_reproducible).\n");
   exit(2);
 }
 
@@ -41,13 +54,14 @@ static size_t parse_counts(const char *text, size_t *counts) {
   return n;
 }
 
-/* A context over the world with `replicas` host replicas on this rank; 0 when the library has
-   no MPI (the caller skips). */
-static dpsync_context *world_context(size_t replicas) {
+/* A context over the world with `replicas` host replicas on this rank, reproducible sums on or
+   off (every rank must agree); 0 when the library has no MPI (the caller skips). */
+static dpsync_context *world_context(size_t replicas, bool reproducible) {
   dpsync_options *opts = NULL;
   dpsync_context *ctx = NULL;
   CHECK(dpsync_options_new(&opts));
   CHECK(dpsync_options_set_host_replicas(opts, replicas));
+  CHECK(dpsync_options_set_reproducible(opts, reproducible));
   dpsync_status st = dpsync_options_set_world_mpi(opts, NULL);
   if (st == DPSYNC_STATUS_UNAVAILABLE) {
     printf("world_train: skipped: %s\n", dpsync_last_error());
@@ -63,6 +77,7 @@ static dpsync_context *world_context(size_t replicas) {
 int main(int argc, char **argv) {
   size_t counts[MAX_RANKS], n_counts = 0, steps = 100, batch = 64;
   int describe = 0;
+  bool reproducible = false;
   double lr = 0.5, tol = 0.0;
   const char *save_path = NULL, *expect_path = NULL;
 
@@ -71,6 +86,10 @@ int main(int argc, char **argv) {
     const char *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (strcmp(a, "--describe") == 0) {
       describe = 1;
+      continue;
+    }
+    if (strcmp(a, "--reproducible") == 0) {
+      reproducible = true;
       continue;
     }
     if (v == NULL) usage();
@@ -97,7 +116,7 @@ int main(int argc, char **argv) {
 
   /* The rank decides the local replica count, and a context tells the rank: a first context
      with one replica per rank (creation is collective) asks, then the real one is made. */
-  dpsync_context *probe = world_context(1);
+  dpsync_context *probe = world_context(1, reproducible);
   if (probe == NULL) return SKIPPED;
   size_t rank = 0, ranks = 0;
   CHECK(dpsync_rank(probe, &rank, &ranks));
@@ -108,7 +127,7 @@ int main(int argc, char **argv) {
     return 1;
   }
   const size_t replicas = counts[rank];
-  dpsync_context *ctx = world_context(replicas);
+  dpsync_context *ctx = world_context(replicas, reproducible);
   if (ctx == NULL) return 1; /* MPI was there a moment ago */
 
   size_t total = 0, offset = 0;
@@ -121,8 +140,9 @@ int main(int argc, char **argv) {
   }
   const size_t local_batch = batch / total;
   printf("world_train: rank %zu of %zu, %zu host replicas (world replicas %zu..%zu of %zu), "
-         "global batch %zu, %zu steps, lr %g, loss scale %g\n",
-         rank, ranks, replicas, offset, offset + replicas - 1, total, batch, steps, lr, loss_scale);
+         "global batch %zu, %zu steps, lr %g, loss scale %g%s\n",
+         rank, ranks, replicas, offset, offset + replicas - 1, total, batch, steps, lr, loss_scale,
+         reproducible ? ", reproducible sums" : "");
 
   replica_t *reps = calloc(replicas, sizeof *reps);
   if (reps == NULL) {
