@@ -181,18 +181,26 @@ fn uncut<T: Cut>(s: i64, e: u16, avg: Option<usize>) -> T {
         };
         return T::narrow(v);
     }
+    uncut_finite(s, e, avg)
+}
+
+/// [`uncut`] of a field that is not the all-ones one, without branches (it vectorizes).
+#[inline(always)]
+fn uncut_finite<T: Cut>(s: i64, e: u16, avg: Option<usize>) -> T {
     let k = e as i32 - T::BIAS - GRID;
-    let mut v = s as f64;
-    // f64 grids go below the normal range: scale in two steps, the second rounding once.
-    v = if k < -1000 {
-        v * pow2(k + 600) * pow2(-600)
+    let v = s as f64;
+    // f64 grids go below the normal range (to 2^-1071): there the sum is scaled in two steps,
+    // the first exact, the second rounding once; elsewhere the second step is a times 1.
+    let v = if T::EXP_BITS > 8 {
+        let first = k.max(-1000);
+        v * pow2(first) * pow2(k - first)
     } else {
         v * pow2(k)
     };
-    if let Some(w) = avg {
-        v /= w as f64;
-    }
-    T::narrow(v)
+    T::narrow(match avg {
+        Some(w) => v / w as f64,
+        None => v,
+    })
 }
 
 /// `exps[i] := max(exps[i], field(src[i]))`.
@@ -220,12 +228,98 @@ fn cut_add<T: Cut>(src: &[T], exps: &[u16], acc: &mut [i64], special: bool) {
     }
 }
 
+/// `$name`: `$inner` compiled for AVX-512 and AVX2 besides the baseline, the widest the CPU
+/// runs picked at each call. The same operations at any width (no contraction into fused
+/// multiply-adds, every conversion rounding to nearest), so every variant gives the same bytes.
+macro_rules! widest {
+    (unsafe $name:ident, $inner:ident, ($($arg:ident: $ty:ty),*)) => {
+        /// # Safety
+        /// As for the function it runs.
+        #[inline]
+        unsafe fn $name<T: Cut>($($arg: $ty),*) {
+            #[allow(unused_unsafe)]
+            unsafe { widest!(@body $inner, ($($arg),*), ($($arg: $ty),*)) }
+        }
+    };
+    ($name:ident, $inner:ident, ($($arg:ident: $ty:ty),*)) => {
+        #[inline]
+        fn $name<T: Cut>($($arg: $ty),*) {
+            #[allow(unused_unsafe)]
+            unsafe { widest!(@body $inner, ($($arg),*), ($($arg: $ty),*)) }
+        }
+    };
+    (@body $inner:ident, ($($a:ident),*), ($($arg:ident: $ty:ty),*)) => {{
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vl")]
+                unsafe fn avx512<T: Cut>($($arg: $ty),*) {
+                    #[allow(unused_unsafe)]
+                    unsafe { $inner::<T>($($a),*) }
+                }
+                #[target_feature(enable = "avx2")]
+                unsafe fn avx2<T: Cut>($($arg: $ty),*) {
+                    #[allow(unused_unsafe)]
+                    unsafe { $inner::<T>($($a),*) }
+                }
+                // The CPU runs the features each variant was compiled for.
+                if std::arch::is_x86_feature_detected!("avx512dq") {
+                    return avx512::<T>($($a),*);
+                }
+                if std::arch::is_x86_feature_detected!("avx2") {
+                    return avx2::<T>($($a),*);
+                }
+            }
+            $inner::<T>($($a),*)
+    }};
+}
+
+widest!(max_fields_wide, max_fields, (src: &[T], exps: &mut [u16]));
+widest!(cut_add_wide, cut_add, (src: &[T], exps: &[u16], acc: &mut [i64], special: bool));
+widest!(uncut_wide, uncut_block, (acc: &[i64], exps: &[u16], avg: Option<usize>, out: &mut [T], special: bool));
+
+/// `out[i] := uncut(acc[i], exps[i])`; `special`: some field is the all-ones one.
+#[inline(always)]
+fn uncut_block<T: Cut>(
+    acc: &[i64],
+    exps: &[u16],
+    avg: Option<usize>,
+    out: &mut [T],
+    special: bool,
+) {
+    let items = out.iter_mut().zip(acc).zip(exps);
+    match (special, avg) {
+        (true, _) => items.for_each(|((o, &s), &e)| *o = uncut(s, e, avg)),
+        // Separate loops so that each is free of branches.
+        (false, None) => items.for_each(|((o, &s), &e)| *o = uncut_finite(s, e, None)),
+        (false, Some(w)) => items.for_each(|((o, &s), &e)| *o = uncut_finite(s, e, Some(w))),
+    }
+}
+
 /// Reduces elements `[start, start + len)` of one segment in one pass: each block's exponents
 /// over `members`, their integers, and the result written to every replica of `write`.
 ///
 /// # Safety
 /// As for [`super::kernels::reduce_span`].
 pub(super) unsafe fn reduce_span<T: Cut>(
+    ptrs: &[usize],
+    (members, write): (&[usize], &[usize]),
+    start: usize,
+    len: usize,
+    avg: Option<usize>,
+) {
+    reduce_span_wide::<T>(ptrs, (members, write), start, len, avg)
+}
+
+widest!(unsafe reduce_span_wide, reduce_span_any, (
+    ptrs: &[usize],
+    mw: (&[usize], &[usize]),
+    start: usize,
+    len: usize,
+    avg: Option<usize>
+));
+
+#[inline(always)]
+unsafe fn reduce_span_any<T: Cut>(
     ptrs: &[usize],
     (members, write): (&[usize], &[usize]),
     start: usize,
@@ -249,9 +343,7 @@ pub(super) unsafe fn reduce_span<T: Cut>(
         for &r in members {
             cut_add(block(r), &exps[..n], &mut acc[..n], special);
         }
-        for ((o, &s), &e) in out[..n].iter_mut().zip(&acc[..n]).zip(&exps[..n]) {
-            *o = uncut(s, e, avg);
-        }
+        uncut_block(&acc[..n], &exps[..n], avg, &mut out[..n], special);
         for &r in write {
             std::ptr::copy_nonoverlapping(out.as_ptr(), at(r), n);
         }
@@ -359,7 +451,7 @@ pub(crate) unsafe fn exponents(
             let exps = e.range(at, n);
             for &r in m {
                 let src = std::slice::from_raw_parts((seg.ptrs[r] as *const T).add(start), n);
-                max_fields(src, exps);
+                max_fields_wide(src, exps);
             }
         });
     }
@@ -396,7 +488,7 @@ pub(crate) unsafe fn cut_sum(
             let special = exps.contains(&T::SPECIAL);
             for &r in m {
                 let src = std::slice::from_raw_parts((seg.ptrs[r] as *const T).add(start), n);
-                cut_add(src, exps, acc, special);
+                cut_add_wide(src, exps, acc, special);
             }
         });
     }
@@ -429,11 +521,14 @@ pub(crate) unsafe fn write_sums(
         (avg, threads): (Option<usize>, usize),
     ) {
         for_each_range(b, threads, |seg, start, n, at| {
-            for (i, (&s, &e)) in acc[at..at + n].iter().zip(&exps[at..at + n]).enumerate() {
-                let v: T = uncut(s, e, avg);
-                for &r in m {
-                    *(seg.ptrs[r] as *mut T).add(start + i) = v;
-                }
+            let (acc, exps) = (&acc[at..at + n], &exps[at..at + n]);
+            let special = exps.contains(&T::SPECIAL);
+            let (first, rest) = m.split_first().expect("a replica to write");
+            let out = std::slice::from_raw_parts_mut((seg.ptrs[*first] as *mut T).add(start), n);
+            uncut_wide(acc, exps, avg, out, special);
+            for &r in rest {
+                let to = (seg.ptrs[r] as *mut T).add(start);
+                std::ptr::copy_nonoverlapping(out.as_ptr(), to, n);
             }
         });
     }
@@ -505,6 +600,46 @@ mod tests {
         assert!(sum(&[f64::NAN, 1.0], None).is_nan());
         assert!(sum(&[f16::NAN, f16::ONE], None).is_nan());
         assert_eq!(sum(&[f64::INFINITY, f64::MAX], Some(2)), f64::INFINITY);
+    }
+
+    /// Every vector width the CPU offers gives the baseline's bytes.
+    fn widths_agree<T: Cut>(make: impl Fn(f64) -> T) {
+        let (replicas, n) = (5, 3001);
+        let mut seed = 12345u64;
+        let mut next = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (seed >> 11) as f64 / (1u64 << 53) as f64
+        };
+        let data: Vec<Vec<T>> = (0..replicas)
+            .map(|_| {
+                (0..n)
+                    .map(|_| make((next() - 0.5) * 2f64.powi((next() * 60.0) as i32 - 30)))
+                    .collect()
+            })
+            .collect();
+        for avg in [None, Some(replicas)] {
+            let run = |wide: bool| {
+                let mut copy = data.clone();
+                let ptrs: Vec<usize> = copy.iter_mut().map(|r| r.as_mut_ptr() as usize).collect();
+                let m: Vec<usize> = (0..replicas).collect();
+                match wide {
+                    true => unsafe { reduce_span::<T>(&ptrs, (&m, &m), 0, n, avg) },
+                    false => unsafe { reduce_span_any::<T>(&ptrs, (&m, &m), 0, n, avg) },
+                }
+                copy[0].iter().map(|x| x.bits()).collect::<Vec<u64>>()
+            };
+            assert_eq!(run(true), run(false));
+        }
+    }
+
+    #[test]
+    fn every_vector_width_gives_the_same_bytes() {
+        widths_agree(|x| x as f32);
+        widths_agree(|x| x);
+        widths_agree(f16::from_f64);
+        widths_agree(bf16::from_f64);
     }
 
     #[test]
