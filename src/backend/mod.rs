@@ -171,6 +171,25 @@ pub(crate) trait Backend: Send {
         ))
     }
 
+    /// An allgather of a group that is the whole collective (host memory in one process):
+    /// replica `r`'s piece `owned(segment, r)` (first element, count) of each segment copied to
+    /// every other replica; nothing else is written. Backends without it are never asked: the
+    /// executor broadcasts each replica's pieces instead (exec/shard.rs).
+    ///
+    /// # Safety
+    /// As for [`Backend::spread`].
+    unsafe fn spread_owned(
+        &self,
+        bucket: &BucketView<'_>,
+        owned: &dyn Fn(usize, usize) -> (usize, usize),
+    ) -> Result<()> {
+        let _ = (bucket, owned);
+        Err(Error::new(
+            crate::error::ErrorKind::Panic,
+            format!("{} offers no spread_owned", self.name()),
+        ))
+    }
+
     /// [`Backend::reduce`] of a group that is the whole collective (host memory in one
     /// process), reproducibly (`dpsync_options_set_reproducible`, backend/host/repro.rs): the
     /// float sums are a function of the members' values alone, whatever their order. Backends

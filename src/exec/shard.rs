@@ -10,9 +10,13 @@
 //! written. The copy moves the bucket twice more than the allreduce does (docs/PERFORMANCE.md).
 //!
 //! [`Backend::reduce_owned`]: crate::backend::Backend::reduce_owned
-//! An allgather is one broadcast per world replica of the pieces it owns.
+//! An allgather on host memory in one process is likewise one pass over each bucket
+//! ([`Backend::spread_owned`]); everywhere else it is one broadcast per world replica of the
+//! pieces it owns.
+//!
+//! [`Backend::spread_owned`]: crate::backend::Backend::spread_owned
 
-use super::{view, Executor};
+use super::{buckets_for, view, Executor};
 use crate::backend::{Allocation, Channel};
 use crate::error::Result;
 use crate::plan::Bucket;
@@ -137,8 +141,13 @@ impl Executor {
         Ok(())
     }
 
-    /// Every replica's copy of `tensors` := the owners' pieces: one broadcast per world
-    /// replica of the pieces it owns (`locate`: a world replica's rank and local index).
+    /// Every replica's copy of `tensors` := the owners' pieces (`locate`: a world replica's
+    /// rank and local index). Host memory in one process has a primitive of its own
+    /// ([`Backend::spread_owned`]: one pass over each bucket, every owner's pieces copied to the
+    /// other replicas); everything else is one broadcast per world replica of the pieces it
+    /// owns.
+    ///
+    /// [`Backend::spread_owned`]: crate::backend::Backend::spread_owned
     ///
     /// # Safety
     /// As for [`Executor::broadcast`].
@@ -150,8 +159,22 @@ impl Executor {
         fusion_bytes: usize,
     ) -> Result<()> {
         self.bracket(|| {
+            let mut rest: Vec<&TensorView> = Vec::new();
+            for (b, bucket) in buckets_for(tensors, fusion_bytes).iter().enumerate() {
+                let site = self.site_to_touch(bucket.memory)?;
+                if bucket.memory != Memory::Host || !site.levels.in_place() {
+                    rest.extend(bucket.tensors.iter().map(|&t| tensors[t]));
+                    continue;
+                }
+                let _span = self.bucket_span("allgather bucket", b, bucket, tensors);
+                let owned = |segment: usize, r: usize| {
+                    let t = tensors[bucket.tensors[segment]];
+                    piece(t.count, place.offset + r, place.total)
+                };
+                site.backend.spread_owned(&view(bucket, tensors), &owned)?;
+            }
             for w in 0..place.total {
-                let pieces: Vec<TensorView> = (tensors.iter())
+                let pieces: Vec<TensorView> = (rest.iter())
                     .filter_map(|t| {
                         let (first, count) = piece(t.count, w, place.total);
                         (count > 0).then(|| t.piece(first, count))

@@ -165,6 +165,58 @@ impl HostBackend {
     }
 }
 
+/// A spread of an owned piece copies this many bytes from its owner to every other replica
+/// before the next: the block stays in L1 while it is written out.
+const COPY_BLOCK: usize = 32 << 10;
+/// A spread of an owned piece writing at least this many bytes uses non-temporal stores
+/// ([`kernels::copy_streaming`]); smaller ones leave the bytes in cache for the caller.
+const STREAM_BYTES: usize = 8 << 20;
+
+/// [`kernels::copy_streaming`]'s plain counterpart.
+///
+/// # Safety
+/// As for [`std::ptr::copy_nonoverlapping`].
+unsafe fn copy_plain(src: *const u8, dst: *mut u8, bytes: usize) {
+    std::ptr::copy_nonoverlapping(src, dst, bytes)
+}
+
+/// `owned(segment, replica)` of every segment and replica, segment after segment: the
+/// `&dyn Fn` is not shared with the threads, its answers are.
+fn owned_pieces(
+    bucket: &BucketView<'_>,
+    replicas: usize,
+    owned: &dyn Fn(usize, usize) -> (usize, usize),
+) -> Vec<(usize, usize)> {
+    (0..bucket.segments.len())
+        .flat_map(|i| (0..replicas).map(move |r| owned(i, r)))
+        .collect()
+}
+
+/// The index in `bucket` of `seg`, one of its segments (as [`HostBackend::for_each_span`] hands
+/// them out).
+fn segment_index(bucket: &BucketView<'_>, seg: &Segment<'_>) -> usize {
+    let index = (seg as *const Segment<'_> as usize - bucket.segments.as_ptr() as usize)
+        / std::mem::size_of::<Segment<'_>>();
+    debug_assert!(std::ptr::eq(&bucket.segments[index], seg));
+    index
+}
+
+/// `f(owner, first, count)` for every owner's part of elements `[start, start + len)`, where
+/// `pieces[owner]` is the owner's `(first element, count)`.
+fn for_each_owned(
+    pieces: &[(usize, usize)],
+    start: usize,
+    len: usize,
+    mut f: impl FnMut(usize, usize, usize),
+) {
+    for (owner, &(at, count)) in pieces.iter().enumerate() {
+        let (a, b) = (start.max(at), (start + len).min(at + count));
+        if a < b {
+            f(owner, a, b - a);
+        }
+    }
+}
+
 #[cfg(test)]
 impl HostBackend {
     /// [`Backend::coalesce`] of one slice, into fresh memory.
@@ -214,28 +266,85 @@ impl Backend for HostBackend {
         avg: Option<usize>,
         owned: &dyn Fn(usize, usize) -> (usize, usize),
     ) -> Result<()> {
-        let replicas = bucket.segments.first().map_or(0, |s| s.ptrs.len());
-        let size = bucket.dtype.size();
-        for owner in 0..replicas {
-            // The owner's piece of every segment, as a bucket of its own.
-            let pieces: Vec<(Vec<usize>, usize)> = (bucket.segments.iter().enumerate())
-                .map(|(i, seg)| {
-                    let (at, count) = owned(i, owner);
-                    (seg.ptrs.iter().map(|p| p + at * size).collect(), count)
-                })
-                .collect();
-            let piece = BucketView {
-                dtype: bucket.dtype,
-                segments: (pieces.iter())
-                    .map(|(ptrs, count)| Segment {
-                        ptrs,
-                        count: *count,
+        let Some(replicas) = bucket.segments.first().map(|s| s.ptrs.len()) else {
+            return Ok(());
+        };
+        let (op, divisor) = match avg {
+            Some(divisor) => (ReduceOp::Avg, divisor),
+            None => (ReduceOp::Sum, 1),
+        };
+        // One pass over the whole bucket: each thread's range is cut where the owners' pieces
+        // meet, and each cut summed onto its owner alone. Reads every replica, writes one.
+        let pieces = owned_pieces(bucket, replicas, owned);
+        let bytes_per_element = bucket.dtype.size() * (replicas + 1);
+        macro_rules! run {
+            ($t:ty) => {
+                self.for_each_span(bucket, bytes_per_element, |seg, start, len| {
+                    let mine = &pieces[segment_index(bucket, seg) * replicas..][..replicas];
+                    for_each_owned(mine, start, len, |owner, at, n| unsafe {
+                        kernels::reduce_span::<$t>(
+                            seg.ptrs,
+                            members,
+                            at,
+                            n,
+                            op,
+                            divisor,
+                            Some(owner),
+                        )
                     })
-                    .collect(),
+                })
             };
-            // Reads every replica, writes one.
-            self.reduce_spans(&piece, members, replicas + 1, avg, Some(owner));
         }
+        match bucket.dtype {
+            DType::F32 => run!(f32),
+            DType::F64 => run!(f64),
+            DType::F16 => run!(f16),
+            DType::Bf16 => run!(bf16),
+            DType::I32 => run!(i32),
+            DType::I64 => run!(i64),
+        }
+        Ok(())
+    }
+
+    unsafe fn spread_owned(
+        &self,
+        bucket: &BucketView<'_>,
+        owned: &dyn Fn(usize, usize) -> (usize, usize),
+    ) -> Result<()> {
+        let Some(replicas) = bucket.segments.first().map(|s| s.ptrs.len()) else {
+            return Ok(());
+        };
+        if replicas <= 1 {
+            return Ok(());
+        }
+        let size = bucket.dtype.size();
+        let pieces = owned_pieces(bucket, replicas, owned);
+        // Large copies stream past the caches: the destinations are not read first.
+        let writes = bucket.elements().saturating_mul(size * (replicas - 1));
+        let copy = match writes >= STREAM_BYTES {
+            true => kernels::copy_streaming,
+            false => copy_plain,
+        };
+        // One pass over the whole bucket: each owner's piece copied to the other replicas a
+        // block at a time, so the source is read from memory once. Reads one, writes the rest.
+        self.for_each_span(bucket, size * replicas, |seg, start, len| {
+            let mine = &pieces[segment_index(bucket, seg) * replicas..][..replicas];
+            for_each_owned(mine, start, len, |owner, at, n| {
+                let mut done = 0;
+                while done < n {
+                    let bytes = (COPY_BLOCK / size).min(n - done) * size;
+                    let offset = (at + done) * size;
+                    let src = (seg.ptrs[owner] + offset) as *const u8;
+                    for (r, &dst) in seg.ptrs.iter().enumerate() {
+                        if r != owner {
+                            // SAFETY: the caller guarantees valid, non-overlapping replicas.
+                            unsafe { copy(src, (dst + offset) as *mut u8, bytes) };
+                        }
+                    }
+                    done += bytes / size;
+                }
+            })
+        });
         Ok(())
     }
 
