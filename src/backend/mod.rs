@@ -529,6 +529,11 @@ pub(crate) trait Ranks: Send {
         avg: Option<usize>,
     ) -> Result<()>;
 
+    /// Every element of `data` := its maximum over the ranks: unsigned integers of one byte,
+    /// or of two in native order with `wide` (the exponents of reproducible sums,
+    /// exec/repro.rs). One message per piece, on `channel`.
+    fn allreduce_max(&self, channel: Channel, data: &mut [u8], wide: bool) -> Result<()>;
+
     /// Starts a gradient step's bucket transfer on [`Channel::Steps`] without waiting for it
     /// (`dpsync_grad_ready` in a world), after the buckets started before it: every segment's
     /// contributions (its `ptrs`) are read and summed as its pieces are issued (now, at later

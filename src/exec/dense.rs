@@ -48,6 +48,7 @@ pub(super) unsafe fn allreduce(
         ranks,
         trace,
         channel,
+        ..
     } = site;
     match (&levels.route, ranks, backend.streams()) {
         (Route::Local, ..) => allreduce_levels(backend, levels, bucket, avg, false),

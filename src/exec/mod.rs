@@ -44,6 +44,8 @@ pub struct Executor {
     ranks: Option<Box<dyn Ranks>>,
     /// The timeline, when `DPSYNC_TIMELINE` is set.
     trace: Option<Tracer>,
+    /// The reproducible sums' exponents and integers, kept for the next bucket.
+    repro: parking_lot::Mutex<repro::Scratch>,
 }
 
 /// Marks the bracket closed even if its work unwinds.
@@ -109,6 +111,8 @@ struct Site<'a> {
     trace: Option<&'a Tracer>,
     /// Which of the engine's channels level 3 uses.
     channel: Channel,
+    /// Scratch memory of the reproducible sums.
+    repro: &'a parking_lot::Mutex<repro::Scratch>,
 }
 
 impl Executor {
@@ -130,6 +134,7 @@ impl Executor {
             in_bracket: AtomicBool::new(false),
             ranks,
             trace: None,
+            repro: Default::default(),
         }
     }
 
@@ -231,6 +236,7 @@ impl Executor {
                 ranks: self.ranks(),
                 trace: self.trace.as_ref(),
                 channel: Channel::Calls,
+                repro: &self.repro,
             },
             _ => Site {
                 backend: self.backend.as_ref(),
@@ -238,6 +244,7 @@ impl Executor {
                 ranks: self.ranks(),
                 trace: self.trace.as_ref(),
                 channel: Channel::Calls,
+                repro: &self.repro,
             },
         }
     }

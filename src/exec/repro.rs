@@ -3,7 +3,8 @@
 //! goes through the host's kernels (backend/host/repro.rs) in three pieces:
 //!
 //! 1. the largest exponent field of every element over this process's replicas, then over the
-//!    ranks (every rank's fields gathered, the maximum taken: "exponent max across ranks");
+//!    ranks (an MPI_MAX allreduce of one byte per element, two for f64: "exponent max across
+//!    ranks");
 //! 2. every contribution cut onto the integer grid that field sets and summed exactly, then
 //!    summed over the ranks as i64 on the route's engine ("integer sum across ranks");
 //! 3. the sum turned back into the dtype once (AVG divided) and written to every replica.
@@ -18,10 +19,17 @@ use serde_json::json;
 use super::dense::{copy_out, stage_in};
 use super::Site;
 use crate::backend::host::{host_threads, repro};
-use crate::backend::{BucketView, Ranks, Segment};
-use crate::error::{Error, ErrorKind, Result};
+use crate::backend::{BucketView, Channel, Ranks, Segment};
+use crate::error::Result;
 use crate::timeline;
 use crate::types::DType;
+
+/// The exponents and integers of the last bucket's [`pieces`], reused by the next.
+#[derive(Default)]
+pub(super) struct Scratch {
+    exps: Vec<u16>,
+    sums: Vec<i64>,
+}
 
 /// Every replica of `site` ends with the reproducible sum of `bucket` over all replicas
 /// (divided by `avg`).
@@ -83,18 +91,24 @@ unsafe fn pieces(
 ) -> Result<()> {
     let n = view.elements();
     let threads = host_threads();
-    let mut exps = vec![1u16; n];
-    repro::exponents(view, members, &mut exps, threads);
+    let mut scratch = site.repro.lock();
+    let Scratch { exps, sums } = &mut *scratch;
+    // Kept from bucket to bucket: fresh memory of this size would cost more in page faults
+    // than the sums themselves.
+    exps.clear();
+    exps.resize(n, 1);
+    sums.resize(n, 0);
+    let sums = &mut sums[..n];
+    repro::exponents(view, members, exps, threads);
     if let Some(ranks) = site.ranks {
         let _span = timeline::span(
             site.trace,
             "exponent max across ranks",
             || json!({"ranks": ranks.ranks(), "bytes": n * repro::field_bytes(view.dtype)}),
         );
-        max_across(ranks, view.dtype, &mut exps)?;
+        max_across(ranks, site.channel, view.dtype, exps)?;
     }
-    let mut sums = vec![0i64; n];
-    repro::cut_sum(view, members, &exps, &mut sums, threads);
+    repro::cut_sum(view, members, exps, sums, threads);
     if let Some(ranks) = site.ranks {
         let _span = timeline::span(
             site.trace,
@@ -108,38 +122,24 @@ unsafe fn pieces(
         };
         ranks.allreduce(site.channel, DType::I64, &[segment], None)?;
     }
-    repro::write_sums(view, write_to, (&sums, &exps), avg, threads);
+    repro::write_sums(view, write_to, (sums, exps), avg, threads);
     Ok(())
 }
 
-/// `exps[i] := max over the ranks of their exps[i]` (one gather of every rank's fields, one
-/// byte each where the dtype's field fits one).
-fn max_across(ranks: &dyn Ranks, dtype: DType, exps: &mut [u16]) -> Result<()> {
-    let wide = repro::field_bytes(dtype) == 2;
-    let mine: Vec<u8> = match wide {
-        true => exps.iter().flat_map(|e| e.to_le_bytes()).collect(),
-        false => exps.iter().map(|&e| e as u8).collect(),
-    };
-    for (rank, theirs) in ranks.allgather(&mine)?.iter().enumerate() {
-        if theirs.len() != mine.len() {
-            return Err(Error::new(
-                ErrorKind::Backend,
-                format!(
-                    "rank {rank} sent {} bytes of exponents where {} were expected",
-                    theirs.len(),
-                    mine.len()
-                ),
-            ));
-        }
-        if wide {
-            for (e, c) in exps.iter_mut().zip(theirs.chunks_exact(2)) {
-                *e = (*e).max(u16::from_le_bytes([c[0], c[1]]));
-            }
-        } else {
-            for (e, &b) in exps.iter_mut().zip(theirs) {
-                *e = (*e).max(u16::from(b));
-            }
-        }
+/// `exps[i] := max over the ranks of their exps[i]` (one byte each where the dtype's field
+/// fits one).
+fn max_across(ranks: &dyn Ranks, channel: Channel, dtype: DType, exps: &mut [u16]) -> Result<()> {
+    if repro::field_bytes(dtype) == 2 {
+        // SAFETY: u16s viewed as their bytes, in native order.
+        let bytes = unsafe {
+            std::slice::from_raw_parts_mut(exps.as_mut_ptr().cast::<u8>(), exps.len() * 2)
+        };
+        return ranks.allreduce_max(channel, bytes, true);
+    }
+    let mut bytes: Vec<u8> = exps.iter().map(|&e| e as u8).collect();
+    ranks.allreduce_max(channel, &mut bytes, false)?;
+    for (e, &b) in exps.iter_mut().zip(&bytes) {
+        *e = u16::from(b);
     }
     Ok(())
 }

@@ -108,6 +108,54 @@ impl Ranks for MpiRanks {
         done
     }
 
+    fn allreduce_max(&self, channel: Channel, data: &mut [u8], wide: bool) -> Result<()> {
+        self.refuse_if_failed()?;
+        // SAFETY: MPI's predefined handles, constant once MPI is initialised.
+        let (datatype, size) = match wide {
+            true => (unsafe { ffi::RSMPI_UINT16_T }, 2),
+            false => (unsafe { ffi::RSMPI_UINT8_T }, 1),
+        };
+        let count = data.len() / size;
+        let comm = self.comm_of(channel);
+        let mut queue = (channel == Channel::Steps).then(|| self.queue.lock());
+        if let Some(queue) = &mut queue {
+            // After every bucket started ahead, on every rank.
+            self.drive(queue, Until::Empty)?;
+        }
+        if count == 0 {
+            return Ok(());
+        }
+        // rsmpi has no MPI_IN_PLACE: the pieces are sent from a copy.
+        let send = data.to_vec();
+        let recv = data.as_mut_ptr();
+        let piece = piece_of(size).min(count);
+        let done = self.run_pieces(
+            "MPI_Iallreduce (MPI_MAX)",
+            count.div_ceil(piece),
+            |i, request| {
+                let (at, n) = (i * piece * size, piece.min(count - i * piece));
+                // SAFETY: both ranges hold the piece; `send` outlives the requests (below).
+                unsafe {
+                    ffi::MPI_Iallreduce(
+                        send.as_ptr().add(at).cast(),
+                        recv.add(at).cast(),
+                        count_of(n),
+                        datatype,
+                        ffi::RSMPI_MAX,
+                        comm,
+                        request,
+                    )
+                }
+            },
+            |_| {},
+        );
+        if done.is_err() {
+            // Pieces still pending may read it (the world has failed: nothing is sent again).
+            std::mem::forget(send);
+        }
+        done
+    }
+
     unsafe fn start(
         &self,
         dtype: DType,
