@@ -60,7 +60,7 @@ step "CUDA replicas across ranks on the fake CUDA driver and NCCL (two fake GPUs
 for async in "" 1; do
   DPSYNC_FAKE_CUDA=1 DPSYNC_REQUIRE_GPU=1 FAKE_CUDA_DEVICES=2 FAKE_CUDA_ASYNC=$async \
     LD_LIBRARY_PATH="$PWD/target/fakecuda:${LD_LIBRARY_PATH:-}" \
-    cargo test --release --features mpi --target-dir target/mpi --test world_cuda --test world_random_cuda
+    cargo test --release --features mpi --target-dir target/mpi --test world_cuda --test world_random_cuda --test repro
 done
 step "world benchmark smoke run (figures: cargo bench --features mpi --bench world_allreduce)"
 cargo bench --features mpi --target-dir target/mpi --bench world_allreduce -- --quick

@@ -544,6 +544,39 @@ mod world {
                 "rank {rank}/{ranks} op {op}: allreduce"
             );
         }
+        // CUDA replicas (scripts/test.sh runs this on the fake driver and NCCL): NCCL across
+        // the ranks where it runs, and the staged path, give the host's bytes too.
+        if ranks <= 3 {
+            if let Some(gpu) = Place::gpu("world_body on CUDA replicas") {
+                let want = grads(
+                    &Place::Host,
+                    &(0..8).collect::<Vec<_>>(),
+                    AVG,
+                    true,
+                    DEFAULT_FUSION,
+                );
+                for transport in [T_AUTO, T_PEER_COPY] {
+                    let ordinals: Vec<i32> = (0..mine.len()).map(|r| ordinal(&gpu, r)).collect();
+                    let ctx = cuda_context("world_body on CUDA replicas", &ordinals, |o| {
+                        o.set_transport(transport);
+                        o.set_timeout_ms(60_000);
+                        // SAFETY: valid options; NULL is MPI_COMM_WORLD.
+                        unsafe {
+                            check(dpsync_options_set_world_mpi(o.0, std::ptr::null()), "world");
+                            check(dpsync_options_set_reproducible(o.0, true), "reproducible");
+                        }
+                    })
+                    .expect("a CUDA world context");
+                    let run = Run::new(ctx, &gpu, &mine, 8);
+                    check(run.ctx.allreduce_grads(AVG), "allreduce_grads (CUDA world)");
+                    assert_eq!(
+                        run.result(0),
+                        want,
+                        "rank {rank}/{ranks} CUDA transport {transport}"
+                    );
+                }
+            }
+        }
         if ranks > 1 {
             // Rank 0 alone asks for reproducible sums: no context anywhere.
             match world_context(mine.len(), rank == 0) {
