@@ -55,17 +55,22 @@ bundle() (
   # Worlds (--features mpi): the GPU machine's own Open MPI runs them (libmpi.so.40).
   ensure_mpi
   mkdir -p "$BUNDLE/mpi"
-  # Named without cargo's hash: the world part calls them by name.
-  {
-    cargo test --release --features mpi --target-dir target/mpi --no-run \
-      --message-format=json --test world_cuda --test world_mpi --test world_comm \
-      --test world_agreement --test world_random --test world_random_cuda 2>/dev/null |
-      executables test
-    cargo bench --features mpi --target-dir target/mpi --bench world_allreduce --no-run \
-      --message-format=json 2>/dev/null | executables bench
-  } | while read -r exe; do cp "$exe" "$BUNDLE/mpi/$(basename "${exe%-*}")"; done
+  # Named without cargo's hash: the world part calls them by name (the benchmark of
+  # reproducible sums as repro_bench: its test is mpi/repro).
+  cargo test --release --features mpi --target-dir target/mpi --no-run \
+    --message-format=json --test world_cuda --test world_mpi --test world_comm \
+    --test world_agreement --test world_random --test world_random_cuda --test repro \
+    2>/dev/null | executables test |
+    while read -r exe; do cp "$exe" "$BUNDLE/mpi/$(basename "${exe%-*}")"; done
+  cargo bench --features mpi --target-dir target/mpi --bench world_allreduce --bench repro \
+    --no-run --message-format=json 2>/dev/null | executables bench |
+    while read -r exe; do
+      name=$(basename "${exe%-*}")
+      [ "$name" = repro ] && name=repro_bench
+      cp "$exe" "$BUNDLE/mpi/$name"
+    done
   # Only what the GPU run uses, without debug info: the device tool carries at most 64 MiB.
-  rm -f "$BUNDLE"/tests/{checkpoint,concurrency,equivalence,header,host_threads,bmuf,overlap,sequences,sparse}-* "$BUNDLE"/benches/host_allreduce-*
+  rm -f "$BUNDLE"/tests/{checkpoint,concurrency,equivalence,header,host_threads,bmuf,overlap,sequences,sparse}-* "$BUNDLE"/benches/host_allreduce-* "$BUNDLE"/benches/repro-*
   strip "$BUNDLE"/tests/* "$BUNDLE"/benches/* "$BUNDLE"/mpi/* "$BUNDLE"/libdpsync.so "$BUNDLE"/cuda_train \
     "$BUNDLE"/bmuf_train "$BUNDLE"/train_dense "$BUNDLE"/checkpoint_sync
   du -sh "$BUNDLE"; ls -la "$BUNDLE" "$BUNDLE/tests" "$BUNDLE/benches"
@@ -103,7 +108,7 @@ run() {
   local dir=${1:-$BUNDLE}
   shift || true
   local parts=("$@")
-  [ ${#parts[@]} -gt 0 ] || parts=(bench examples python tests ranks world)
+  [ ${#parts[@]} -gt 0 ] || parts=(bench examples python tests ranks world repro)
   local deadline=$((SECONDS + BUDGET))
   # The report grows in $OUT when the device tool runs this: a command killed at its limit
   # still brings back every section written so far.
@@ -183,7 +188,7 @@ run() {
   part_tests() {
     for t in "$dir"/tests/cuda-* "$dir"/tests/cuda_bmuf-* "$dir"/tests/cuda_sparse-* \
              "$dir"/tests/shard-* "$dir"/tests/dpsync-* "$dir"/tests/collectives-* \
-             "$dir"/tests/bad_input-*; do
+             "$dir"/tests/bad_input-* "$dir"/tests/repro-*; do
       section "test binary $(basename "$t")"
       test_binary "$t" --skip emulate || { failures=$((failures + 1)); echo "FAILED" >>"$report"; }
       endsection
@@ -276,11 +281,25 @@ run() {
         --part overlap) || failures=$((failures + 1))
     endsection
   }
+  # Reproducible sums and shards: the world test of reproducible sums (its launcher starts
+  # 1-8 ranks; ranks of up to 3 run CUDA replicas too), and the benchmarks of both (host, GPU,
+  # and for reproducible sums 2 ranks).
+  part_repro() {
+    section "test binary repro (worlds)"
+    timed "$dir/mpi/repro" --test-threads=1 || failures=$((failures + 1))
+    endsection
+    # From the working tree's root, where benches/data is.
+    for b in "$dir"/mpi/repro_bench "$dir"/benches/shard-*; do
+      section "benchmark $(basename "$b")"
+      timed "$b" --bench || failures=$((failures + 1))
+      endsection
+    done
+  }
   local part
   for part in "${parts[@]}"; do
     case $part in
-      tests|ranks|examples|python|bench|world) "part_$part" ;;
-      *) echo "unknown part '$part' (tests ranks examples python bench world)" >>"$report"; failures=$((failures + 1)) ;;
+      tests|ranks|examples|python|bench|world|repro) "part_$part" ;;
+      *) echo "unknown part '$part' (tests ranks examples python bench world repro)" >>"$report"; failures=$((failures + 1)) ;;
     esac
   done
   section "targets (the benchmarks' TARGET lines)"
