@@ -70,7 +70,7 @@ bundle() (
       cp "$exe" "$BUNDLE/mpi/$name"
     done
   # Only what the GPU run uses, without debug info: the device tool carries at most 64 MiB.
-  rm -f "$BUNDLE"/tests/{checkpoint,concurrency,equivalence,header,host_threads,bmuf,overlap,sequences,sparse}-* "$BUNDLE"/benches/host_allreduce-* "$BUNDLE"/benches/repro-*
+  rm -f "$BUNDLE"/tests/{checkpoint,concurrency,equivalence,header,host_threads,bmuf,overlap,sequences,sparse,logging,symbols,timeline,world,world_agreement,world_comm,world_cuda,world_mpi,world_random,world_random_cuda}-* "$BUNDLE"/benches/host_allreduce-* "$BUNDLE"/benches/repro-*
   strip "$BUNDLE"/tests/* "$BUNDLE"/benches/* "$BUNDLE"/mpi/* "$BUNDLE"/libdpsync.so "$BUNDLE"/cuda_train \
     "$BUNDLE"/bmuf_train "$BUNDLE"/train_dense "$BUNDLE"/checkpoint_sync
   du -sh "$BUNDLE"; ls -la "$BUNDLE" "$BUNDLE/tests" "$BUNDLE/benches"
