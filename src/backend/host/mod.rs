@@ -131,38 +131,47 @@ impl HostBackend {
     where
         F: Fn(&Segment<'_>, usize, usize) + Sync,
     {
-        let total = bucket.elements();
-        let bytes = total.saturating_mul(bytes_per_element);
+        let bytes = bucket.elements().saturating_mul(bytes_per_element);
         let threads = if bytes < INLINE_BYTES {
             1
         } else {
             (bytes / BYTES_PER_THREAD).clamp(1, self.max_threads)
         };
-        let run = |lo: usize, hi: usize| {
-            let mut offset = 0;
-            for seg in &bucket.segments {
-                let (a, b) = (lo.max(offset), hi.min(offset + seg.count));
-                if a < b {
-                    f(seg, a - offset, b - a);
-                }
-                offset += seg.count;
-                if offset >= hi {
-                    break;
-                }
-            }
-        };
-        if threads == 1 {
-            return run(0, total);
-        }
-        let bound = |t: usize| total * t / threads;
-        std::thread::scope(|scope| {
-            for t in 1..threads {
-                let run = &run;
-                scope.spawn(move || run(bound(t), bound(t + 1)));
-            }
-            run(0, bound(1));
-        });
+        for_each_range(bucket, threads, |seg, start, len, _| f(seg, start, len));
     }
+}
+
+/// Runs `f(segment, first element in it, count, first element in the bucket)` over the
+/// elements of `bucket`, split into contiguous ranges over `threads` threads.
+pub(crate) fn for_each_range<F>(bucket: &BucketView<'_>, threads: usize, f: F)
+where
+    F: Fn(&Segment<'_>, usize, usize, usize) + Sync,
+{
+    let total = bucket.elements();
+    let run = |lo: usize, hi: usize| {
+        let mut offset = 0;
+        for seg in &bucket.segments {
+            let (a, b) = (lo.max(offset), hi.min(offset + seg.count));
+            if a < b {
+                f(seg, a - offset, b - a, a);
+            }
+            offset += seg.count;
+            if offset >= hi {
+                break;
+            }
+        }
+    };
+    if threads <= 1 {
+        return run(0, total);
+    }
+    let bound = |t: usize| total * t / threads;
+    std::thread::scope(|scope| {
+        for t in 1..threads {
+            let run = &run;
+            scope.spawn(move || run(bound(t), bound(t + 1)));
+        }
+        run(0, bound(1));
+    });
 }
 
 /// A spread of an owned piece copies this many bytes from its owner to every other replica

@@ -50,78 +50,40 @@ pub(crate) trait Cut: Copy + Default + Send + Sync + 'static {
     const SPECIAL: u16 = ((1u32 << Self::EXP_BITS) - 1) as u16;
 }
 
-impl Cut for f32 {
-    const FRAC: u32 = 23;
-    const EXP_BITS: u32 = 8;
-    const BIAS: i32 = 127;
-    #[inline(always)]
-    fn bits(self) -> u64 {
-        self.to_bits() as u64
-    }
-    #[inline(always)]
-    fn widen(self) -> f64 {
-        self as f64
-    }
-    #[inline(always)]
-    fn narrow(x: f64) -> f32 {
-        x as f32
-    }
+macro_rules! cut {
+    ($t:ty, $frac:expr, $exp:expr, $bias:expr, $bits:expr, $widen:expr, $narrow:expr) => {
+        impl Cut for $t {
+            const FRAC: u32 = $frac;
+            const EXP_BITS: u32 = $exp;
+            const BIAS: i32 = $bias;
+            #[inline(always)]
+            fn bits(self) -> u64 {
+                $bits(self) as u64
+            }
+            #[inline(always)]
+            fn widen(self) -> f64 {
+                $widen(self)
+            }
+            #[inline(always)]
+            fn narrow(x: f64) -> $t {
+                $narrow(x)
+            }
+        }
+    };
 }
-
-impl Cut for f64 {
-    const FRAC: u32 = 52;
-    const EXP_BITS: u32 = 11;
-    const BIAS: i32 = 1023;
-    #[inline(always)]
-    fn bits(self) -> u64 {
-        self.to_bits()
-    }
-    #[inline(always)]
-    fn widen(self) -> f64 {
-        self
-    }
-    #[inline(always)]
-    fn narrow(x: f64) -> f64 {
-        x
-    }
-}
-
-impl Cut for f16 {
-    const FRAC: u32 = 10;
-    const EXP_BITS: u32 = 5;
-    const BIAS: i32 = 15;
-    #[inline(always)]
-    fn bits(self) -> u64 {
-        self.to_bits() as u64
-    }
-    #[inline(always)]
-    fn widen(self) -> f64 {
-        self.to_f64()
-    }
-    #[inline(always)]
-    fn narrow(x: f64) -> f16 {
-        f16::from_f64(x)
-    }
-}
-
-impl Cut for bf16 {
-    const FRAC: u32 = 7;
-    const EXP_BITS: u32 = 8;
-    const BIAS: i32 = 127;
-    #[inline(always)]
-    fn bits(self) -> u64 {
-        self.to_bits() as u64
-    }
-    #[inline(always)]
-    fn widen(self) -> f64 {
-        // Exact: a bf16 is the top half of an f32.
-        f32::from_bits((self.to_bits() as u32) << 16) as f64
-    }
-    #[inline(always)]
-    fn narrow(x: f64) -> bf16 {
-        bf16::from_f64(x)
-    }
-}
+cut!(f32, 23, 8, 127, f32::to_bits, f64::from, |x| x as f32);
+cut!(f64, 52, 11, 1023, f64::to_bits, |x| x, |x| x);
+cut!(f16, 10, 5, 15, f16::to_bits, f16::to_f64, f16::from_f64);
+// Widened exactly: a bf16 is the top half of an f32.
+cut!(
+    bf16,
+    7,
+    8,
+    127,
+    bf16::to_bits,
+    |x: bf16| f64::from(f32::from_bits((x.to_bits() as u32) << 16)),
+    bf16::from_f64
+);
 
 /// The exponent field of `x`, at least 1 (subnormals and zeros share the smallest normal
 /// exponent's scale).
@@ -377,38 +339,13 @@ pub(crate) fn field_bytes(dtype: DType) -> usize {
     }
 }
 
-/// Runs `f(segment, first element in it, count, first element in the bucket)` over the
-/// elements of `bucket`, split into contiguous ranges over `threads` threads.
+/// [`super::for_each_range`] with at least 64 Ki elements per thread.
 fn for_each_range<F>(bucket: &BucketView<'_>, threads: usize, f: F)
 where
     F: Fn(&Segment<'_>, usize, usize, usize) + Sync,
 {
-    let total = bucket.elements();
-    let run = |lo: usize, hi: usize| {
-        let mut offset = 0;
-        for seg in &bucket.segments {
-            let (a, b) = (lo.max(offset), hi.min(offset + seg.count));
-            if a < b {
-                f(seg, a - offset, b - a, a);
-            }
-            offset += seg.count;
-            if offset >= hi {
-                break;
-            }
-        }
-    };
-    let threads = threads.clamp(1, (total / (64 << 10)).max(1));
-    if threads == 1 {
-        return run(0, total);
-    }
-    let bound = |t: usize| total * t / threads;
-    std::thread::scope(|scope| {
-        for t in 1..threads {
-            let run = &run;
-            scope.spawn(move || run(bound(t), bound(t + 1)));
-        }
-        run(0, bound(1));
-    });
+    let threads = threads.clamp(1, (bucket.elements() / (64 << 10)).max(1));
+    super::for_each_range(bucket, threads, f)
 }
 
 /// A mutable slice shared by threads that write disjoint ranges of it.
