@@ -13,6 +13,11 @@
 //!    before mutation is in dpsync's figure).
 //! 4. 2 ranks x 2 host replicas (4 in all, 64 MiB f32 each) with dpsync, and raw MPI over 4 ranks
 //!    x 1 buffer (the second mpirun).
+//! 5. Shards, 2 ranks x 1 host replica, one 64 MiB f32 GRAD and its PARAM:
+//!    `dpsync_reduce_scatter_grads` + `dpsync_allgather(PARAM)` vs `dpsync_allreduce_grads`, and
+//!    vs raw `MPI_Reduce_scatter_block` of the gradient + `MPI_Allgather` of the parameter's
+//!    pieces (rsmpi's `reduce_scatter_block_into` and `all_gather_into`, separate send and
+//!    receive buffers). Alone: `--part shards`.
 
 #[path = "common/mod.rs"]
 mod common;
@@ -213,6 +218,54 @@ fn one_float(world: &SimpleCommunicator, rank0: bool, quick: bool) {
     }
 }
 
+/// Part 5: shards (ZeRO-1) across the ranks, 1 replica per rank. The three are timed in two
+/// alternating pairs, (a) against (b) and (a) against (c); (a)'s figure is the first pair's.
+fn shards(world: &SimpleCommunicator, rank0: bool, quick: bool) {
+    let n = if quick { 1 << 20 } else { 16 << 20 };
+    let reps = if quick { 3 } else { 9 };
+    let ranks = world.size() as usize;
+    let ctx = world_context(1);
+    let mut grad = filled(n, 9, -0.5);
+    let mut param = filled(n, 10, 0.0);
+    ctx.reg("w_grad", GRAD, 0, &mut grad, F32);
+    ctx.reg("w", PARAM, 0, &mut param, F32);
+    // SAFETY (both): a live context over registered memory, every rank making the same calls.
+    let scatter_gather = || {
+        check(unsafe { dpsync_reduce_scatter_grads(ctx.0, SUM) });
+        check(unsafe { dpsync_allgather(ctx.0, PARAM) });
+    };
+    let allreduce = || check(ctx.allreduce_grads(SUM));
+    // Raw MPI: this rank's n / ranks of the summed gradient, then every rank's piece of the
+    // parameter gathered whole.
+    let piece = n / ranks;
+    let send = filled(n, 11, -0.5);
+    let mut reduced = vec![0f32; piece];
+    let own = filled(piece, 12, 0.0);
+    let mut gathered = vec![0f32; piece * ranks];
+    let mut raw_pair = || {
+        world.reduce_scatter_block_into(
+            &send[..piece * ranks],
+            &mut reduced[..],
+            SystemOperation::sum(),
+        );
+        world.all_gather_into(&own[..], &mut gathered[..]);
+    };
+    let (t_dpsync, t_allreduce) = timed(world, reps, scatter_gather, allreduce);
+    let (t_dpsync2, t_raw) = timed(world, reps, scatter_gather, &mut raw_pair);
+    if rank0 {
+        println!(
+            "shards, {ranks} ranks x 1 replica, {} MiB f32: reduce_scatter + allgather {:.2} ms | allreduce_grads {:.2} ms | raw MPI_Reduce_scatter_block + MPI_Allgather {:.2} ms (dpsync beside it: {:.2} ms) | ratios {:.2} to allreduce_grads (target <= 1.1), {:.2} to raw MPI (target <= 1.1)",
+            (n * 4) >> 20,
+            ms(t_dpsync),
+            ms(t_allreduce),
+            ms(t_raw),
+            ms(t_dpsync2),
+            t_dpsync.as_secs_f64() / t_allreduce.as_secs_f64(),
+            t_dpsync2.as_secs_f64() / t_raw.as_secs_f64()
+        );
+    }
+}
+
 /// Part 4, dpsync's side: 2 local replicas per rank.
 fn two_by_two(world: &SimpleCommunicator, rank0: bool, quick: bool) {
     let n = if quick { 1 << 20 } else { 16 << 20 };
@@ -310,6 +363,7 @@ fn main() {
             overlap(&world, rank0, quick);
             one_float(&world, rank0, quick);
             two_by_two(&world, rank0, quick);
+            shards(&world, rank0, quick);
         }
         "four" => four_ranks_raw(&world, rank0, quick),
         // Alone, for A/B runs of the call overhead: mpirun -n 2 <bench binary> --part one
@@ -320,6 +374,8 @@ fn main() {
             resnet(&world, rank0, quick);
         }
         "overlap" => overlap(&world, rank0, quick),
+        // Shards alone (part 5): mpirun -n 2 <bench binary> --part shards
+        "shards" => shards(&world, rank0, quick),
         other => panic!("unknown part {other:?}"),
     }
 }
