@@ -29,6 +29,8 @@ use crate::types::DType;
 pub(super) struct Scratch {
     exps: Vec<u16>,
     sums: Vec<i64>,
+    /// The exponents as they cross the ranks, one byte each (every dtype but f64).
+    narrow: Vec<u8>,
 }
 
 /// Every replica of `site` ends with the reproducible sum of `bucket` over all replicas
@@ -92,7 +94,7 @@ unsafe fn pieces(
     let n = view.elements();
     let threads = host_threads();
     let mut scratch = site.repro.lock();
-    let Scratch { exps, sums } = &mut *scratch;
+    let Scratch { exps, sums, narrow } = &mut *scratch;
     // Kept from bucket to bucket: fresh memory of this size would cost more in page faults
     // than the sums themselves.
     exps.clear();
@@ -106,7 +108,7 @@ unsafe fn pieces(
             "exponent max across ranks",
             || json!({"ranks": ranks.ranks(), "bytes": n * repro::field_bytes(view.dtype)}),
         );
-        max_across(ranks, site.channel, view.dtype, exps)?;
+        max_across(ranks, site.channel, view.dtype, (exps, narrow))?;
     }
     repro::cut_sum(view, members, exps, sums, threads);
     if let Some(ranks) = site.ranks {
@@ -128,7 +130,12 @@ unsafe fn pieces(
 
 /// `exps[i] := max over the ranks of their exps[i]` (one byte each where the dtype's field
 /// fits one).
-fn max_across(ranks: &dyn Ranks, channel: Channel, dtype: DType, exps: &mut [u16]) -> Result<()> {
+fn max_across(
+    ranks: &dyn Ranks,
+    channel: Channel,
+    dtype: DType,
+    (exps, narrow): (&mut [u16], &mut Vec<u8>),
+) -> Result<()> {
     if repro::field_bytes(dtype) == 2 {
         // SAFETY: u16s viewed as their bytes, in native order.
         let bytes = unsafe {
@@ -136,9 +143,10 @@ fn max_across(ranks: &dyn Ranks, channel: Channel, dtype: DType, exps: &mut [u16
         };
         return ranks.allreduce_max(channel, bytes, true);
     }
-    let mut bytes: Vec<u8> = exps.iter().map(|&e| e as u8).collect();
-    ranks.allreduce_max(channel, &mut bytes, false)?;
-    for (e, &b) in exps.iter_mut().zip(&bytes) {
+    narrow.clear();
+    narrow.extend(exps.iter().map(|&e| e as u8));
+    ranks.allreduce_max(channel, narrow, false)?;
+    for (e, &b) in exps.iter_mut().zip(narrow.iter()) {
         *e = u16::from(b);
     }
     Ok(())
