@@ -4,8 +4,8 @@
 //!
 //! `random_calls_across_ranks` runs `random_body` under `mpirun -n 2` (1 and 2 host replicas)
 //! and `-n 3` (3, 1 and 2). Every rank draws the same calls from each seed: registrations of
-//! every dtype and role, sparse gradients and their slices, `dpsync_grad_ready` marks, and the
-//! collectives. Now and then one rank deviates (another op, name, root, roles or call, an
+//! every dtype and role, sparse gradients and their slices, `dpsync_grad_ready` marks, the
+//! collectives, reduce-scatter steps and allgathers, and per seed the reproducible-sum option. Now and then one rank deviates (another op, name, root, roles or call, an
 //! invalid argument, registrations of its own, a bad sparse index). The model
 //! (common/world_model.rs) holds every tensor's values on every world replica, so every rank
 //! knows what each rank must see: after each call it checks its status and message

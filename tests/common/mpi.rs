@@ -2,6 +2,7 @@
 //! `timeout LIMIT mpirun -n N` (Open MPI's flags for this root, 2-core machine), where a body
 //! test runs as every rank.
 
+use std::io::Write;
 use std::path::Path;
 use std::process::Command;
 
@@ -20,7 +21,7 @@ pub fn launch(body: &str, ranks: usize, limit_s: u64, env: Option<(&str, &Path)>
     if let Some((key, value)) = env {
         command.env(key, value);
     }
-    let status = command
+    let output = command
         .args([
             &limit_s.to_string(),
             "mpirun",
@@ -31,9 +32,66 @@ pub fn launch(body: &str, ranks: usize, limit_s: u64, env: Option<(&str, &Path)>
         .arg(&exe)
         .args([body, "--exact", "--nocapture", "--test-threads=1"])
         .env("DPSYNC_TEST_RANKS", ranks.to_string())
-        .status()
+        .output()
         .expect("mpirun (Open MPI) must be installed: scripts/common.sh ensure_mpi");
-    assert!(status.success(), "{body} on {ranks} ranks: {status}");
+    // Written whole past the harness's capture, as the ranks did before (skips show), and the
+    // ranks' failures repeated in the launcher's own message, which a log cut to its tail
+    // still shows.
+    let _ = std::io::stdout().write_all(&output.stdout);
+    let _ = std::io::stderr().write_all(&output.stderr);
+    let (out, err) = (
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+    );
+    assert!(
+        output.status.success(),
+        "{body} on {ranks} ranks: {}\n{}",
+        output.status,
+        why_ranks_failed(&format!("{out}\n{err}"), &err)
+    );
+}
+
+/// The lines of ranks' output that say why they failed: panics with the message after them,
+/// the fake libraries' and MPI's own complaints, and the end of stderr (where mpirun says which
+/// rank ended how).
+fn why_ranks_failed(output: &str, err: &str) -> String {
+    let lines: Vec<&str> = output.lines().collect();
+    let ends_panic =
+        |l: &str| l.contains("panicked at") || l.trim_start().starts_with("stack backtrace");
+    let mut picked: Vec<&str> = Vec::new();
+    let mut i = 0;
+    while i < lines.len() {
+        let line = lines[i];
+        if line.contains("panicked at") {
+            // The panic and its message (up to three lines), not the backtrace.
+            picked.push(line);
+            let message = (lines[i + 1..].iter().take(3)).take_while(|l| !ends_panic(l));
+            let n = message.clone().count();
+            picked.extend(message);
+            i += 1 + n;
+            continue;
+        }
+        if ["fake NCCL", "fake CUDA", "MPI_ERR"]
+            .iter()
+            .any(|k| line.contains(k))
+        {
+            picked.push(line);
+        }
+        i += 1;
+    }
+    // mpirun's own last words (which rank ended how) come last on its stderr.
+    let frame = |l: &&str| {
+        let l = l.trim_start();
+        l.is_empty()
+            || l.starts_with("at ")
+            || l.split(':')
+                .next()
+                .is_some_and(|n| n.parse::<u32>().is_ok())
+    };
+    let words: Vec<&str> = err.lines().rev().filter(|l| !frame(l)).take(8).collect();
+    picked.push("-- the end of the ranks' and mpirun's stderr:");
+    picked.extend(words.into_iter().rev());
+    picked.join("\n")
 }
 
 /// This rank and the number of ranks, when run by [`launch`]; None (and a printed skip)

@@ -122,6 +122,8 @@ struct World<'a> {
     offset: usize,
     total: usize,
     coalesce: bool,
+    /// Reproducible sums (dpsync_options_set_reproducible): nothing starts early.
+    repro: bool,
     /// The fusion bytes the buckets are packed to.
     fusion: usize,
     dense: Vec<Dense>,
@@ -150,9 +152,15 @@ impl<'a> World<'a> {
         let mut g = Lcg::new(seed);
         let fusion = [None, Some(0), Some(64), Some(1024)][g.below(4) as usize];
         let coalesce = g.below(3) == 0;
+        let repro = g.below(3) == 0 && cfg.on("repro");
         let configure = |o: &Options| {
             o.set_timeout_ms(cfg.timeout_ms);
             o.set_sparse_coalesce(coalesce);
+            // SAFETY: valid options.
+            check(
+                unsafe { dpsync_options_set_reproducible(o.0, repro) },
+                "reproducible",
+            );
             if let Some(f) = fusion {
                 o.set_fusion_bytes(f);
             }
@@ -174,7 +182,7 @@ impl<'a> World<'a> {
             })
             .expect("a CUDA context (the run checked for a GPU)"),
         };
-        let w = World {
+        let mut w = World {
             ctx,
             cfg,
             setup,
@@ -185,6 +193,7 @@ impl<'a> World<'a> {
             total: per_rank.iter().sum(),
             per_rank: per_rank.to_vec(),
             coalesce,
+            repro,
             fusion: fusion.unwrap_or(model::DEFAULT_FUSION_BYTES),
             dense: Vec::new(),
             sparse: Vec::new(),
@@ -196,8 +205,11 @@ impl<'a> World<'a> {
             tally: Tally::default(),
         };
         w.note(format!(
-            "seed {seed}: fusion_bytes {fusion:?}, coalesce {coalesce}"
+            "seed {seed}: fusion_bytes {fusion:?}, coalesce {coalesce}, reproducible {repro}"
         ));
+        if repro {
+            w.tally.count("reproducible seeds");
+        }
         w
     }
 
@@ -331,6 +343,7 @@ impl<'a> World<'a> {
 
     fn action(&mut self) {
         let (sparse, bmuf) = (self.cfg.on("sparse"), self.cfg.on("bmuf"));
+        let shards = self.cfg.on("shards");
         match self.below(100) {
             0..=13 => self.register(),
             14..=20 => self.unregister(),
@@ -341,7 +354,9 @@ impl<'a> World<'a> {
             49..=56 => self.broadcast_or_average(false),
             57..=62 if bmuf => self.bmuf_init(),
             63..=71 if bmuf => self.bmuf_step(),
-            _ => self.grads(),
+            72..=79 if shards => self.grads(true),
+            80..=85 if shards => self.allgather(),
+            _ => self.grads(false),
         }
     }
 
@@ -466,7 +481,7 @@ impl<'a> World<'a> {
             self.check_unchanged(&format!("after {mine:?} failed"), temps);
             self.tally.failed += 1;
         }
-        let step = matches!(std, Call::Grads(_));
+        let step = matches!(std, Call::Grads(_) | Call::Scatter(_));
         if st == OK && step {
             self.agreed.fill(true);
         }
@@ -529,7 +544,7 @@ impl<'a> World<'a> {
         let first = format!("rank {}", d.max(1));
         let differ = |n: &[&str]| all(INCONSISTENT, &[n, &[first.as_str()]].concat());
         let (call, expect) = match (class, std) {
-            ("op", Call::Grads(op) | Call::Allreduce(_, op)) => {
+            ("op", Call::Grads(op) | Call::Allreduce(_, op) | Call::Scatter(op)) => {
                 (std.with(1 - op), differ(&["op=Sum", "op=Avg"]))
             }
             ("name", Call::Allreduce(Some(name), op)) => {
@@ -556,7 +571,10 @@ impl<'a> World<'a> {
                 let e = own(d, INVALID_ARGUMENT, &["root_replica"]);
                 (Call::Broadcast(*roles, self.total + pick), e)
             }
-            ("roles", Call::Broadcast(roles, _) | Call::Average(roles)) => {
+            (
+                "roles",
+                Call::Broadcast(roles, _) | Call::Average(roles) | Call::Allgather(roles),
+            ) => {
                 let other = 1 + (roles + pick as u32) % 15;
                 let e = differ(&[&format!("roles={roles:#x}"), &format!("roles={other:#x}")]);
                 (std.with(other), e)
@@ -577,6 +595,8 @@ impl<'a> World<'a> {
                 let roles = [0, 0x10, 0x8000_0001][pick % 3];
                 let (call, arg) = match std {
                     Call::Grads(_) => (Call::Grads(7), "op"),
+                    Call::Scatter(_) => (Call::Scatter(7), "op"),
+                    Call::Allgather(_) => (Call::Allgather(roles), "roles"),
                     Call::Allreduce(n, _) if pick < 2 => (Call::Allreduce(n.clone(), 7), "op"),
                     Call::Allreduce(_, op) => (Call::Allreduce(None, *op), "name"),
                     Call::Broadcast(_, root) => (Call::Broadcast(roles, *root), "roles"),
@@ -589,6 +609,8 @@ impl<'a> World<'a> {
             ("call", _) => {
                 let other = match std {
                     Call::Broadcast(..) => Call::Average(COMPUTED),
+                    // The step's other shape (nothing started early in a reduce-scatter step).
+                    Call::Scatter(op) => Call::Grads(*op),
                     _ => Call::Broadcast(PARAM | STATE, 0),
                 };
                 let e = differ(&[std.function(), other.function()]);
@@ -712,8 +734,15 @@ impl<'a> World<'a> {
 
     // -------------------------------------------------------------- collectives
 
-    fn grads(&mut self) {
+    /// A gradient step: `dpsync_allreduce_grads`, or with `scatter`
+    /// `dpsync_reduce_scatter_grads` (each replica's own pieces of the dense gradients written,
+    /// the rest as it was; sparse gradients gathered whole alike).
+    fn grads(&mut self, scatter: bool) {
+        // A reduce-scatter step is refused after buckets started early (they reduce whole):
+        // marks there only where nothing starts (the previous step was a reduce-scatter, or
+        // none succeeded yet).
         let marks = self.cfg.on("marks") && self.below(3) != 0;
+        let marks = marks && (!scatter || self.last_op.is_none());
         let mut op = self.pick(&[SUM, AVG]);
         // Buckets averaged early cannot be summed: with marks, AVG stays AVG.
         let avg_early = marks && self.last_op == Some(AVG);
@@ -729,7 +758,10 @@ impl<'a> World<'a> {
             .flat_map(|s| (0..self.total).map(move |w| (s, w)))
             .filter(|&(s, w)| !sl.idx[s][w].is_empty())
             .collect();
-        let std = Call::Grads(op);
+        let std = match scatter {
+            true => Call::Scatter(op),
+            false => Call::Grads(op),
+        };
         let mut classes = vec!["call", "register", "local", "benign", "boundary"];
         classes.extend(["sparse_extra", "sparse_index"]);
         if !avg_early {
@@ -824,13 +856,22 @@ impl<'a> World<'a> {
             self.expect(st, &e, "dpsync_synchronize after a bad index");
         }
         for t in self.dense.iter_mut().filter(|t| t.role == GRAD) {
-            t.vals = vec![reduce(t.dtype, &t.vals, op); self.total];
+            let sum = reduce(t.dtype, &t.vals, op);
+            if !scatter {
+                t.vals = vec![sum; self.total];
+                continue;
+            }
+            for (w, v) in t.vals.iter_mut().enumerate() {
+                let (first, count) = piece(sum.len(), w, self.total);
+                v[first..first + count].copy_from_slice(&sum[first..first + count]);
+            }
         }
         for (s, sp) in self.sparse.iter_mut().enumerate() {
             sp.out = Some(sp.gathered(&sl.idx[s], &sl.val[s], self.coalesce, op));
         }
-        self.last_op = Some(op);
-        self.check_values("after dpsync_allreduce_grads", &[]);
+        // After a reduce-scatter step nothing starts early.
+        self.last_op = (!scatter).then_some(op);
+        self.check_values(&format!("after {}", std.function()), &[]);
         // Indices shared on every replica share one gather: one pointer.
         for (&s, k) in sl
             .shared
@@ -852,7 +893,8 @@ impl<'a> World<'a> {
     /// rank that calls another collective (`call`) is refused at once: its own INVALID_STATE.
     fn early_buckets(&mut self, every: &[Vec<(usize, usize)>], dev: Option<&mut Dev>) {
         let buckets = model::buckets(&self.dense, self.fusion);
-        let can_start = |r: usize| self.setup.nccl() && self.agreed[r] && self.last_op.is_some();
+        let can_start =
+            |r: usize| self.setup.nccl() && self.agreed[r] && self.last_op.is_some() && !self.repro;
         let started: Vec<usize> = (0..self.per_rank.len())
             .map(|r| {
                 let marked = |t: &usize| (0..self.per_rank[r]).all(|k| every[r].contains(&(*t, k)));
@@ -936,6 +978,48 @@ impl<'a> World<'a> {
             t.vals = vec![v; self.total];
         }
         self.check_values(&format!("after {std:?}"), &[]);
+    }
+
+    /// `dpsync_allgather(roles)`: every replica's copy of each selected tensor := the owners'
+    /// pieces; `dpsync_shard` names them first.
+    fn allgather(&mut self) {
+        let roles = 1 + self.below(15) as u32;
+        self.refill(roles);
+        if let Some(t) = (!self.dense.is_empty()).then(|| self.below(self.dense.len())) {
+            let (name, count) = (&self.dense[t].name, self.dense[t].vals[0].len());
+            for k in 0..self.local {
+                let (mut first, mut n) = (usize::MAX, usize::MAX);
+                let c = cstr(name);
+                // SAFETY: a valid context, name and out pointers.
+                let st = unsafe { dpsync_shard(self.ctx.0, c.as_ptr(), k, &mut first, &mut n) };
+                self.ok(st, "dpsync_shard");
+                let want = piece(count, self.offset + k, self.total);
+                if (first, n) != want {
+                    self.fail(format!(
+                        "dpsync_shard('{name}', {k}): {:?}, not {want:?}",
+                        (first, n)
+                    ));
+                }
+            }
+        }
+        let std = Call::Allgather(roles);
+        let classes = ["roles", "boundary", "call", "register", "local", "benign"];
+        let dev = self.draw_dev(&std, &classes, &[]);
+        if !self.run(&std, Expect::Ok, dev, &mut |_| {}) {
+            return;
+        }
+        let total = self.total;
+        for t in self.dense.iter_mut().filter(|t| t.role & roles != 0) {
+            let count = t.vals[0].len();
+            let whole: Vec<f64> = (0..total)
+                .flat_map(|w| {
+                    let (first, n) = piece(count, w, total);
+                    t.vals[w][first..first + n].to_vec()
+                })
+                .collect();
+            t.vals = vec![whole; total];
+        }
+        self.check_values("after dpsync_allgather", &[]);
     }
 
     fn bmuf_init(&mut self) {

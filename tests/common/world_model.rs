@@ -22,8 +22,10 @@ use dpsync::*;
 /// Deviations (one rank differs) and cases that `DPSYNC_RANDOM_NO` switches off: `boundary`
 /// (an argument the C boundary refuses), `sparse_uneven` (marks that start buckets on some
 /// ranks only, in steps with sparse gradients), `sparse_share` (index buffers shared on some
-/// replicas only, NULL for empty slices), and whole kinds of calls (`marks`, `sparse`, `bmuf`).
-pub const CLASSES: [&str; 17] = [
+/// replicas only, NULL for empty slices), whole kinds of calls (`marks`, `sparse`, `bmuf`,
+/// `shards`: reduce-scatter steps and allgathers) and the reproducible-sum option (`repro`,
+/// drawn per seed).
+pub const CLASSES: [&str; 19] = [
     "op",
     "name",
     "root",
@@ -41,6 +43,8 @@ pub const CLASSES: [&str; 17] = [
     "marks",
     "sparse",
     "bmuf",
+    "shards",
+    "repro",
 ];
 
 pub fn env(key: &str) -> Option<String> {
@@ -470,6 +474,10 @@ pub enum Call {
     Average(u32),
     BmufInit(f64, f64, bool),
     BmufStep,
+    /// dpsync_reduce_scatter_grads(op).
+    Scatter(u32),
+    /// dpsync_allgather(roles).
+    Allgather(u32),
 }
 
 impl Call {
@@ -483,6 +491,10 @@ impl Call {
             Call::Average(roles) => ctx.average(*roles),
             Call::BmufInit(lr, mu, nesterov) => ctx.bmuf_init(*lr, *mu, *nesterov),
             Call::BmufStep => ctx.bmuf_step(),
+            // SAFETY: a valid context.
+            Call::Scatter(op) => unsafe { dpsync_reduce_scatter_grads(ctx.0, *op) },
+            // SAFETY: a valid context.
+            Call::Allgather(roles) => unsafe { dpsync_allgather(ctx.0, *roles) },
         }
     }
 
@@ -495,6 +507,8 @@ impl Call {
             Call::Average(_) => "dpsync_average",
             Call::BmufInit(..) => "dpsync_bmuf_init",
             Call::BmufStep => "dpsync_bmuf_step",
+            Call::Scatter(_) => "dpsync_reduce_scatter_grads",
+            Call::Allgather(_) => "dpsync_allgather",
         }
     }
 
@@ -505,6 +519,8 @@ impl Call {
             Call::Allreduce(name, _) => Call::Allreduce(name.clone(), x),
             Call::Broadcast(_, root) => Call::Broadcast(x, *root),
             Call::Average(_) => Call::Average(x),
+            Call::Scatter(_) => Call::Scatter(x),
+            Call::Allgather(_) => Call::Allgather(x),
             _ => unreachable!("{self:?} has neither op nor roles"),
         }
     }
@@ -512,12 +528,19 @@ impl Call {
     /// The roles whose registrations the ranks compare for this call.
     pub fn involved(&self) -> u32 {
         match self {
-            Call::Grads(_) => GRAD,
-            Call::Broadcast(roles, _) | Call::Average(roles) => *roles,
+            Call::Grads(_) | Call::Scatter(_) => GRAD,
+            Call::Broadcast(roles, _) | Call::Average(roles) | Call::Allgather(roles) => *roles,
             Call::BmufInit(..) | Call::BmufStep => PARAM,
             Call::Allreduce(..) => 0,
         }
     }
+}
+
+/// World replica `w`'s piece of a tensor of `count` elements among `total` (dpsync_shard.h):
+/// `(first element, elements)`.
+pub fn piece(count: usize, w: usize, total: usize) -> (usize, usize) {
+    let at = |w: usize| count * w / total;
+    (at(w), at(w + 1) - at(w))
 }
 
 /// What every rank must see: success; one status (and message fragments) on every rank; or
