@@ -61,10 +61,15 @@ fn encode(dtype: DType, v: &[f64]) -> Vec<u8> {
 /// signs, and every 5th element cancelling (contributions of opposite signs around a small
 /// remainder), as the dtype holds them.
 fn contribution(dtype: DType, c: usize, w: usize, seed: u64) -> Vec<u8> {
+    contribution_of(dtype, (c, w), seed, N)
+}
+
+/// [`contribution`] of `n` elements.
+fn contribution_of(dtype: DType, (c, w): (usize, usize), seed: u64, n: usize) -> Vec<u8> {
     let span = if dtype == DType::F16 { 10 } else { 20 };
     let mut lcg = Lcg::new(seed * 7919 + dtype.code() as u64);
-    let mut out = Vec::with_capacity(N);
-    for i in 0..N {
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
         // The same draws for every contribution, then this contribution's own.
         let base = lcg.uniform(-1.0, 1.0) * 2f64.powi(lcg.below(2 * span) as i32 - span as i32);
         let mut own = Lcg::new(seed ^ ((c as u64) << 32) ^ i as u64);
@@ -104,12 +109,17 @@ fn name(role: &str, dtype: DType) -> String {
 impl Run {
     /// `w`: the world's replica count (the contributions depend on it).
     fn new(ctx: Context, place: &Place, arrangement: &[usize], w: usize) -> Run {
+        Run::sized(ctx, place, arrangement, w, N)
+    }
+
+    /// [`Run::new`] with tensors of `n` elements.
+    fn sized(ctx: Context, place: &Place, arrangement: &[usize], w: usize, n: usize) -> Run {
         let mut mems = Vec::new();
         for dtype in TENSORS {
             for role in ["g", "w"] {
                 let mut per_replica = Vec::new();
                 for (r, &c) in arrangement.iter().enumerate() {
-                    let bytes = contribution(dtype, c, w, 1);
+                    let bytes = contribution_of(dtype, (c, w), 1, n);
                     let mem = place.mem_on(ordinal(place, r), &bytes);
                     let role_code = if role == "g" { GRAD } else { PARAM };
                     let ptr = mem.ptr() as *mut std::ffi::c_void;
@@ -119,7 +129,7 @@ impl Run {
                         role_code,
                         r,
                         ptr,
-                        N,
+                        n,
                         dtype.code(),
                     );
                     check(st, "register");
@@ -483,10 +493,14 @@ mod world {
         }
     }
 
-    fn world_context(local: usize, reproducible: bool) -> Result<Context, (dpsync_status, String)> {
+    fn world_context(
+        local: usize,
+        reproducible: bool,
+        fusion: usize,
+    ) -> Result<Context, (dpsync_status, String)> {
         let o = Options::host(local);
         o.set_timeout_ms(60_000);
-        o.set_fusion_bytes(4096);
+        o.set_fusion_bytes(fusion);
         // SAFETY: valid options; NULL is MPI_COMM_WORLD.
         unsafe {
             check(
@@ -524,7 +538,7 @@ mod world {
                 true,
                 DEFAULT_FUSION,
             );
-            let ctx = world_context(mine.len(), true).expect("a world context");
+            let ctx = world_context(mine.len(), true, 4096).expect("a world context");
             let run = Run::new(ctx, &Place::Host, &mine, 8);
             check(run.ctx.allreduce_grads(op), "allreduce_grads (world)");
             assert_eq!(
@@ -544,6 +558,26 @@ mod world {
                 "rank {rank}/{ranks} op {op}: allreduce"
             );
         }
+        // Buckets the engine's ring carries (64 KiB and more): with one replica per rank and
+        // every rank on this host, F32 and F64 are summed from the ranks' raw values in shared
+        // memory (Ranks::allreduce_reproducible); the bytes are still one process's.
+        let big = 24_000;
+        let ctx = context(&Place::Host, "large buckets", 8, true, DEFAULT_FUSION);
+        let one = Run::sized(ctx, &Place::Host, &(0..8).collect::<Vec<_>>(), 8, big);
+        check(
+            one.ctx.allreduce_grads(AVG),
+            "allreduce_grads (one process)",
+        );
+        let want = one.result(0);
+        drop(one);
+        let ctx = world_context(mine.len(), true, DEFAULT_FUSION).expect("a world context");
+        let run = Run::sized(ctx, &Place::Host, &mine, 8, big);
+        check(
+            run.ctx.allreduce_grads(AVG),
+            "allreduce_grads (world, large)",
+        );
+        assert_eq!(run.result(0), want, "rank {rank}/{ranks}: large buckets");
+        drop(run);
         // CUDA replicas (scripts/test.sh runs this on the fake driver and NCCL): NCCL across
         // the ranks where it runs, and the staged path, give the host's bytes too.
         if ranks <= 3 {
@@ -579,7 +613,7 @@ mod world {
         }
         if ranks > 1 {
             // Rank 0 alone asks for reproducible sums: no context anywhere.
-            match world_context(mine.len(), rank == 0) {
+            match world_context(mine.len(), rank == 0, 4096) {
                 Ok(_) => panic!("rank {rank}: a world whose ranks disagree on reproducible"),
                 Err((st, msg)) => {
                     assert_eq!(st, INCONSISTENT, "rank {rank}: {msg}");

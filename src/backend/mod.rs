@@ -529,6 +529,23 @@ pub(crate) trait Ranks: Send {
         avg: Option<usize>,
     ) -> Result<()>;
 
+    /// The reproducible sum (backend/host/repro.rs) of every segment over the ranks, divided by
+    /// `avg` if given, into its `ptrs[0]`, where the engine can compute it from the ranks' raw
+    /// values in one exchange: one contribution per rank (`ptrs` of one), F32 or F64, a bucket
+    /// its ring carries through shared memory. The same bytes as the exponents' maximum then
+    /// the integers' sum (exec/repro.rs), at the traffic of a plain allreduce. `false` (and
+    /// nothing moved) where it cannot, alike on every rank.
+    ///
+    /// # Safety
+    /// As for [`Ranks::allreduce`].
+    unsafe fn allreduce_reproducible(
+        &self,
+        channel: Channel,
+        dtype: DType,
+        segments: &[Segment<'_>],
+        avg: Option<usize>,
+    ) -> Result<bool>;
+
     /// Every element of `data` := its maximum over the ranks: unsigned integers of one byte,
     /// or of two in native order with `wide` (the exponents of reproducible sums,
     /// exec/repro.rs). One message per piece, on `channel`.

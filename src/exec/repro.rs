@@ -92,6 +92,11 @@ unsafe fn pieces(
     avg: Option<usize>,
 ) -> Result<()> {
     let n = view.elements();
+    if let (Some(ranks), [member], true) = (site.ranks, members, members == write_to) {
+        if site.levels.ranks.iter().all(|&r| r == 1) && direct(site, ranks, view, *member, avg)? {
+            return Ok(());
+        }
+    }
     let threads = host_threads();
     let mut scratch = site.repro.lock();
     let Scratch { exps, sums, narrow } = &mut *scratch;
@@ -126,6 +131,34 @@ unsafe fn pieces(
     }
     repro::write_sums(view, write_to, (sums, exps), avg, threads);
     Ok(())
+}
+
+/// A world of one replica per rank: the engine's one-exchange reproducible sum
+/// ([`Ranks::allreduce_reproducible`]), where it has one for the bucket (the same answer on
+/// every rank); the result in `member`'s memory.
+///
+/// # Safety
+/// As for [`pieces`].
+unsafe fn direct(
+    site: Site<'_>,
+    ranks: &dyn Ranks,
+    view: &BucketView<'_>,
+    member: usize,
+    avg: Option<usize>,
+) -> Result<bool> {
+    let ptrs: Vec<[usize; 1]> = view.segments.iter().map(|s| [s.ptrs[member]]).collect();
+    let segments: Vec<Segment<'_>> = (view.segments.iter().zip(&ptrs))
+        .map(|(s, p)| Segment {
+            ptrs: p,
+            count: s.count,
+        })
+        .collect();
+    let _span = timeline::span(
+        site.trace,
+        "reproducible sum across ranks",
+        || json!({"ranks": ranks.ranks(), "bytes": view.elements() * view.dtype.size()}),
+    );
+    ranks.allreduce_reproducible(site.channel, view.dtype, &segments, avg)
 }
 
 /// `exps[i] := max over the ranks of their exps[i]` (one byte each where the dtype's field

@@ -275,6 +275,30 @@ pub(super) unsafe fn reduce_span<T: Cut>(
     reduce_span_wide::<T>(ptrs, (members, write), start, len, avg)
 }
 
+/// [`reduce_span`] of one float dtype's elements `[0, len)` of `ptrs` (every contribution),
+/// the result written to `ptrs[write]`: the MPI engine's reduction of a ring block whose
+/// contributions sit in the ranks' slots of shared memory (backend/mpi/ring.rs).
+///
+/// # Safety
+/// Every pointer holds `len` aligned elements of `dtype`; `ptrs[write]` is writable.
+pub(crate) unsafe fn reduce_ptrs(
+    dtype: DType,
+    ptrs: &[usize],
+    write: usize,
+    len: usize,
+    avg: Option<usize>,
+) {
+    let members: Vec<usize> = (0..ptrs.len()).collect();
+    let mw = (&members[..], &[write][..]);
+    match dtype {
+        DType::F32 => reduce_span::<f32>(ptrs, mw, 0, len, avg),
+        DType::F64 => reduce_span::<f64>(ptrs, mw, 0, len, avg),
+        DType::F16 => reduce_span::<f16>(ptrs, mw, 0, len, avg),
+        DType::Bf16 => reduce_span::<bf16>(ptrs, mw, 0, len, avg),
+        DType::I32 | DType::I64 => unreachable!("integer sums are exact without cutting"),
+    }
+}
+
 widest!(unsafe reduce_span_wide, reduce_span_any, (
     ptrs: &[usize],
     mw: (&[usize], &[usize]),

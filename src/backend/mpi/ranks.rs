@@ -11,8 +11,9 @@ use serde_json::json;
 use super::calls::{check, count_of};
 use super::pieces::{piece_of, stage, Walk, DEPTH, PIECE};
 use super::poll::poll;
+use super::ring::Sum;
 use super::staging::{copy_spans, mpi_type, stage_in, stage_out};
-use super::steps::{Handle, Until};
+use super::steps::{Handle, Queue, Until};
 use super::MpiRanks;
 use crate::backend::{Channel, Ranks, Segment, Ticket};
 use crate::error::{Error, ErrorKind, Result};
@@ -21,6 +22,18 @@ use crate::types::DType;
 /// The tag of [`Ranks::allgather_fixed`]'s point-to-point exchanges (on the collectives'
 /// communicator, where nothing else sends point to point).
 const TAG_GATHER: c_int = 0x6470;
+
+impl MpiRanks {
+    /// The number of the first of a transfer's ring pieces of `piece` elements on its
+    /// communicator: the steps' are numbered across the queue's and the waited ones.
+    fn number_ring_pieces(&self, queue: Option<&mut Queue>, count: usize, piece: usize) -> usize {
+        let pieces = count.div_ceil(piece);
+        match queue {
+            Some(q) => q.ring_pieces(pieces),
+            None => self.calls_pieces.fetch_add(pieces, Ordering::Relaxed),
+        }
+    }
+}
 
 impl Ranks for MpiRanks {
     fn rank(&self) -> usize {
@@ -66,13 +79,9 @@ impl Ranks for MpiRanks {
             return Ok(());
         }
         if ring.takes(count * size) {
-            // The steps' ring pieces are numbered across the queue's and these.
-            let pieces = count.div_ceil(ring.piece_of(size));
-            let first = match queue.as_mut() {
-                Some(q) => q.ring_pieces(pieces),
-                None => self.calls_pieces.fetch_add(pieces, Ordering::Relaxed),
-            };
-            return self.ring_allreduce((ring, first), (dtype, segments, count), avg);
+            let first = self.number_ring_pieces(queue.as_deref_mut(), count, ring.piece_of(size));
+            let data = (dtype, segments, count);
+            return self.ring_allreduce((ring, first), data, Sum::Plain, avg);
         }
         let piece = piece_of(size).min(count);
         let pieces = count.div_ceil(piece);
@@ -106,6 +115,34 @@ impl Ranks for MpiRanks {
             std::mem::forget(std::mem::take(&mut *scratch));
         }
         done
+    }
+
+    unsafe fn allreduce_reproducible(
+        &self,
+        channel: Channel,
+        dtype: DType,
+        segments: &[Segment<'_>],
+        avg: Option<usize>,
+    ) -> Result<bool> {
+        self.refuse_if_failed()?;
+        let size = dtype.size();
+        let count: usize = segments.iter().map(|s| s.count).sum();
+        let ring = self.ring(channel);
+        // Alike on every rank: the shared memory was agreed at join, and the ranks agreed on
+        // the bucket and on one contribution each.
+        let one_each = segments.iter().all(|s| s.ptrs.len() == 1);
+        let wide_enough = matches!(dtype, DType::F32 | DType::F64);
+        if !ring.shared() || !ring.takes(count * size) || !one_each || !wide_enough {
+            return Ok(false);
+        }
+        let mut queue = (channel == Channel::Steps).then(|| self.queue.lock());
+        if let Some(queue) = &mut queue {
+            self.drive(queue, Until::Empty)?;
+        }
+        let first = self.number_ring_pieces(queue.as_deref_mut(), count, ring.piece_of(size));
+        let data = (dtype, segments, count);
+        self.ring_allreduce((ring, first), data, Sum::Reproducible(avg), None)?;
+        Ok(true)
     }
 
     fn allreduce_max(&self, channel: Channel, data: &mut [u8], wide: bool) -> Result<()> {

@@ -23,6 +23,7 @@ use super::poll::Idle;
 use super::shm::{Slots, OUT, REDUCED, STAGED};
 use super::staging::{mpi_type, stage_in, stage_out, Summed};
 use super::Engine;
+use crate::backend::host::repro;
 use crate::backend::Segment;
 use crate::error::Result;
 use crate::types::DType;
@@ -128,10 +129,23 @@ unsafe fn add_into(dtype: DType, dst: *mut u8, src: *const u8, count: usize) {
     }
 }
 
+/// How a ring block is summed.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Sum {
+    /// Added rank after rank, in MPI's type for the dtype.
+    Plain,
+    /// Through shared memory only, one contribution per rank in the dtype itself: the
+    /// reproducible sum of the ranks' blocks (backend/host/repro.rs), divided by the given
+    /// divisor, written once. The ranks' raw values meet in one place, so no exponent needs
+    /// crossing first and nothing wider than the dtype travels.
+    Reproducible(Option<usize>),
+}
+
 /// One piece on its way round the ring: `m` elements in MPI's type at `work`, reduced in
 /// place, and room for one block at `block_in`.
 pub(super) struct Flight {
     dtype: DType,
+    sum: Sum,
     m: usize,
     work: *mut u8,
     block_in: *mut u8,
@@ -151,12 +165,17 @@ impl Flight {
     /// `work` holds `m` elements and `block_in` a block of them until the flight finishes.
     pub(super) unsafe fn start(
         ring: &Ring,
-        (dtype, m, k): (DType, usize, usize),
+        (dtype, m, k, sum): (DType, usize, usize, Sum),
         work: *mut u8,
         block_in: *mut u8,
     ) -> Result<Flight> {
+        debug_assert!(
+            sum == Sum::Plain || ring.shared(),
+            "reproducible: shared memory only"
+        );
         let mut flight = Flight {
             dtype,
+            sum,
             m,
             work,
             block_in,
@@ -270,9 +289,23 @@ impl Flight {
         match self.step {
             0 if slots.next(REDUCED) == k && slots.all_past(STAGED, k) => {
                 let (o, l) = at(me);
-                for r in (0..n).filter(|&r| r != me) {
-                    let theirs = slots.slot(r, self.k).add(o * size);
-                    add_into(self.dtype, self.work.add(o * size), theirs, l);
+                let mine = self.work.add(o * size);
+                let theirs = |r: usize| slots.slot(r, self.k).add(o * size);
+                match self.sum {
+                    Sum::Plain => {
+                        for r in (0..n).filter(|&r| r != me) {
+                            add_into(self.dtype, mine, theirs(r), l);
+                        }
+                    }
+                    Sum::Reproducible(avg) => {
+                        let ptrs: Vec<usize> = (0..n)
+                            .map(|r| match r == me {
+                                true => mine as usize,
+                                false => theirs(r) as usize,
+                            })
+                            .collect();
+                        repro::reduce_ptrs(self.dtype, &ptrs, me, l, avg);
+                    }
                 }
                 slots.publish(REDUCED, self.k);
             }
@@ -292,7 +325,9 @@ impl Engine {
     /// [`Ranks::allreduce`](crate::backend::Ranks) of `segments` (`count` elements) round
     /// `ring`, its pieces numbered from `first` (the ring pieces the communicator carried
     /// before); [`DEPTH`] pieces in flight, each staged in and out through the engine's stages
-    /// (or this rank's slots of shared memory) as a waited `MPI_Iallreduce` piece is.
+    /// (or this rank's slots of shared memory) as a waited `MPI_Iallreduce` piece is. `sum`:
+    /// how each block is summed; `avg` divides a plain sum as it is staged out (a reproducible
+    /// sum divides in its reduction).
     ///
     /// # Safety
     /// As for [`Ranks::allreduce`](crate::backend::Ranks).
@@ -300,6 +335,7 @@ impl Engine {
         &self,
         (ring, first): (Ring, usize),
         (dtype, segments, count): (DType, &[Segment<'_>], usize),
+        sum: Sum,
         avg: Option<usize>,
     ) -> Result<()> {
         let size = mpi_type(dtype).1;
@@ -327,7 +363,7 @@ impl Engine {
                         break;
                     };
                     stage_in(dtype, segments, &mut walk_in, range(next), stage);
-                    let key = (dtype, range(next).1, first + next);
+                    let key = (dtype, range(next).1, first + next, sum);
                     let flight = Flight::start(&ring, key, stage, at(next).add(work))?;
                     flights.push_back((next, flight));
                     next += 1;

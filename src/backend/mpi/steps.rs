@@ -18,7 +18,7 @@ use mpi::ffi;
 use super::calls::{check, count_of};
 use super::pieces::{stage, Walk, DEPTH, PIECE};
 use super::poll::Idle;
-use super::ring::{Flight, Ring};
+use super::ring::{Flight, Ring, Sum};
 use super::staging::{mpi_type, stage_in, stage_out};
 use crate::backend::Segment;
 use crate::error::Result;
@@ -209,7 +209,7 @@ impl Queue {
             }
             let transfer = if on_ring {
                 // In place in the send stage, the receive stage holding a block.
-                let key = (item.dtype, n, self.ring_pieces);
+                let key = (item.dtype, n, self.ring_pieces, Sum::Plain);
                 self.ring_pieces += 1;
                 Transfer::Ring(Flight::start(ring, key, send, own.add(DEPTH * PIECE))?)
             } else {
