@@ -454,14 +454,32 @@ fn cuda_replicas_across_gpus_give_the_hosts_bytes() {
     let Some(gpu) = Place::gpu("cuda_replicas_across_gpus_give_the_hosts_bytes") else {
         return;
     };
-    for (w, transport) in [(4, T_AUTO), (3, T_PEER_COPY)] {
+    // Replicas over every GPU (staged through the host), and every replica on GPU 0 (F32 and
+    // F64 summed by the device's kernel, F16 and BF16 staged).
+    let first = match &gpu {
+        Place::Gpu(streams) => Place::Gpu(streams[..1].to_vec()),
+        Place::Host => unreachable!("a GPU place"),
+    };
+    for (place, w, transport) in [
+        (&gpu, 4, T_AUTO),
+        (&gpu, 3, T_PEER_COPY),
+        (&first, 3, T_AUTO),
+    ] {
         let arrangement = permutation(w, 4);
         for op in [SUM, AVG] {
             let host = grads(&Place::Host, &arrangement, op, true, DEFAULT_FUSION);
-            let ctx = context_over(&gpu, "cuda", w, (true, DEFAULT_FUSION), transport);
-            let run = Run::new(ctx, &gpu, &permutation(w, 5), w);
+            let ctx = context_over(place, "cuda", w, (true, DEFAULT_FUSION), transport);
+            let run = Run::new(ctx, place, &permutation(w, 5), w);
             check(run.ctx.allreduce_grads(op), "allreduce_grads (CUDA)");
-            assert_eq!(run.result(0), host, "{w} CUDA replicas, op {op}");
+            let devices = match place {
+                Place::Gpu(streams) => streams.len(),
+                Place::Host => 0,
+            };
+            assert_eq!(
+                run.result(0),
+                host,
+                "{w} CUDA replicas on {devices} GPU(s), op {op}"
+            );
         }
     }
 }

@@ -190,11 +190,12 @@ pub(crate) trait Backend: Send {
         ))
     }
 
-    /// [`Backend::reduce`] of a group that is the whole collective (host memory in one
-    /// process), reproducibly (`dpsync_options_set_reproducible`, backend/host/repro.rs): the
-    /// float sums are a function of the members' values alone, whatever their order. Backends
-    /// without it are never asked: the executor stages their memory through the host's
-    /// kernels (exec/repro.rs).
+    /// [`Backend::reduce`] of a group that is the whole collective, reproducibly
+    /// (`dpsync_options_set_reproducible`, backend/host/repro.rs): the float sums are a
+    /// function of the members' values alone, whatever their order. The host: any float
+    /// dtype. CUDA: the replicas of one device, F32 and F64 (the same arithmetic in a kernel,
+    /// the same bytes). The executor asks only there; elsewhere it stages the memory through
+    /// the host's kernels (exec/repro.rs).
     ///
     /// # Safety
     /// As for [`Backend::reduce`].

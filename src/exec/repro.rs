@@ -9,9 +9,10 @@
 //!    summed over the ranks as i64 on the route's engine ("integer sum across ranks");
 //! 3. the sum turned back into the dtype once (AVG divided) and written to every replica.
 //!
-//! Host memory in one process runs all three block by block ([`Backend::reduce_reproducible`]);
-//! device memory goes through the host stage, every replica's bucket to the host and the
-//! result back (the GPU kernels of the same scheme are a known gap, docs/ARCHITECTURE.md).
+//! Host memory in one process runs all three block by block ([`Backend::reduce_reproducible`]),
+//! and so do F32 and F64 replicas of one device in one process, in a kernel; other device
+//! memory goes through the host stage, every replica's bucket to the host and the result back
+//! (kernels across devices and NCCL are a known gap, docs/ARCHITECTURE.md).
 //! Integer buckets never come here: their sums are exact already.
 
 use serde_json::json;
@@ -54,6 +55,11 @@ pub(super) unsafe fn allreduce(
             Some(_) => pieces(site, bucket, &replicas, &replicas, avg),
         };
     };
+    // Replicas of one device in one process, F32 or F64: the device's own kernel.
+    let one_device = site.levels.in_place() && site.levels.groups.len() == 1;
+    if one_device && matches!(bucket.dtype, DType::F32 | DType::F64) {
+        return site.backend.reduce_reproducible(&replicas, bucket, avg);
+    }
     let bytes = bucket.dtype.size() * bucket.elements();
     let host = {
         let _span = timeline::span(site.trace, "to host", || json!({}));

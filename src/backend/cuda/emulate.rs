@@ -214,6 +214,83 @@ fn walk_table(bufs: &mut [Vec<Vec<u64>>]) -> Vec<u64> {
     )
 }
 
+/// `bufs` with exponents over 60 binades, elements that cancel, and NaN and infinities at
+/// fixed places of segment 1 (NaN; +inf and -inf; +inf alone; -inf with a NaN).
+fn spread_out(dtype: DType, bufs: &mut [Vec<Vec<u64>>]) {
+    let replicas = bufs.len();
+    for (r, replica) in bufs.iter_mut().enumerate() {
+        for (s, words) in replica.iter_mut().enumerate() {
+            // SAFETY: the words hold the segment's elements of `dtype` (F32 or F64).
+            unsafe {
+                let n = SEGMENTS[s];
+                let get = |i: usize| match dtype {
+                    DType::F32 => f64::from(*words.as_ptr().cast::<f32>().add(i)),
+                    _ => *words.as_ptr().cast::<f64>().add(i),
+                };
+                let vals: Vec<f64> = (0..n).map(get).collect();
+                for (i, mut v) in vals.into_iter().enumerate() {
+                    v *= 2f64.powi((i % 61) as i32 - 30);
+                    if i % 9 == 4 && replicas > 1 {
+                        // Cancels against the next replica's up to a small remainder.
+                        v = if r % 2 == 0 { 1e6 + v * 1e-9 } else { -1e6 };
+                    }
+                    let special = [f64::NAN, f64::INFINITY, f64::NEG_INFINITY];
+                    if s == 1 && i < 4 && r < 2 {
+                        v = match (i, r) {
+                            (0, 0) | (3, 1) => special[0],
+                            (1, 0) | (2, 0) => special[1],
+                            (1, 1) | (3, 0) => special[2],
+                            _ => v,
+                        };
+                    }
+                    match dtype {
+                        DType::F32 => *words.as_mut_ptr().cast::<f32>().add(i) = v as f32,
+                        _ => *words.as_mut_ptr().cast::<f64>().add(i) = v,
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn one_gpu_reproducible_kernel_gives_the_host_bytes() {
+    let k = emulator_or_skip!("one_gpu_reproducible_kernel");
+    for dtype in [DType::F32, DType::F64] {
+        for (replicas, op) in [
+            (2, ReduceOp::Sum),
+            (3, ReduceOp::Avg),
+            (4, ReduceOp::Sum),
+            (5, ReduceOp::Sum),
+        ] {
+            let mut dev = bucket_buffers(dtype, replicas);
+            spread_out(dtype, &mut dev);
+            let mut host = dev.clone();
+            let avg = (op == ReduceOp::Avg).then_some(replicas);
+            let ptrs = pointers(&mut host);
+            let bucket = BucketView {
+                dtype,
+                segments: (ptrs.iter().zip(SEGMENTS))
+                    .map(|(p, count)| Segment { ptrs: p, count })
+                    .collect(),
+            };
+            let members: Vec<usize> = (0..replicas).collect();
+            // SAFETY: every pointer holds its segment's elements.
+            unsafe { HostBackend::new().reduce_reproducible(&members, &bucket, avg) }.unwrap();
+            let table = walk_table(&mut dev);
+            let total: usize = SEGMENTS.iter().sum();
+            let (nseg, null) = (SEGMENTS.len(), std::ptr::null_mut());
+            let table = table.as_ptr() as u64;
+            k.reproducible(null, dtype, table, nseg, replicas, total, avg)
+                .unwrap();
+            assert!(
+                snapshot(dtype, &dev) == snapshot(dtype, &host),
+                "{dtype} {op:?} on {replicas} replicas differs from the host's reproducible sum"
+            );
+        }
+    }
+}
+
 #[test]
 fn one_gpu_allreduce_walk_gives_the_host_bytes_for_every_dtype() {
     let k = emulator_or_skip!("one_gpu_allreduce_walk");

@@ -56,6 +56,7 @@ const NAMED: &[(&str, &[DType])] = &[
     ("bmuf", &FLOATS),
     ("sum_runs", &FLOATS),
     ("divide", &DType::ALL),
+    ("repro", &[DType::F32, DType::F64]),
     ("index_check", &[DType::I32, DType::I64]),
     ("index_report", &[DType::I32, DType::I64]),
 ];
@@ -259,6 +260,41 @@ impl Kernels {
         self.launch(self.walk[slot(dtype)], grid, stream, &mut params, "walk")
     }
 
+    /// The reproducible sum (kernels/dense.cu `repro`) of `nrep` replicas of a table over
+    /// `total` elements of an F32 or F64 bucket into every replica, divided by `divisor`, on
+    /// `stream` (the context is current).
+    #[allow(clippy::too_many_arguments)]
+    pub fn reproducible(
+        &self,
+        stream: sys::CUstream,
+        dtype: DType,
+        table: sys::CUdeviceptr,
+        nseg: usize,
+        nrep: usize,
+        total: usize,
+        divisor: Option<usize>,
+    ) -> Result<()> {
+        let f = self.named("repro", dtype)?;
+        let mut segs = table;
+        let mut ptrs = table + (nseg * 16) as u64;
+        let mut nseg_i = nseg as i32;
+        let mut nrep_i = nrep as i32;
+        let mut total_u = total as u64;
+        let mut avg = i32::from(divisor.is_some());
+        let mut div = divisor.unwrap_or(1) as f64;
+        let mut params = [
+            arg(&mut segs),
+            arg(&mut ptrs),
+            arg(&mut nseg_i),
+            arg(&mut nrep_i),
+            arg(&mut total_u),
+            arg(&mut avg),
+            arg(&mut div),
+        ];
+        let grid = self.grid(total, CHUNK);
+        self.launch(f, grid, stream, &mut params, "repro")
+    }
+
     /// `dst[i] += src[i]` for `n` elements on `stream` (the context is current).
     pub fn add(
         &self,
@@ -444,6 +480,9 @@ mod tests {
             names.push(format!("walk_{n}"));
             names.push(format!("add_{n}"));
             names.push(format!("divide_{n}"));
+            if matches!(dtype, DType::F32 | DType::F64) {
+                names.push(format!("repro_{n}"));
+            }
             if dtype.is_float() {
                 names.push(format!("bmuf_{n}"));
                 names.push(format!("sum_runs_{n}"));

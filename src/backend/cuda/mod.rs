@@ -117,6 +117,41 @@ impl Backend for CudaBackend {
         self.walk(g, bucket, table, g.local.len(), 0, Walk::Allreduce, avg)
     }
 
+    unsafe fn reduce_reproducible(
+        &self,
+        members: &[usize],
+        bucket: &BucketView<'_>,
+        avg: Option<usize>,
+    ) -> Result<()> {
+        let group = members.first().map(|&r| self.replicas[r].group);
+        let one_device = group.is_some_and(|group| {
+            let g = &self.groups[group];
+            g.local.len() == members.len() && members.iter().all(|&r| g.local.contains(&r))
+        });
+        let (Some(group), true, DType::F32 | DType::F64) = (group, one_device, bucket.dtype) else {
+            return Err(Error::new(
+                ErrorKind::Panic,
+                "CUDA reproducible sums take the F32 or F64 replicas of one device",
+            ));
+        };
+        if members.len() <= 1 {
+            return Ok(()); // one contribution is its own sum, as on the host
+        }
+        let g = &self.groups[group];
+        let table = self.table(g, bucket, Members::All)?;
+        let _bound = g.ctx.bind()?;
+        let (nseg, total) = (bucket.segments.len(), bucket.elements());
+        (g.kernels).reproducible(
+            g.stream.0,
+            bucket.dtype,
+            table,
+            nseg,
+            g.local.len(),
+            total,
+            avg,
+        )
+    }
+
     unsafe fn spread(&self, group: usize, bucket: &BucketView<'_>, root: usize) -> Result<()> {
         // Fused: the root's tensors packed into the fusion buffer, one walk writes it into every
         // replica (the root's own tensors get their own bytes): two launches instead of a copy

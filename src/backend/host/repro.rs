@@ -281,6 +281,7 @@ pub(super) unsafe fn reduce_span<T: Cut>(
 ///
 /// # Safety
 /// Every pointer holds `len` aligned elements of `dtype`; `ptrs[write]` is writable.
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 pub(crate) unsafe fn reduce_ptrs(
     dtype: DType,
     ptrs: &[usize],

@@ -67,3 +67,125 @@ DENSE_KERNELS(f16_t, f16)
 DENSE_KERNELS(bf16_t, bf16)
 DENSE_KERNELS(int, i32)
 DENSE_KERNELS(i64, i64)
+
+// Reproducible sums (dpsync_options_set_reproducible) of replicas on one device: the host's
+// arithmetic (backend/host/repro.rs) element by element, so the same bytes. Per element, E is
+// the largest exponent field over the replicas (at least 1); each value is scaled onto the grid
+// 2^(E - bias - 49) and rounded to an integer (ties to even: adding 1.5 * 2^52 leaves it in the
+// low mantissa bits), the integers are summed exactly (u64: wrapping, as the host's), and the
+// sum is scaled back once (AVG divided), then rounded to the dtype. An all-ones field (an
+// infinity or NaN among the values) counts NaNs, +infs and -infs instead, which decide.
+// F32 and F64: the host stages F16 and BF16, whose one rounding from double has no device
+// instruction here.
+template <class T> struct Cut;
+template <> struct Cut<float> {
+  enum { FRAC = 23, EXPB = 8, BIAS = 127, SPECIAL = 255 };
+  static __device__ __forceinline__ u64 bits(float x) { return __float_as_uint(x); }
+  static __device__ __forceinline__ double widen(float x) { return (double)x; }
+  static __device__ __forceinline__ float narrow(double x) { return (float)x; }
+  // The host's f64::NAN as f32, written as bits: conversions may give another NaN.
+  static __device__ __forceinline__ float nan() { return __uint_as_float(0x7fc00000u); }
+};
+template <> struct Cut<double> {
+  enum { FRAC = 52, EXPB = 11, BIAS = 1023, SPECIAL = 2047 };
+  static __device__ __forceinline__ u64 bits(double x) { return (u64)__double_as_longlong(x); }
+  static __device__ __forceinline__ double widen(double x) { return x; }
+  static __device__ __forceinline__ double narrow(double x) { return x; }
+  static __device__ __forceinline__ double nan() { return __longlong_as_double(0x7ff8000000000000LL); }
+};
+
+// 2^k for k in the normal range.
+__device__ __forceinline__ double pow2(int k) { return __longlong_as_double((i64)(k + 1023) << 52); }
+
+template <class T> __device__ __forceinline__ int field(T x) {
+  int f = (int)((Cut<T>::bits(x) >> Cut<T>::FRAC) & (u64)Cut<T>::SPECIAL);
+  return f > 1 ? f : 1;
+}
+
+// x on the grid of field e (not the all-ones one); f64 grids scale in two exact steps.
+template <class T> __device__ __forceinline__ u64 cut(T x, int e) {
+  const int k = Cut<T>::BIAS + 49 - e;
+  double y = Cut<T>::widen(x);
+  if (Cut<T>::EXPB > 8) {
+    const int half = k / 2;
+    y = y * pow2(k - half) * pow2(half);
+  } else {
+    y = y * pow2(k);
+  }
+  const double magic = 6755399441055744.0;  // 1.5 * 2^52
+  return (u64)__double_as_longlong(y + magic) - (u64)__double_as_longlong(magic);
+}
+
+// What x counts for when the element's field is the all-ones one.
+template <class T> __device__ __forceinline__ u64 cut_special(T x) {
+  const u64 b = Cut<T>::bits(x);
+  if (field(x) != Cut<T>::SPECIAL) return 0;
+  if (b & ((1ull << Cut<T>::FRAC) - 1)) return 1ull << 32;                    // NaN
+  return ((b >> (Cut<T>::FRAC + Cut<T>::EXPB)) & 1) ? (1ull << 16) : 1ull;  // -inf, +inf
+}
+
+template <class T> __device__ __forceinline__ T uncut(i64 s, int e, int avg, double divisor) {
+  if (e == Cut<T>::SPECIAL) {
+    const i64 nans = (s >> 32) & 0xFFFF, pos = s & 0xFFFF, neg = (s >> 16) & 0xFFFF;
+    if (nans == 0 && pos == 0) return Cut<T>::narrow(__longlong_as_double((i64)0xfff0000000000000ull));
+    if (nans == 0 && neg == 0) return Cut<T>::narrow(__longlong_as_double(0x7ff0000000000000LL));
+    return Cut<T>::nan();
+  }
+  const int k = e - Cut<T>::BIAS - 49;
+  double v = (double)s;
+  if (Cut<T>::EXPB > 8) {
+    // Below the normal range (f64 grids reach 2^-1071): the first step exact, the second
+    // rounding once.
+    const int first = k > -1000 ? k : -1000;
+    v = v * pow2(first) * pow2(k - first);
+  } else {
+    v = v * pow2(k);
+  }
+  return Cut<T>::narrow(avg ? v / divisor : v);
+}
+
+// N elements of one segment (as walk_items): every replica := the reproducible sum.
+template <int N, class T>
+__device__ __forceinline__ void repro_items(const u64* p, int nrep, int avg, double divisor,
+                                            u64 i0, u64 step) {
+  int fields[N];
+  for (int k = 0; k < N; ++k) fields[k] = 1;
+  for (int r = 0; r < nrep; ++r)
+    for (int k = 0; k < N; ++k) {
+      const int f = field(((const T*)p[r])[i0 + k * step]);
+      fields[k] = f > fields[k] ? f : fields[k];
+    }
+  u64 acc[N];
+  for (int k = 0; k < N; ++k) acc[k] = 0;
+  for (int r = 0; r < nrep; ++r)
+    for (int k = 0; k < N; ++k) {
+      const T x = ((const T*)p[r])[i0 + k * step];
+      acc[k] += fields[k] == Cut<T>::SPECIAL ? cut_special(x) : cut(x, fields[k]);
+    }
+  T out[N];
+  for (int k = 0; k < N; ++k) out[k] = uncut<T>((i64)acc[k], fields[k], avg, divisor);
+  for (int r = 0; r < nrep; ++r)
+    for (int k = 0; k < N; ++k) ((T*)p[r])[i0 + k * step] = out[k];
+}
+
+template <class T>
+__device__ void repro(const Seg* segs, const u64* ptrs, int nseg, int nrep, u64 total, int avg,
+                      double divisor) {
+  for_each_chunk(
+      segs, nseg, total,
+      [&](int s, u64 e0, u64 i0) {
+        repro_items<ITEMS_PER_THREAD, T>(ptrs + (u64)s * nrep, nrep, avg, divisor, i0,
+                                         blockDim.x);
+      },
+      [&](int s, u64 e, u64 i) { repro_items<1, T>(ptrs + (u64)s * nrep, nrep, avg, divisor, i, 0); });
+}
+
+#define REPRO_KERNEL(T, NAME)                                                                  \
+  extern "C" __global__ void repro_##NAME(const Seg* segs, const u64* ptrs, int nseg,         \
+                                          int nrep, u64 total, int avg, double divisor) {     \
+    repro<T>(segs, ptrs, nseg, nrep, total, avg, divisor);                                    \
+  }                                                                                            \
+  DPSYNC_KERNEL(repro_##NAME)
+
+REPRO_KERNEL(float, f32)
+REPRO_KERNEL(double, f64)

@@ -145,6 +145,8 @@ inline void __syncthreads() {
 
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+inline double __longlong_as_double(long long u) { double f; std::memcpy(&f, &u, 8); return f; }
+inline long long __double_as_longlong(double f) { long long u; std::memcpy(&u, &f, 8); return u; }
 
 // _Float16 conversions round to nearest even, as cvt.rn.f16.f32 does.
 inline float f16_to_f32(unsigned short x) { _Float16 h; std::memcpy(&h, &x, 2); return (float)h; }
