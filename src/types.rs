@@ -223,6 +223,14 @@ impl fmt::Display for Device {
     }
 }
 
+/// World replica `w`'s piece of a tensor of `count` elements among `total` replicas (the
+/// contract's rule, dpsync_shard.h): `(first element, elements)`, elements
+/// `[count * w / total, count * (w + 1) / total)`.
+pub fn piece(count: usize, w: usize, total: usize) -> (usize, usize) {
+    let at = |w: usize| (count as u128 * w as u128 / total.max(1) as u128) as usize;
+    (at(w), at(w + 1) - at(w))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

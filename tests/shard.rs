@@ -30,10 +30,17 @@ use common::place::{synchronize, Mem, Place};
 use common::{abi::*, context::*};
 use dpsync::*;
 
-/// Each test on the host, then on GPU 0 where a CUDA driver is found.
+/// Each test on the host, then where a CUDA driver is found on every GPU (the replicas spread
+/// over them) and, with several GPUs, on GPU 0 alone (its own reduce-scatter and allgather
+/// kernels).
 fn places(test: &str) -> Vec<Place> {
     let mut places = vec![Place::Host];
-    places.extend(Place::gpu(test));
+    if let Some(Place::Gpu(streams)) = Place::gpu(test) {
+        if streams.len() > 1 {
+            places.push(Place::Gpu(streams[..1].to_vec()));
+        }
+        places.push(Place::Gpu(streams));
+    }
     places
 }
 

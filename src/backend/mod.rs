@@ -149,11 +149,12 @@ pub(crate) trait Backend: Send {
         avg: Option<usize>,
     ) -> Result<()>;
 
-    /// A reduce-scatter of a group that is the whole collective (host memory in one process):
-    /// replica `r`'s piece `owned(segment, r)` (first element, count) of each segment := the
-    /// sum over `members` (in that order, as [`Backend::reduce`] sums), divided by `avg`;
-    /// nothing else is written. Backends without it are never asked: the executor reduces a
-    /// copy of the bucket instead (exec/shard.rs).
+    /// A reduce-scatter of a group that is the whole collective (host memory in one process,
+    /// or the replicas of one GPU): replica `r`'s piece `owned(segment, r)` (first element,
+    /// count) of each segment := the sum over `members` (in that order, as
+    /// [`Backend::reduce`] sums), divided by `avg`; nothing else is written. CUDA's kernel
+    /// finds the owners by the contract's rule, which `owned` must be. Elsewhere the executor
+    /// reduces a copy of the bucket instead (exec/shard.rs).
     ///
     /// # Safety
     /// As for [`Backend::reduce`].
@@ -171,10 +172,10 @@ pub(crate) trait Backend: Send {
         ))
     }
 
-    /// An allgather of a group that is the whole collective (host memory in one process):
-    /// replica `r`'s piece `owned(segment, r)` (first element, count) of each segment copied to
-    /// every other replica; nothing else is written. Backends without it are never asked: the
-    /// executor broadcasts each replica's pieces instead (exec/shard.rs).
+    /// An allgather of a group that is the whole collective (host memory in one process, or
+    /// the replicas of one GPU): replica `r`'s piece `owned(segment, r)` (first element,
+    /// count) of each segment copied to every other replica; nothing else is written.
+    /// Elsewhere the executor broadcasts each replica's pieces instead (exec/shard.rs).
     ///
     /// # Safety
     /// As for [`Backend::spread`].

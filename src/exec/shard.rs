@@ -1,8 +1,9 @@
 //! Shards (ZeRO stage 1): the gradients reduced onto the pieces their replicas own, and the
 //! owners' pieces copied back to every replica.
 //!
-//! Host memory in one process has a primitive of its own ([`Backend::reduce_owned`]: each
-//! replica's pieces summed as the host's allreduce sums them, written once). Everywhere else a
+//! Host memory in one process, and the replicas of one GPU in one process (a kernel), have a
+//! primitive of their own ([`Backend::reduce_owned`]: each replica's pieces summed as the
+//! backend's allreduce sums them, written once). Everywhere else a
 //! reduce-scatter is the allreduce of a library-owned copy of each bucket, on every route the
 //! allreduce takes, followed by each replica's owned pieces copied out. Either way every element
 //! is summed exactly as `dpsync_allreduce_grads` sums it (same buckets, same levels), so a ZeRO-1
@@ -10,25 +11,20 @@
 //! written. The copy moves the bucket twice more than the allreduce does (docs/PERFORMANCE.md).
 //!
 //! [`Backend::reduce_owned`]: crate::backend::Backend::reduce_owned
-//! An allgather on host memory in one process is likewise one pass over each bucket
+//! An allgather there is likewise one pass over each bucket
 //! ([`Backend::spread_owned`]); everywhere else it is one broadcast per world replica of the
 //! pieces it owns.
 //!
 //! [`Backend::spread_owned`]: crate::backend::Backend::spread_owned
 
 use super::{buckets_for, view, Executor};
-use crate::backend::{Allocation, Channel};
+use crate::backend::{Allocation, Backend, Channel};
 use crate::error::Result;
-use crate::plan::Bucket;
+use crate::plan::{Bucket, Levels};
 use crate::registry::TensorView;
 use crate::types::{Memory, ReduceOp};
 
-/// World replica `w`'s piece of a tensor of `count` elements among `total` replicas:
-/// `(first element, elements)`, elements `[count * w / total, count * (w + 1) / total)`.
-pub fn piece(count: usize, w: usize, total: usize) -> (usize, usize) {
-    let at = |w: usize| (count as u128 * w as u128 / total.max(1) as u128) as usize;
-    (at(w), at(w + 1) - at(w))
-}
+pub use crate::types::piece;
 
 /// Where a process's replicas stand among the world's: `(world index of local replica 0,
 /// world replicas)`.
@@ -48,6 +44,17 @@ impl TensorView {
             ..self.clone()
         }
     }
+}
+
+/// Whether the backend shards a bucket in one pass of its own ([`Backend::reduce_owned`],
+/// [`Backend::spread_owned`]): host memory in one process, or the replicas of one GPU in one
+/// process (a kernel over the group's table).
+///
+/// [`Backend::reduce_owned`]: crate::backend::Backend::reduce_owned
+/// [`Backend::spread_owned`]: crate::backend::Backend::spread_owned
+fn one_pass(levels: &Levels, memory: Memory, backend: &dyn Backend) -> bool {
+    let device = backend.streams().is_some() && levels.groups.len() == 1;
+    levels.in_place() && (memory == Memory::Host || device)
 }
 
 impl Executor {
@@ -87,9 +94,9 @@ impl Executor {
             return Ok(());
         };
         let site = self.site_to_touch(bucket.memory)?;
-        if bucket.memory == Memory::Host && site.levels.in_place() && !site.levels.reproducible {
-            // Host memory in one process: the host's own reduce-scatter, which sums as its
-            // allreduce does and writes each piece once.
+        if one_pass(site.levels, bucket.memory, site.backend) && !site.levels.reproducible {
+            // Host memory in one process, or replicas of one GPU: the backend's own
+            // reduce-scatter, which sums as its allreduce does and writes each piece once.
             let _span = self.bucket_span("reduce-scatter bucket", 0, bucket, tensors);
             let avg = (op == ReduceOp::Avg && divisor > 1).then_some(divisor);
             let owned = |segment: usize, r: usize| {
@@ -162,7 +169,7 @@ impl Executor {
             let mut rest: Vec<&TensorView> = Vec::new();
             for (b, bucket) in buckets_for(tensors, fusion_bytes).iter().enumerate() {
                 let site = self.site_to_touch(bucket.memory)?;
-                if bucket.memory != Memory::Host || !site.levels.in_place() {
+                if !one_pass(site.levels, bucket.memory, site.backend) {
                     rest.extend(bucket.tensors.iter().map(|&t| tensors[t]));
                     continue;
                 }

@@ -292,6 +292,48 @@ fn one_gpu_reproducible_kernel_gives_the_host_bytes() {
 }
 
 #[test]
+fn one_gpu_shard_kernels_give_the_host_bytes_for_every_dtype() {
+    let k = emulator_or_skip!("one_gpu_shard_kernels");
+    for dtype in DType::ALL {
+        for (replicas, op) in [(3, ReduceOp::Sum), (4, ReduceOp::Avg), (5, ReduceOp::Sum)] {
+            let owned = |s: usize, r: usize| crate::types::piece(SEGMENTS[s], r, replicas);
+            let avg = (op == ReduceOp::Avg).then_some(replicas);
+            let members: Vec<usize> = (0..replicas).collect();
+            let total: usize = SEGMENTS.iter().sum();
+            let dims = (SEGMENTS.len(), replicas, total);
+            for scatter in [true, false] {
+                let mut dev = bucket_buffers(dtype, replicas);
+                let mut host = dev.clone();
+                let ptrs = pointers(&mut host);
+                let bucket = BucketView {
+                    dtype,
+                    segments: (ptrs.iter().zip(SEGMENTS))
+                        .map(|(p, count)| Segment { ptrs: p, count })
+                        .collect(),
+                };
+                let h = HostBackend::new();
+                // SAFETY: every pointer holds its segment's elements.
+                unsafe {
+                    match scatter {
+                        true => h.reduce_owned(&members, &bucket, avg, &owned),
+                        false => h.spread_owned(&bucket, &owned),
+                    }
+                }
+                .unwrap();
+                let table = walk_table(&mut dev);
+                let (table, null) = (table.as_ptr() as u64, std::ptr::null_mut());
+                let divisor = avg.filter(|_| scatter);
+                k.owned(null, dtype, table, dims, scatter, divisor).unwrap();
+                assert!(
+                    snapshot(dtype, &dev) == snapshot(dtype, &host),
+                    "{dtype} {op:?} on {replicas} replicas, scatter {scatter}: differs from the host"
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn one_gpu_allreduce_walk_gives_the_host_bytes_for_every_dtype() {
     let k = emulator_or_skip!("one_gpu_allreduce_walk");
     for dtype in DType::ALL {

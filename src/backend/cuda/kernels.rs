@@ -57,6 +57,7 @@ const NAMED: &[(&str, &[DType])] = &[
     ("sum_runs", &FLOATS),
     ("divide", &DType::ALL),
     ("repro", &[DType::F32, DType::F64]),
+    ("owned", &DType::ALL),
     ("index_check", &[DType::I32, DType::I64]),
     ("index_report", &[DType::I32, DType::I64]),
 ];
@@ -295,6 +296,43 @@ impl Kernels {
         self.launch(f, grid, stream, &mut params, "repro")
     }
 
+    /// The shards of `nrep` replicas of a table over `total` elements (kernels/dense.cu
+    /// `owned`): with `scatter`, each replica's piece of every segment := the sum over the
+    /// replicas (walk's order), divided by `divisor`; otherwise each owner's piece copied to
+    /// the other replicas. On `stream` (the context is current).
+    #[allow(clippy::too_many_arguments)]
+    pub fn owned(
+        &self,
+        stream: sys::CUstream,
+        dtype: DType,
+        table: sys::CUdeviceptr,
+        (nseg, nrep, total): (usize, usize, usize),
+        scatter: bool,
+        divisor: Option<usize>,
+    ) -> Result<()> {
+        let f = self.named("owned", dtype)?;
+        let mut segs = table;
+        let mut ptrs = table + (nseg * 16) as u64;
+        let mut nseg_i = nseg as i32;
+        let mut nrep_i = nrep as i32;
+        let mut total_u = total as u64;
+        let mut scatter_i = i32::from(scatter);
+        let mut avg = i32::from(divisor.is_some());
+        let mut div = divisor.unwrap_or(1) as f64;
+        let mut params = [
+            arg(&mut segs),
+            arg(&mut ptrs),
+            arg(&mut nseg_i),
+            arg(&mut nrep_i),
+            arg(&mut total_u),
+            arg(&mut scatter_i),
+            arg(&mut avg),
+            arg(&mut div),
+        ];
+        let grid = self.grid(total, CHUNK);
+        self.launch(f, grid, stream, &mut params, "owned")
+    }
+
     /// `dst[i] += src[i]` for `n` elements on `stream` (the context is current).
     pub fn add(
         &self,
@@ -480,6 +518,7 @@ mod tests {
             names.push(format!("walk_{n}"));
             names.push(format!("add_{n}"));
             names.push(format!("divide_{n}"));
+            names.push(format!("owned_{n}"));
             if matches!(dtype, DType::F32 | DType::F64) {
                 names.push(format!("repro_{n}"));
             }

@@ -55,7 +55,7 @@ use super::{
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::plan::TransportChoice;
-use crate::types::DType;
+use crate::types::{piece, DType};
 
 use self::open::distinct_callers;
 
@@ -99,6 +99,55 @@ pub(crate) struct CudaBackend {
     trace: Mutex<Option<trace::DeviceTrace>>,
 }
 
+impl CudaBackend {
+    /// The device group whose replicas are exactly `members`: the kernels over one table
+    /// (reduce-scatters, allgathers, reproducible sums) read and write every replica of it.
+    fn one_device(&self, members: &[usize], what: &str) -> Result<&Group> {
+        let group = members
+            .first()
+            .map(|&r| &self.groups[self.replicas[r].group]);
+        match group {
+            Some(g)
+                if g.local.len() == members.len()
+                    && members.iter().all(|r| g.local.contains(r)) =>
+            {
+                Ok(g)
+            }
+            _ => Err(Error::new(
+                ErrorKind::Panic,
+                format!("CUDA {what} in a kernel take the replicas of one device"),
+            )),
+        }
+    }
+
+    /// The `owned` kernel over `bucket` on `g` (`scatter`: the reduce-scatter, else the
+    /// allgather). The kernel finds each element's owner by the contract's rule over the
+    /// group's replicas, so `owned` must be that rule: checked, segment by segment.
+    unsafe fn owned(
+        &self,
+        g: &Group,
+        bucket: &BucketView<'_>,
+        owned: &dyn Fn(usize, usize) -> (usize, usize),
+        scatter: bool,
+        avg: Option<usize>,
+    ) -> Result<()> {
+        let nrep = g.local.len();
+        for (s, segment) in bucket.segments.iter().enumerate() {
+            if (0..nrep).any(|r| owned(s, r) != piece(segment.count, r, nrep)) {
+                return Err(Error::new(
+                    ErrorKind::Panic,
+                    "CUDA shards in a kernel follow the contract's pieces of one process",
+                ));
+            }
+        }
+        let table = self.table(g, bucket, Members::All)?;
+        let _bound = g.ctx.bind()?;
+        let (nseg, total) = (bucket.segments.len(), bucket.elements());
+        let dims = (nseg, nrep, total);
+        (g.kernels).owned(g.stream.0, bucket.dtype, table, dims, scatter, avg)
+    }
+}
+
 impl Backend for CudaBackend {
     fn name(&self) -> &'static str {
         "cuda"
@@ -117,27 +166,43 @@ impl Backend for CudaBackend {
         self.walk(g, bucket, table, g.local.len(), 0, Walk::Allreduce, avg)
     }
 
+    unsafe fn reduce_owned(
+        &self,
+        members: &[usize],
+        bucket: &BucketView<'_>,
+        avg: Option<usize>,
+        owned: &dyn Fn(usize, usize) -> (usize, usize),
+    ) -> Result<()> {
+        let g = self.one_device(members, "reduce-scatters")?;
+        self.owned(g, bucket, owned, true, avg)
+    }
+
+    unsafe fn spread_owned(
+        &self,
+        bucket: &BucketView<'_>,
+        owned: &dyn Fn(usize, usize) -> (usize, usize),
+    ) -> Result<()> {
+        let all: Vec<usize> = (0..self.replicas.len()).collect();
+        let g = self.one_device(&all, "allgathers")?;
+        self.owned(g, bucket, owned, false, None)
+    }
+
     unsafe fn reduce_reproducible(
         &self,
         members: &[usize],
         bucket: &BucketView<'_>,
         avg: Option<usize>,
     ) -> Result<()> {
-        let group = members.first().map(|&r| self.replicas[r].group);
-        let one_device = group.is_some_and(|group| {
-            let g = &self.groups[group];
-            g.local.len() == members.len() && members.iter().all(|&r| g.local.contains(&r))
-        });
-        let (Some(group), true, DType::F32 | DType::F64) = (group, one_device, bucket.dtype) else {
+        let g = self.one_device(members, "reproducible sums")?;
+        if !matches!(bucket.dtype, DType::F32 | DType::F64) {
             return Err(Error::new(
                 ErrorKind::Panic,
-                "CUDA reproducible sums take the F32 or F64 replicas of one device",
+                "CUDA reproducible sums take F32 or F64 (the host stages the others)",
             ));
-        };
+        }
         if members.len() <= 1 {
             return Ok(()); // one contribution is its own sum, as on the host
         }
-        let g = &self.groups[group];
         let table = self.table(g, bucket, Members::All)?;
         let _bound = g.ctx.bind()?;
         let (nseg, total) = (bucket.segments.len(), bucket.elements());

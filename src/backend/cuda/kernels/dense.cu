@@ -51,6 +51,55 @@ __device__ void add(T* dst, const T* src, u64 n) {
   }
 }
 
+// Shards of replicas on one device (dpsync_shard.h: replica w of W owns elements
+// [count * w / W, count * (w + 1) / W) of every tensor): the owner of element i of a segment of
+// `count` elements, the largest w whose piece starts at or before i.
+__device__ __forceinline__ int owner_of(u64 i, u64 count, int nrep) {
+  const u64 w = ((i + 1) * (u64)nrep - 1) / count;
+  return w < (u64)nrep ? (int)w : nrep - 1;
+}
+
+// N elements of one segment of `count` (as walk_items): with `scatter`, the sum over the
+// replicas in their order (walk's, so the allreduce's bytes) written to the owner alone;
+// otherwise the owner's value copied to every other replica.
+template <int N, class T>
+__device__ __forceinline__ void owned_items(const u64* p, int nrep, u64 count, int scatter,
+                                            int avg, double divisor, u64 i0, u64 step) {
+  typedef typename Num<T>::A A;
+  if (!scatter) {
+    for (int k = 0; k < N; ++k) {
+      const u64 i = i0 + k * step;
+      const int o = owner_of(i, count, nrep);
+      const T x = ((const T*)p[o])[i];
+      for (int r = 0; r < nrep; ++r)
+        if (r != o) ((T*)p[r])[i] = x;
+    }
+    return;
+  }
+  A v[N];
+  for (int k = 0; k < N; ++k) v[k] = Num<T>::load(((const T*)p[0])[i0 + k * step]);
+  for (int r = 1; r < nrep; ++r)
+    for (int k = 0; k < N; ++k) v[k] += Num<T>::load(((const T*)p[r])[i0 + k * step]);
+  for (int k = 0; k < N; ++k) {
+    const u64 i = i0 + k * step;
+    ((T*)p[owner_of(i, count, nrep)])[i] = Num<T>::store(avg ? divide(v[k], divisor) : v[k]);
+  }
+}
+
+template <class T>
+__device__ void owned(const Seg* segs, const u64* ptrs, int nseg, int nrep, u64 total,
+                      int scatter, int avg, double divisor) {
+  for_each_chunk(
+      segs, nseg, total,
+      [&](int s, u64 e0, u64 i0) {
+        owned_items<ITEMS_PER_THREAD, T>(ptrs + (u64)s * nrep, nrep, segs[s].count, scatter, avg,
+                                         divisor, i0, blockDim.x);
+      },
+      [&](int s, u64 e, u64 i) {
+        owned_items<1, T>(ptrs + (u64)s * nrep, nrep, segs[s].count, scatter, avg, divisor, i, 0);
+      });
+}
+
 #define DENSE_KERNELS(T, NAME)                                                                   \
   extern "C" __global__ void walk_##NAME(const Seg* segs, const u64* ptrs, int nseg,         \
                                          int nrep, u64 total, T* fusion, int mode, int avg,  \
@@ -58,8 +107,14 @@ __device__ void add(T* dst, const T* src, u64 n) {
     walk<T>(segs, ptrs, nseg, nrep, total, fusion, mode, avg, divisor);                      \
   }                                                                                          \
   extern "C" __global__ void add_##NAME(T* dst, const T* src, u64 n) { add<T>(dst, src, n); } \
+  extern "C" __global__ void owned_##NAME(const Seg* segs, const u64* ptrs, int nseg,        \
+                                          int nrep, u64 total, int scatter, int avg,         \
+                                          double divisor) {                                  \
+    owned<T>(segs, ptrs, nseg, nrep, total, scatter, avg, divisor);                          \
+  }                                                                                          \
   DPSYNC_KERNEL(walk_##NAME)                                                                  \
-  DPSYNC_KERNEL(add_##NAME)
+  DPSYNC_KERNEL(add_##NAME)                                                                   \
+  DPSYNC_KERNEL(owned_##NAME)
 
 DENSE_KERNELS(float, f32)
 DENSE_KERNELS(double, f64)
