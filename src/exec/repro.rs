@@ -32,6 +32,9 @@ pub(super) struct Scratch {
     sums: Vec<i64>,
     /// The exponents as they cross the ranks, one byte each (every dtype but f64).
     narrow: Vec<u8>,
+    /// The host's threads for the kernels (`DPSYNC_HOST_THREADS` or the hardware's), read at
+    /// the context's first reproducible bucket; 0 before.
+    threads: usize,
 }
 
 /// Every replica of `site` ends with the reproducible sum of `bucket` over all replicas
@@ -103,9 +106,17 @@ unsafe fn pieces(
             return Ok(());
         }
     }
-    let threads = host_threads();
     let mut scratch = site.repro.lock();
-    let Scratch { exps, sums, narrow } = &mut *scratch;
+    if scratch.threads == 0 {
+        scratch.threads = host_threads();
+    }
+    let Scratch {
+        exps,
+        sums,
+        narrow,
+        threads,
+    } = &mut *scratch;
+    let threads = *threads;
     // Kept from bucket to bucket: fresh memory of this size would cost more in page faults
     // than the sums themselves.
     exps.clear();

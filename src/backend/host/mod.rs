@@ -370,21 +370,12 @@ impl Backend for HostBackend {
         }
         let replicas = bucket.segments.first().map_or(0, |s| s.ptrs.len());
         let bytes_per_element = bucket.dtype.size() * replicas * 2;
-        macro_rules! run {
-            ($t:ty) => {
-                self.for_each_span(bucket, bytes_per_element, |seg, start, len| unsafe {
-                    repro::reduce_span::<$t>(seg.ptrs, (members, members), start, len, avg)
-                })
-            };
-        }
-        match bucket.dtype {
-            DType::F32 => run!(f32),
-            DType::F64 => run!(f64),
-            DType::F16 => run!(f16),
-            DType::Bf16 => run!(bf16),
-            DType::I32 | DType::I64 => return self.reduce(0, members, bucket, avg),
-        }
-        Ok(())
+        repro::for_float!(bucket.dtype, T => {
+            self.for_each_span(bucket, bytes_per_element, |seg, start, len| unsafe {
+                repro::reduce_span::<T>(seg.ptrs, (members, members), start, len, avg)
+            });
+            Ok(())
+        }, _ => self.reduce(0, members, bucket, avg))
     }
 
     unsafe fn spread(&self, _group: usize, bucket: &BucketView<'_>, root: usize) -> Result<()> {

@@ -35,6 +35,33 @@ const NAN: i64 = 1 << 32;
 /// 1.41-1.46x the plain allreduce, 128 alike, 512 1.62x, 1024 1.66-1.89x (benches/repro.rs).
 const BLOCK: usize = 256;
 
+/// `$body` with `$t` naming the Rust type of a float `$dtype`; `$int` for the integer dtypes
+/// (their sums are exact without cutting).
+macro_rules! for_float {
+    ($dtype:expr, $t:ident => $body:expr, _ => $int:expr) => {
+        match $dtype {
+            DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            DType::F64 => {
+                type $t = f64;
+                $body
+            }
+            DType::F16 => {
+                type $t = half::f16;
+                $body
+            }
+            DType::Bf16 => {
+                type $t = half::bf16;
+                $body
+            }
+            DType::I32 | DType::I64 => $int,
+        }
+    };
+}
+pub(crate) use for_float;
+
 /// A floating-point dtype's bit layout.
 pub(crate) trait Cut: Copy + Default + Send + Sync + 'static {
     /// Explicit fraction bits.
@@ -291,13 +318,8 @@ pub(crate) unsafe fn reduce_ptrs(
 ) {
     let members: Vec<usize> = (0..ptrs.len()).collect();
     let mw = (&members[..], &[write][..]);
-    match dtype {
-        DType::F32 => reduce_span::<f32>(ptrs, mw, 0, len, avg),
-        DType::F64 => reduce_span::<f64>(ptrs, mw, 0, len, avg),
-        DType::F16 => reduce_span::<f16>(ptrs, mw, 0, len, avg),
-        DType::Bf16 => reduce_span::<bf16>(ptrs, mw, 0, len, avg),
-        DType::I32 | DType::I64 => unreachable!("integer sums are exact without cutting"),
-    }
+    for_float!(dtype, T => reduce_span::<T>(ptrs, mw, 0, len, avg),
+        _ => unreachable!("integer sums are exact without cutting"))
 }
 
 widest!(unsafe reduce_span_wide, reduce_span_any, (
