@@ -184,6 +184,16 @@ fn pointers(bufs: &mut [Vec<Vec<u64>>]) -> Vec<Vec<usize>> {
         .collect()
 }
 
+/// A bucket of SEGMENTS tensors over `ptrs[s][r]` ([`pointers`]).
+fn view_of(dtype: DType, ptrs: &[Vec<usize>]) -> BucketView<'_> {
+    BucketView {
+        dtype,
+        segments: (ptrs.iter().zip(SEGMENTS))
+            .map(|(p, count)| Segment { ptrs: p, count })
+            .collect(),
+    }
+}
+
 /// The host backend's allreduce of the same buffers (its own levels for host replicas).
 fn host_allreduce(dtype: DType, bufs: &mut [Vec<Vec<u64>>], op: ReduceOp) {
     let replicas = bufs.len();
@@ -192,14 +202,7 @@ fn host_allreduce(dtype: DType, bufs: &mut [Vec<Vec<u64>>], op: ReduceOp) {
     let levels = Levels::new(&Topology::from_options(&o).unwrap());
     let avg = (op == ReduceOp::Avg && replicas > 1).then_some(replicas);
     let ptrs = pointers(bufs);
-    let bucket = BucketView {
-        dtype,
-        segments: ptrs
-            .iter()
-            .zip(SEGMENTS)
-            .map(|(p, count)| Segment { ptrs: p, count })
-            .collect(),
-    };
+    let bucket = view_of(dtype, &ptrs);
     // SAFETY: every pointer holds its segment's elements.
     unsafe { HostBackend::new().reduce(0, &levels.groups[0], &bucket, avg) }.unwrap();
 }
@@ -268,12 +271,7 @@ fn one_gpu_reproducible_kernel_gives_the_host_bytes() {
             let mut host = dev.clone();
             let avg = (op == ReduceOp::Avg).then_some(replicas);
             let ptrs = pointers(&mut host);
-            let bucket = BucketView {
-                dtype,
-                segments: (ptrs.iter().zip(SEGMENTS))
-                    .map(|(p, count)| Segment { ptrs: p, count })
-                    .collect(),
-            };
+            let bucket = view_of(dtype, &ptrs);
             let members: Vec<usize> = (0..replicas).collect();
             // SAFETY: every pointer holds its segment's elements.
             unsafe { HostBackend::new().reduce_reproducible(&members, &bucket, avg) }.unwrap();
@@ -281,7 +279,7 @@ fn one_gpu_reproducible_kernel_gives_the_host_bytes() {
             let total: usize = SEGMENTS.iter().sum();
             let (nseg, null) = (SEGMENTS.len(), std::ptr::null_mut());
             let table = table.as_ptr() as u64;
-            k.reproducible(null, dtype, table, nseg, replicas, total, avg)
+            k.reproducible(null, dtype, table, (nseg, replicas, total), avg)
                 .unwrap();
             assert!(
                 snapshot(dtype, &dev) == snapshot(dtype, &host),
@@ -305,12 +303,7 @@ fn one_gpu_shard_kernels_give_the_host_bytes_for_every_dtype() {
                 let mut dev = bucket_buffers(dtype, replicas);
                 let mut host = dev.clone();
                 let ptrs = pointers(&mut host);
-                let bucket = BucketView {
-                    dtype,
-                    segments: (ptrs.iter().zip(SEGMENTS))
-                        .map(|(p, count)| Segment { ptrs: p, count })
-                        .collect(),
-                };
+                let bucket = view_of(dtype, &ptrs);
                 let h = HostBackend::new();
                 // SAFETY: every pointer holds its segment's elements.
                 unsafe {

@@ -237,100 +237,88 @@ impl Kernels {
         mode: Walk,
         divisor: Option<usize>,
     ) -> Result<()> {
+        let (mut fusion, mut mode_i) = (fusion, mode as i32);
+        let between = [arg(&mut fusion), arg(&mut mode_i)];
+        let f = self.walk[slot(dtype)];
+        let dims = (nseg, nrep, total);
+        self.launch_table(f, stream, (table, dims), &between, divisor, "walk")
+    }
+
+    /// Launches `f`, a kernel over a segment table (`segs, ptrs, nseg, nrep, total`, then
+    /// `between`, then `avg, divisor`) of `total` elements, on `stream`. `between` points at
+    /// the caller's arguments, which outlive the launch.
+    fn launch_table(
+        &self,
+        f: sys::CUfunction,
+        stream: sys::CUstream,
+        (table, (nseg, nrep, total)): (sys::CUdeviceptr, (usize, usize, usize)),
+        between: &[*mut std::ffi::c_void],
+        divisor: Option<usize>,
+        name: &str,
+    ) -> Result<()> {
         let mut segs = table;
         let mut ptrs = table + (nseg * 16) as u64;
         let mut nseg_i = nseg as i32;
         let mut nrep_i = nrep as i32;
         let mut total_u = total as u64;
-        let mut fusion = fusion;
-        let mut mode_i = mode as i32;
         let mut avg = i32::from(divisor.is_some());
         let mut div = divisor.unwrap_or(1) as f64;
-        let mut params = [
+        // At most two in between (walk's): a fixed array, no allocation per launch.
+        let mut params = [std::ptr::null_mut(); 9];
+        let head = [
             arg(&mut segs),
             arg(&mut ptrs),
             arg(&mut nseg_i),
             arg(&mut nrep_i),
             arg(&mut total_u),
-            arg(&mut fusion),
-            arg(&mut mode_i),
-            arg(&mut avg),
-            arg(&mut div),
         ];
+        let n = head.len() + between.len() + 2;
+        params[..5].copy_from_slice(&head);
+        params[5..5 + between.len()].copy_from_slice(between);
+        params[n - 2] = arg(&mut avg);
+        params[n - 1] = arg(&mut div);
         let grid = self.grid(total, CHUNK);
-        self.launch(self.walk[slot(dtype)], grid, stream, &mut params, "walk")
+        self.launch(f, grid, stream, &mut params[..n], name)
     }
 
-    /// The reproducible sum (kernels/dense.cu `repro`) of `nrep` replicas of a table over
-    /// `total` elements of an F32 or F64 bucket into every replica, divided by `divisor`, on
-    /// `stream` (the context is current).
-    #[allow(clippy::too_many_arguments)]
+    /// The reproducible sum (kernels/dense.cu `repro`) of `nrep` replicas of a table of `nseg`
+    /// segments over `total` elements (`dims`) of an F32 or F64 bucket into every replica,
+    /// divided by `divisor`, on `stream` (the context is current).
     pub fn reproducible(
         &self,
         stream: sys::CUstream,
         dtype: DType,
         table: sys::CUdeviceptr,
-        nseg: usize,
-        nrep: usize,
-        total: usize,
+        dims: (usize, usize, usize),
         divisor: Option<usize>,
     ) -> Result<()> {
         let f = self.named("repro", dtype)?;
-        let mut segs = table;
-        let mut ptrs = table + (nseg * 16) as u64;
-        let mut nseg_i = nseg as i32;
-        let mut nrep_i = nrep as i32;
-        let mut total_u = total as u64;
-        let mut avg = i32::from(divisor.is_some());
-        let mut div = divisor.unwrap_or(1) as f64;
-        let mut params = [
-            arg(&mut segs),
-            arg(&mut ptrs),
-            arg(&mut nseg_i),
-            arg(&mut nrep_i),
-            arg(&mut total_u),
-            arg(&mut avg),
-            arg(&mut div),
-        ];
-        let grid = self.grid(total, CHUNK);
-        self.launch(f, grid, stream, &mut params, "repro")
+        self.launch_table(f, stream, (table, dims), &[], divisor, "repro")
     }
 
-    /// The shards of `nrep` replicas of a table over `total` elements (kernels/dense.cu
-    /// `owned`): with `scatter`, each replica's piece of every segment := the sum over the
+    /// The shards of `nrep` replicas of a table of `nseg` segments over `total` elements
+    /// (`dims`; kernels/dense.cu `owned`): with `scatter`, each replica's piece of every segment := the sum over the
     /// replicas (walk's order), divided by `divisor`; otherwise each owner's piece copied to
     /// the other replicas. On `stream` (the context is current).
-    #[allow(clippy::too_many_arguments)]
     pub fn owned(
         &self,
         stream: sys::CUstream,
         dtype: DType,
         table: sys::CUdeviceptr,
-        (nseg, nrep, total): (usize, usize, usize),
+        dims: (usize, usize, usize),
         scatter: bool,
         divisor: Option<usize>,
     ) -> Result<()> {
         let f = self.named("owned", dtype)?;
-        let mut segs = table;
-        let mut ptrs = table + (nseg * 16) as u64;
-        let mut nseg_i = nseg as i32;
-        let mut nrep_i = nrep as i32;
-        let mut total_u = total as u64;
         let mut scatter_i = i32::from(scatter);
-        let mut avg = i32::from(divisor.is_some());
-        let mut div = divisor.unwrap_or(1) as f64;
-        let mut params = [
-            arg(&mut segs),
-            arg(&mut ptrs),
-            arg(&mut nseg_i),
-            arg(&mut nrep_i),
-            arg(&mut total_u),
-            arg(&mut scatter_i),
-            arg(&mut avg),
-            arg(&mut div),
-        ];
-        let grid = self.grid(total, CHUNK);
-        self.launch(f, grid, stream, &mut params, "owned")
+        self.launch_table(
+            f,
+            stream,
+            (table, dims),
+            &[arg(&mut scatter_i)],
+            divisor,
+            "owned",
+        )
     }
 
     /// `dst[i] += src[i]` for `n` elements on `stream` (the context is current).

@@ -142,8 +142,7 @@ impl CudaBackend {
         }
         let table = self.table(g, bucket, Members::All)?;
         let _bound = g.ctx.bind()?;
-        let (nseg, total) = (bucket.segments.len(), bucket.elements());
-        let dims = (nseg, nrep, total);
+        let dims = (bucket.segments.len(), nrep, bucket.elements());
         (g.kernels).owned(g.stream.0, bucket.dtype, table, dims, scatter, avg)
     }
 }
@@ -205,16 +204,8 @@ impl Backend for CudaBackend {
         }
         let table = self.table(g, bucket, Members::All)?;
         let _bound = g.ctx.bind()?;
-        let (nseg, total) = (bucket.segments.len(), bucket.elements());
-        (g.kernels).reproducible(
-            g.stream.0,
-            bucket.dtype,
-            table,
-            nseg,
-            g.local.len(),
-            total,
-            avg,
-        )
+        let dims = (bucket.segments.len(), g.local.len(), bucket.elements());
+        (g.kernels).reproducible(g.stream.0, bucket.dtype, table, dims, avg)
     }
 
     unsafe fn spread(&self, group: usize, bucket: &BucketView<'_>, root: usize) -> Result<()> {
