@@ -235,6 +235,9 @@ fn shards(world: &SimpleCommunicator, rank0: bool, quick: bool) {
         check(unsafe { dpsync_allgather(ctx.0, PARAM) });
     };
     let allreduce = || check(ctx.allreduce_grads(SUM));
+    // SAFETY (both): as above.
+    let scatter = || check(unsafe { dpsync_reduce_scatter_grads(ctx.0, SUM) });
+    let gather = || check(unsafe { dpsync_allgather(ctx.0, PARAM) });
     // Raw MPI: this rank's n / ranks of the summed gradient, then every rank's piece of the
     // parameter gathered whole.
     let piece = n / ranks;
@@ -252,6 +255,7 @@ fn shards(world: &SimpleCommunicator, rank0: bool, quick: bool) {
     };
     let (t_dpsync, t_allreduce) = timed(world, reps, scatter_gather, allreduce);
     let (t_dpsync2, t_raw) = timed(world, reps, scatter_gather, &mut raw_pair);
+    let (t_scatter, t_gather) = timed(world, reps, scatter, gather);
     if rank0 {
         println!(
             "shards, {ranks} ranks x 1 replica, {} MiB f32: reduce_scatter + allgather {:.2} ms | allreduce_grads {:.2} ms | raw MPI_Reduce_scatter_block + MPI_Allgather {:.2} ms (dpsync beside it: {:.2} ms) | ratios {:.2} to allreduce_grads (target <= 1.1), {:.2} to raw MPI (target <= 1.1)",
@@ -262,6 +266,11 @@ fn shards(world: &SimpleCommunicator, rank0: bool, quick: bool) {
             ms(t_dpsync2),
             t_dpsync.as_secs_f64() / t_allreduce.as_secs_f64(),
             t_dpsync2.as_secs_f64() / t_raw.as_secs_f64()
+        );
+        println!(
+            "shards, the pair's halves: reduce_scatter_grads {:.2} ms | allgather(PARAM) {:.2} ms",
+            ms(t_scatter),
+            ms(t_gather)
         );
     }
 }

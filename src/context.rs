@@ -401,6 +401,11 @@ impl Context {
             None => split?,
         };
         let started = self.take_started();
+        // Buckets reduce-scattered early that an allreduce step completes.
+        let scattered = match shape {
+            Shape::Allreduce => self.early_scattered(&plan, &tensors),
+            Shape::ReduceScatter => Vec::new(),
+        };
         let buckets: Cow<'_, [Bucket]> = if left.len() == plan.buckets.len() {
             Cow::Borrowed(&plan.buckets)
         } else {
@@ -421,7 +426,7 @@ impl Context {
             };
             // SAFETY: registered memory stays valid while registered (the C contract).
             let dense = self
-                .finish_world_buckets(started, &snapshot.tensors, &plan)
+                .finish_world_buckets(started, &snapshot.tensors, (&plan, shape))
                 .and_then(|()| unsafe {
                     match shape {
                         Shape::Allreduce => (self.executor).allreduce_buckets(
@@ -439,7 +444,14 @@ impl Context {
                             self.place(),
                         ),
                     }
-                    .and_then(|()| self.executor.divide(&summed, self.divisor()))
+                    .and_then(|()| match scattered.is_empty() {
+                        true => Ok(()),
+                        false => self.gather_pieces(&scattered),
+                    })
+                    .and_then(|()| {
+                        let scatter = (shape == Shape::ReduceScatter).then(|| self.place());
+                        self.executor.divide(&summed, self.divisor(), scatter)
+                    })
                 });
             if let Err(e) = dense {
                 // Queued copies may still write the new outputs: freed when they are done.

@@ -18,6 +18,8 @@ mod common {
     pub mod cuda_context;
     pub mod float16;
     pub mod lcg;
+    #[cfg(feature = "mpi")]
+    pub mod mpi;
     pub mod place;
     pub mod skip;
 }
@@ -126,6 +128,18 @@ fn train(
     steps: usize,
 ) -> (Vec<Vec<u8>>, Vec<usize>) {
     let ctx = context(place, "zero1_gives_the_bytes_of_allreduce", replicas);
+    train_in(&ctx, place, (replicas, 0), sharded, steps)
+}
+
+/// [`train`] in `ctx`, whose `replicas` local replicas are world replicas `offset..` (their
+/// gradients).
+fn train_in(
+    ctx: &Context,
+    place: &Place,
+    (replicas, offset): (usize, usize),
+    sharded: bool,
+    steps: usize,
+) -> (Vec<Vec<u8>>, Vec<usize>) {
     let init = |t: usize, n: usize| -> Vec<f32> {
         (0..n).map(|i| (i % 5) as f32 * 0.01 + t as f32).collect()
     };
@@ -156,7 +170,7 @@ fn train(
     }
     // Optimizer state per (tensor, replica): for the owned piece only when sharded.
     let piece = |t: usize, r: usize| match sharded {
-        true => shard_of(&ctx, &format!("p{t}"), r),
+        true => shard_of(ctx, &format!("p{t}"), r),
         false => (0, SIZES[t]),
     };
     let mut state: Vec<Vec<(Vec<f32>, Vec<f32>)>> = (0..SIZES.len())
@@ -169,16 +183,16 @@ fn train(
     for s in 0..steps {
         for (t, &n) in SIZES.iter().enumerate() {
             for r in 0..replicas {
-                grads[t][r].write(&bytes_of(&grad(s, r, t, n)));
+                grads[t][r].write(&bytes_of(&grad(s, offset + r, t, n)));
             }
         }
         let st = if sharded {
-            reduce_scatter(&ctx, AVG)
+            reduce_scatter(ctx, AVG)
         } else {
             ctx.allreduce_grads(AVG)
         };
         check(st, "gradient step");
-        settle(place, &ctx);
+        settle(place, ctx);
         for t in 0..SIZES.len() {
             for r in 0..replicas {
                 let g = f32s(&grads[t][r].read());
@@ -190,8 +204,8 @@ fn train(
             }
         }
         if sharded {
-            check(allgather(&ctx, PARAM), "allgather");
-            settle(place, &ctx);
+            check(allgather(ctx, PARAM), "allgather");
+            settle(place, ctx);
         }
     }
     let finals = (0..replicas)
@@ -398,21 +412,241 @@ fn bad_input_gets_its_status_and_changes_nothing() {
         last_error()
     );
     check(ctx.allreduce_grads(SUM), "the step ends");
-    // After a reduce-scatter step nothing starts early, so the next one may be either.
+    // After a reduce-scatter step early buckets reduce-scatter (onto the owned pieces alone),
+    // and either call may end the step: an allreduce gathers their pieces.
+    let scattered = [vec![4.0, 4.0, 1.0, 1.0, 1.0], vec![3.0, 3.0, 4.0, 4.0, 4.0]];
     refill(&mut g);
     check(reduce_scatter(&ctx, SUM), "reduce-scatter");
-    assert_eq!(
-        g,
-        [vec![4.0, 4.0, 1.0, 1.0, 1.0], vec![3.0, 3.0, 4.0, 4.0, 4.0]]
-    );
-    for r in 0..2 {
-        check(ctx.grad_ready("g", r), "grad_ready");
+    assert_eq!(g, scattered);
+    for end_with_allreduce in [false, true] {
+        refill(&mut g);
+        for r in 0..2 {
+            check(ctx.grad_ready("g", r), "grad_ready");
+        }
+        assert_eq!(
+            ctx.describe_json()["overlap"]["buckets_reduced_early_this_step"],
+            1
+        );
+        assert_eq!(g, scattered, "reduce-scattered by grad_ready");
+        match end_with_allreduce {
+            false => {
+                check(reduce_scatter(&ctx, SUM), "reduce-scatter after marks");
+                assert_eq!(g, scattered);
+            }
+            true => {
+                check(ctx.allreduce_grads(SUM), "allreduce after marks");
+                assert_eq!(g, [vec![4.0; 5], vec![4.0; 5]]);
+            }
+        }
     }
-    assert_eq!(
-        ctx.describe_json()["overlap"]["buckets_reduced_early_this_step"],
-        0
-    );
-    check(reduce_scatter(&ctx, SUM), "reduce-scatter after marks");
     check(allgather(&ctx, GRAD), "allgather");
     assert_eq!(g[0], g[1]);
+}
+
+/// Worlds of one host replica per rank (the engine's own reduce-scatter and allgather, straight
+/// from and into the tensors; `scripts/test.sh` runs this under the MPI build), 1 to 4 ranks:
+/// ZeRO-1 gives the bytes of allreduce; every dtype, SUM and AVG, with and without reproducible
+/// sums, small buckets (one MPI allreduce per piece) and large ones (the ring through shared
+/// memory): the owned pieces hold what allreduce_grads gives, every other element stays, and
+/// allgather gives every rank the owners' pieces.
+#[cfg(feature = "mpi")]
+mod world {
+    use super::*;
+    use common::mpi::{as_rank, launch, under_mpirun};
+
+    #[test]
+    fn shards_across_ranks_of_one_replica_each() {
+        if under_mpirun() {
+            return;
+        }
+        for ranks in [1, 2, 3, 4] {
+            launch("world::world_body", ranks, 300, None);
+        }
+    }
+
+    fn world_context(reproducible: bool) -> Context {
+        world_context_fused(reproducible, None)
+    }
+
+    fn world_context_fused(reproducible: bool, fusion: Option<usize>) -> Context {
+        let o = Options::host(1);
+        o.set_timeout_ms(60_000);
+        if let Some(bytes) = fusion {
+            o.set_fusion_bytes(bytes);
+        }
+        // SAFETY: valid options; NULL is MPI_COMM_WORLD.
+        unsafe {
+            check(
+                dpsync_options_set_world_mpi(o.0, ptr::null()),
+                "set_world_mpi",
+            );
+            check(
+                dpsync_options_set_reproducible(o.0, reproducible),
+                "set_reproducible",
+            );
+        }
+        Context::new(&o)
+    }
+
+    /// Rank `r`'s element `i` of a gradient: sums that round (so that the summation order
+    /// shows), small integers for integer dtypes.
+    fn inexact(dtype: DType, r: usize, i: usize) -> f64 {
+        value(dtype, r, i)
+            + match dtype {
+                DType::I32 | DType::I64 => 0.0,
+                _ => 0.013 * (r + 1) as f64 + 1e-3 * (i % 11) as f64,
+            }
+    }
+
+    /// Registers tensors of `counts` elements as `role` (`prefix` names them) filled by
+    /// `fill(t, i)`; their memory.
+    fn tensors(
+        ctx: &Context,
+        dtype: DType,
+        (role, prefix): (u32, &str),
+        counts: &[usize],
+        fill: impl Fn(usize, usize) -> f64,
+    ) -> Vec<Vec<u8>> {
+        let mut mems: Vec<Vec<u8>> = (counts.iter().enumerate())
+            .map(|(t, &n)| encode(dtype, &(0..n).map(|i| fill(t, i)).collect::<Vec<_>>()))
+            .collect();
+        for (t, m) in mems.iter_mut().enumerate() {
+            let st = register_raw(
+                ctx.0,
+                &format!("{prefix}{t}"),
+                role,
+                0,
+                m.as_mut_ptr().cast(),
+                counts[t],
+                dtype.code(),
+            );
+            check(st, "register");
+        }
+        mems
+    }
+
+    /// Buckets started early (`dpsync_grad_ready`, every gradient marked from the second step
+    /// on) serve an allreduce step and a reduce-scatter step alike, whatever the previous step
+    /// was: the bytes of the same steps without marks.
+    fn overlap_serves_either_step(rank: usize, ranks: usize) {
+        let counts = [40_000usize, 3, 20_001, 7];
+        let shapes = [false, true, true, false, true, false, false, true];
+        let fusion = Some(64 << 10);
+        let (marked, plain) = (
+            world_context_fused(false, fusion),
+            world_context_fused(false, fusion),
+        );
+        let value = |step: usize, t: usize, i: usize| inexact(DType::F32, rank + step, i + t);
+        let mut a = tensors(&marked, DType::F32, (GRAD, "g"), &counts, |t, i| {
+            value(0, t, i)
+        });
+        let mut b = tensors(&plain, DType::F32, (GRAD, "g"), &counts, |t, i| {
+            value(0, t, i)
+        });
+        for (step, &scatter) in shapes.iter().enumerate() {
+            let tag = format!("rank {rank} of {ranks}: overlap step {step} (scatter {scatter})");
+            for (t, &n) in counts.iter().enumerate() {
+                let v = encode(
+                    DType::F32,
+                    &(0..n).map(|i| value(step, t, i)).collect::<Vec<_>>(),
+                );
+                a[t].copy_from_slice(&v);
+                b[t].copy_from_slice(&v);
+            }
+            if step > 0 {
+                for t in (0..counts.len()).rev() {
+                    check(marked.grad_ready(&format!("g{t}"), 0), &tag);
+                }
+                let early = marked.describe_json()["overlap"]["buckets_reduced_early_this_step"]
+                    .as_u64()
+                    .unwrap();
+                assert!(early > 0, "{tag}: nothing started early");
+            }
+            for ctx in [&marked, &plain] {
+                let st = match scatter {
+                    true => reduce_scatter(ctx, AVG),
+                    false => ctx.allreduce_grads(AVG),
+                };
+                check(st, &tag);
+            }
+            assert_eq!(a, b, "{tag}");
+        }
+    }
+
+    #[test]
+    fn world_body() {
+        let Some((rank, ranks)) = as_rank("world_body") else {
+            return;
+        };
+        let tag = |what: &str| format!("rank {rank} of {ranks}: {what}");
+        // ZeRO-1 across the ranks: the reduce-scatter's sums are the allreduce's (one ring),
+        // so the parameters are byte-identical here too.
+        let (plain, _) = train_in(&world_context(false), &Place::Host, (1, rank), false, 5);
+        let (zero, kept) = train_in(&world_context(false), &Place::Host, (1, rank), true, 5);
+        assert_eq!(zero, plain, "{}", tag("ZeRO-1 against allreduce"));
+        let total: usize = SIZES.iter().sum::<usize>() * 2;
+        assert!(
+            kept[0] * ranks <= total + 2 * SIZES.len() * ranks,
+            "{}",
+            tag(&format!("optimizer state {kept:?} of {total}"))
+        );
+        overlap_serves_either_step(rank, ranks);
+        for counts in [vec![13usize, 2, 5], vec![40_000, 3, 20_001]] {
+            for dtype in DType::ALL {
+                for (op, reproducible) in [(SUM, false), (AVG, false), (AVG, true)] {
+                    let what = format!("{dtype:?} op {op} reproducible {reproducible}, {counts:?}");
+                    let reduced = |sharded: bool| {
+                        let ctx = world_context(reproducible);
+                        let mut g = tensors(&ctx, dtype, (GRAD, "g"), &counts, |t, i| {
+                            inexact(dtype, rank, i + t)
+                        });
+                        let st = match sharded {
+                            true => reduce_scatter(&ctx, op),
+                            false => ctx.allreduce_grads(op),
+                        };
+                        check(st, &tag(&what));
+                        drop(ctx);
+                        std::mem::take(&mut g)
+                    };
+                    let (whole, sharded) = (reduced(false), reduced(true));
+                    let size = dtype.size();
+                    for (t, &n) in counts.iter().enumerate() {
+                        let before: Vec<f64> =
+                            (0..n).map(|i| inexact(dtype, rank, i + t)).collect();
+                        let before = encode(dtype, &before);
+                        let (at, k) = (n * rank / ranks, n * (rank + 1) / ranks - n * rank / ranks);
+                        let (lo, hi) = (at * size, (at + k) * size);
+                        let tag = tag(&format!("{what}: g{t}"));
+                        assert_eq!(sharded[t][lo..hi], whole[t][lo..hi], "{tag}: owned");
+                        assert_eq!(sharded[t][..lo], before[..lo], "{tag}: before the piece");
+                        assert_eq!(sharded[t][hi..], before[hi..], "{tag}: after the piece");
+                    }
+                }
+                // Allgather: each rank fills its pieces (the rest with its own rank's
+                // values); every rank ends with every owner's.
+                let ctx = world_context(false);
+                let mark = |r: usize, t: usize, i: usize| ((r * 7 + t * 3 + i) % 13) as f64;
+                let p = tensors(&ctx, dtype, (PARAM, "p"), &counts, |t, i| {
+                    let at = counts[t] * rank / ranks;
+                    let end = counts[t] * (rank + 1) / ranks;
+                    match (at..end).contains(&i) {
+                        true => mark(rank, t, i),
+                        false => mark(rank, t, i) + 1.0,
+                    }
+                });
+                check(allgather(&ctx, PARAM), &tag("allgather"));
+                drop(ctx);
+                for (t, &n) in counts.iter().enumerate() {
+                    let owner = |i: usize| (0..ranks).find(|&w| i < n * (w + 1) / ranks).unwrap();
+                    let want: Vec<f64> = (0..n).map(|i| mark(owner(i), t, i)).collect();
+                    assert_eq!(
+                        p[t],
+                        encode(dtype, &want),
+                        "{}",
+                        tag(&format!("allgather {dtype:?}, p{t} of {n}"))
+                    );
+                }
+            }
+        }
+    }
 }

@@ -3,7 +3,8 @@
 //! common/world_calls.rs's, shared with the CUDA form (tests/world_random_cuda.rs).
 //!
 //! `random_calls_across_ranks` runs `random_body` under `mpirun -n 2` (1 and 2 host replicas)
-//! and `-n 3` (3, 1 and 2). Every rank draws the same calls from each seed: registrations of
+//! and `-n 3` (3, 1 and 2); every third seed puts one replica on every rank (the engine's own
+//! reduce-scatter and allgather, early buckets serving either gradient step). Every rank draws the same calls from each seed: registrations of
 //! every dtype and role, sparse gradients and their slices, `dpsync_grad_ready` marks, the
 //! collectives, reduce-scatter steps and allgathers, and per seed the reproducible-sum option. Now and then one rank deviates (another op, name, root, roles or call, an
 //! invalid argument, registrations of its own, a bad sparse index). The model

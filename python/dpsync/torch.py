@@ -314,9 +314,9 @@ class ShardedOptimizer:
     ends with the parameters that ``ctx.allreduce_grads(op)`` and the whole optimizer give, byte
     for byte in one process, as long as the optimizer's update is elementwise (SGD, Adam,
     AdamW, RMSprop, ...; not LAMB-like per-tensor norms, nor an optimizer that needs a
-    closure). ``register_modules(..., overlap=True)`` gains nothing here: the buckets that
-    backward may start early follow the previous step's call, and after a reduce-scatter none
-    starts (dpsync_reduce_scatter_grads in include/dpsync.h).
+    closure). With ``register_modules(..., overlap=True)`` the buckets backward finishes are
+    reduce-scattered while it runs, from the second step on (they follow the previous step's
+    call: dpsync_reduce_scatter_grads in include/dpsync.h).
     """
 
     def __init__(

@@ -137,7 +137,7 @@ def test_sharded_matches_the_whole_optimizer(optimizer_class, defaults, op, set_
 
 
 def test_overlap_registration():
-    """grad_ready hooks run, nothing is reduced early after a reduce-scatter, the result is the same."""
+    """grad_ready hooks run, buckets are reduce-scattered early after the first step, the result is the same."""
     data = batches(steps=3)
     whole, _, _ = run_whole(torch.optim.Adam, {"lr": 0.01}, data, "avg", True)
     models = replicas()
@@ -145,7 +145,7 @@ def test_overlap_registration():
         dt.register_modules(ctx, models, overlap=True)
         sharded = dt.ShardedOptimizer(ctx, models, torch.optim.Adam, lr=0.01)
         train(models, sharded.zero_grad, sharded.step, data, "avg")
-        assert ctx.describe()["overlap"]["buckets_reduced_early_last_step"] == 0
+        assert ctx.describe()["overlap"]["buckets_reduced_early_last_step"] > 0
     assert differences(whole, models) == []
 
 

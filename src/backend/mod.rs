@@ -548,6 +548,40 @@ pub(crate) trait Ranks: Send {
         avg: Option<usize>,
     ) -> Result<bool>;
 
+    /// A reduce-scatter: as [`Ranks::allreduce`] of one contribution per segment (or, with
+    /// `reproducible`, as [`Ranks::allreduce_reproducible`]), but only elements `owned[s]` =
+    /// `(first, count)` of each segment `s` are written, with the bytes the allreduce would
+    /// write there; nothing else of the segments is written. The engine may read and write
+    /// less than an allreduce does (through shared memory it copies out the owned elements
+    /// alone). `false` (nothing moved) only with `reproducible`, where
+    /// [`Ranks::allreduce_reproducible`] would be `false`, alike on every rank.
+    ///
+    /// # Safety
+    /// As for [`Ranks::allreduce`].
+    unsafe fn reduce_scatter(
+        &self,
+        channel: Channel,
+        data: (DType, &[Segment<'_>], &[(usize, usize)]),
+        avg: Option<usize>,
+        reproducible: bool,
+    ) -> Result<bool>;
+
+    /// An allgather of owned ranges: every span `s` (`(ptr, bytes)`, alike in size on every
+    /// rank) gets each rank `r`'s bytes `owned(s, r)` = `(offset, bytes)` (the ranks' ranges
+    /// disjoint, alike on every rank); this rank's own ranges are only read. One exchange:
+    /// every rank's owned bytes in one [`Ranks::allgather_spans`], each rank's unpacked into
+    /// its ranges; an engine may do better (through shared memory, one copy each way).
+    ///
+    /// # Safety
+    /// Every span is valid for its bytes in host memory.
+    unsafe fn allgather_owned(
+        &self,
+        spans: &[(usize, usize)],
+        owned: &dyn Fn(usize, usize) -> (usize, usize),
+    ) -> Result<()> {
+        allgather_packed(self, spans, owned)
+    }
+
     /// Every element of `data` := its maximum over the ranks: unsigned integers of one byte,
     /// or of two in native order with `wide` (the exponents of reproducible sums,
     /// exec/repro.rs). One message per piece, on `channel`.
@@ -581,11 +615,13 @@ pub(crate) trait Ranks: Send {
     /// The step of a started transfer agreed ([`Ranks::finish`] will write its result): its
     /// pieces completing from now on may be written into the outputs at once. Called for
     /// every started transfer of the step before the first is finished, so that the later
-    /// buckets' results land in place while the earlier are finished.
+    /// buckets' results land in place while the earlier are finished. With `owned` (the step
+    /// is a reduce-scatter), only elements `owned[s]` = `(first, count)` of each segment are
+    /// written, as [`Ranks::reduce_scatter`] writes them: a started bucket serves either step.
     ///
     /// # Safety
     /// As for [`Ranks::finish`] with `write`.
-    unsafe fn release(&self, ticket: &Ticket);
+    unsafe fn release(&self, ticket: &Ticket, owned: Option<&[(usize, usize)]>);
 
     /// Lets started transfers advance without waiting (issuing the next pieces as others
     /// complete): an MPI moves a non-blocking collective only inside its calls, so
@@ -618,6 +654,40 @@ pub(crate) trait Ranks: Send {
         }
         self.allgather(&mine)
     }
+}
+
+/// [`Ranks::allgather_owned`] as one [`Ranks::allgather_spans`] of every rank's owned bytes,
+/// each rank's unpacked into its ranges: any engine's way.
+///
+/// # Safety
+/// As for [`Ranks::allgather_owned`].
+pub(crate) unsafe fn allgather_packed(
+    ranks: &(impl Ranks + ?Sized),
+    spans: &[(usize, usize)],
+    owned: &dyn Fn(usize, usize) -> (usize, usize),
+) -> Result<()> {
+    let me = ranks.rank();
+    let range = |s: usize, r: usize| {
+        let (offset, bytes) = owned(s, r);
+        (spans[s].0 + offset, bytes)
+    };
+    let mine: Vec<(usize, usize)> = (0..spans.len()).map(|s| range(s, me)).collect();
+    let all = ranks.allgather_spans(&mine)?;
+    for (r, bytes) in all.iter().enumerate().filter(|&(r, _)| r != me) {
+        let mut at = 0;
+        for s in 0..spans.len() {
+            let (ptr, n) = range(s, r);
+            let Some(part) = bytes.get(at..at + n) else {
+                return Err(Error::inconsistent(format!(
+                    "dpsync_allgather: rank {r} sent {} bytes, fewer than the pieces it owns",
+                    bytes.len()
+                )));
+            };
+            std::ptr::copy_nonoverlapping(part.as_ptr(), ptr as *mut u8, n);
+            at += n;
+        }
+    }
+    Ok(())
 }
 
 /// Which of the engine's channels a transfer goes on: the collectives', or the gradient

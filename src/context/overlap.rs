@@ -20,6 +20,13 @@
 //! clique (unpacked by `allreduce_grads`), and since the clique carries every collective,
 //! others are refused while a step's buckets are in flight (`check_nothing_in_flight`).
 //!
+//! Shapes: early buckets take the previous gradient step's shape as they take its op. In one
+//! process, after a reduce-scatter step they reduce-scatter (an allreduce step then gathers
+//! their pieces: the same bytes); after an allreduce step they reduce whole, and a
+//! reduce-scatter step is refused. In a world of one host replica per rank a started bucket
+//! writes nothing until the step agreed, so it serves either shape; in other worlds after a
+//! reduce-scatter step nothing starts early.
+//!
 //! Marks belong to one plan: registrations that would change the buckets are refused while a
 //! bucket of the step has been reduced early (they would reduce it twice or not at all), and
 //! merely make the next mark forget the old ones otherwise (those buckets are then reduced by
@@ -56,8 +63,12 @@ pub(super) struct Overlap {
     missing: Vec<usize>,
     /// Per bucket: reduced by `grad_ready` this step, with `op`.
     reduced: Vec<bool>,
-    /// The op of the last successful `allreduce_grads`: what early buckets use.
+    /// The op of the last successful gradient step: what early buckets use (None: nothing
+    /// starts early).
     op: Option<ReduceOp>,
+    /// The last successful gradient step was a reduce-scatter: in one process, early buckets
+    /// reduce-scatter too (they write at once).
+    scatter: bool,
     /// Buckets reduced early in the last completed step, for `describe`.
     last_step_early: usize,
     /// In a world: the transfers of buckets `0..started.len()` of this step, started early in
@@ -115,6 +126,7 @@ impl Overlap {
         );
         *self = Overlap {
             op: self.op,
+            scatter: self.scatter,
             last_step_early: self.last_step_early,
             agreed: self.agreed,
             ..Overlap::default()
@@ -191,10 +203,18 @@ impl Context {
                 tensors: (0..tensors.len()).collect(),
                 ..planned.clone()
             };
+            let divisor = self.divisor();
             // SAFETY: registered memory stays valid while registered (the C contract).
             unsafe {
-                self.executor
-                    .allreduce_early(&bucket, &tensors, op, self.divisor())?
+                match self.overlap.scatter {
+                    false => (self.executor).allreduce_early(&bucket, &tensors, op, divisor)?,
+                    true => (self.executor).reduce_scatter_early(
+                        &bucket,
+                        &tensors,
+                        op,
+                        (divisor, self.place()),
+                    )?,
+                }
             };
             self.overlap.reduced[b] = true;
         }
@@ -324,24 +344,51 @@ impl Context {
         self.split_buckets(plan, tensors, op)
     }
 
-    /// Worlds, `allreduce_grads` agreed: the early transfers' results written (in bucket order),
-    /// `started` being the step's ([`Context::take_started`]).
+    /// Worlds, the gradient step (`shape`) agreed: the early transfers' results written (in
+    /// bucket order; a reduce-scatter's into the owned pieces alone), `started` being the
+    /// step's ([`Context::take_started`]).
     pub(super) fn finish_world_buckets(
         &self,
         started: Vec<Ticket>,
         all: &[TensorView],
-        plan: &Plan,
+        (plan, shape): (&Plan, Shape),
     ) -> Result<()> {
-        for ticket in &started {
+        let scatter = (shape == Shape::ReduceScatter).then(|| self.place());
+        for (b, ticket) in started.iter().enumerate() {
+            let (bucket, tensors) = own_bucket(&plan.buckets[b], all);
             // SAFETY: as in start_world_buckets; every one is finished below.
-            unsafe { self.executor.release_early(ticket) };
+            unsafe { (self.executor).release_early(ticket, (&bucket, &tensors), scatter) };
         }
         for (b, ticket) in started.into_iter().enumerate() {
             let (bucket, tensors) = own_bucket(&plan.buckets[b], all);
             // SAFETY: as in start_world_buckets.
-            unsafe { self.executor.finish_early((b, &bucket), &tensors, ticket)? };
+            unsafe { (self.executor).finish_early((b, &bucket), &tensors, ticket, scatter)? };
         }
         Ok(())
+    }
+
+    /// Whether this step's early buckets reduce-scatter (one process, after a reduce-scatter
+    /// step).
+    pub(super) fn overlap_scatters(&self) -> bool {
+        self.overlap.scatter
+    }
+
+    /// One process, an allreduce step: the tensors of the buckets `dpsync_grad_ready`
+    /// reduce-scattered this step, which the step completes with an allgather (a
+    /// reduce-scatter sums as allreduce does, so the bytes are the allreduce's).
+    pub(super) fn early_scattered<'s>(
+        &self,
+        plan: &Arc<Plan>,
+        tensors: &[&'s TensorView],
+    ) -> Vec<&'s TensorView> {
+        let current = (self.overlap.plan.as_ref()).is_some_and(|p| Arc::ptr_eq(p, plan));
+        if !(current && self.overlap.scatter) {
+            return Vec::new();
+        }
+        (plan.buckets.iter().zip(&self.overlap.reduced))
+            .filter(|(_, &reduced)| reduced)
+            .flat_map(|(b, _)| b.tensors.iter().map(|&t| tensors[t]))
+            .collect()
     }
 
     /// Buckets of this step reduced or started early.
@@ -457,9 +504,13 @@ impl Context {
         }
         let reduced = self.overlap.reduced.iter().filter(|&&r| r).count();
         self.overlap.last_step_early = reduced - self.overlap.caught_up;
-        // Early buckets reduce whole: after a reduce-scatter step nothing starts early (it
-        // would write outside the owned pieces).
-        self.overlap.op = (shape == Shape::Allreduce).then_some(op);
+        // Early buckets follow the step's shape in one process, and serve either shape in a
+        // world of one host replica per rank. Elsewhere in a world they reduce whole: after a
+        // reduce-scatter step nothing starts early (it would write outside the owned pieces).
+        let scatter = shape == Shape::ReduceScatter;
+        let follows = !self.in_world() || self.executor.early_serves_either();
+        self.overlap.op = (!scatter || follows).then_some(op);
+        self.overlap.scatter = scatter && !self.in_world();
         self.overlap.forget();
     }
 

@@ -64,12 +64,18 @@ impl Context {
         self.reduce_grads(op, Shape::ReduceScatter)
     }
 
-    /// Buckets `dpsync_grad_ready` reduced this step were reduced whole (the shape of the
-    /// previous step, which early buckets follow as they follow its op): a reduce-scatter would
-    /// have written outside the owned pieces, so it is refused, as AVG after SUM buckets is.
+    /// Buckets `dpsync_grad_ready` reduced this step took the previous step's shape, as they
+    /// take its op. Reduce-scattered ones serve an allreduce step too (it gathers their pieces,
+    /// [`Context::early_scattered`]), and in a world of one host replica per rank started ones
+    /// serve either ([`Executor::early_serves_either`]); but whole ones would have written
+    /// outside the owned pieces, so a reduce-scatter after them is refused, as AVG after SUM
+    /// buckets is.
+    ///
+    /// [`Executor::early_serves_either`]: crate::exec::Executor::early_serves_either
     pub(super) fn check_shape(&self, shape: Shape) -> Result<()> {
         let early = self.early_buckets();
-        if shape == Shape::Allreduce || early == 0 {
+        let serves = self.overlap_scatters() || self.executor.early_serves_either();
+        if shape == Shape::Allreduce || early == 0 || serves {
             return Ok(());
         }
         Err(Error::new(
@@ -77,10 +83,24 @@ impl Context {
             format!(
                 "dpsync_grad_ready already reduced {early} bucket(s) of this step whole, as the \
                  previous step's dpsync_allreduce_grads did; finish this step with \
-                 dpsync_allreduce_grads (after a dpsync_reduce_scatter_grads step nothing \
-                 starts early)"
+                 dpsync_allreduce_grads (early buckets take the previous step's shape, as they \
+                 take its op)"
             ),
         ))
+    }
+
+    /// Every replica's copy of `tensors` := the owners' pieces.
+    pub(super) fn gather_pieces(&self, tensors: &[&TensorView]) -> Result<()> {
+        let topology = &self.topology;
+        // SAFETY: registered memory stays valid while registered (the C contract).
+        unsafe {
+            self.executor.allgather(
+                tensors,
+                self.place(),
+                |w| topology.locate(w),
+                self.options.fusion_bytes,
+            )
+        }
     }
 
     /// Every replica's copy of the tensors whose role is in `roles` := the owners' pieces.
@@ -98,15 +118,6 @@ impl Context {
             selected.as_deref().unwrap_or_default(),
         )?;
         let tensors: Vec<&TensorView> = selected?;
-        let topology = &self.topology;
-        // SAFETY: registered memory stays valid while registered (the C contract).
-        unsafe {
-            self.executor.allgather(
-                &tensors,
-                self.place(),
-                |w| topology.locate(w),
-                self.options.fusion_bytes,
-            )
-        }
+        self.gather_pieces(&tensors)
     }
 }

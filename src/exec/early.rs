@@ -2,6 +2,7 @@
 //! started on the engine's steps channel (host memory) or queued on the NCCL clique (device
 //! memory), finished once the step agrees, or drained when it fails (context/overlap.rs).
 
+use super::shard::{piece, Place};
 use super::{dense, view, Executor};
 use crate::backend::Ticket;
 use crate::error::Result;
@@ -49,7 +50,9 @@ impl Executor {
     }
 
     /// Finishes a bucket [`Executor::start_early`] started: its result into local replica 0
-    /// (the engine writes it), then copied to the other local replicas.
+    /// (the engine writes it), then copied to the other local replicas; with `scatter` (a
+    /// reduce-scatter step, one replica per rank), into the rank's owned pieces alone, as
+    /// [`Executor::release_early`] said.
     ///
     /// # Safety
     /// As for [`Executor::start_early`], with the same bucket.
@@ -58,6 +61,7 @@ impl Executor {
         (b, bucket): (usize, &Bucket),
         tensors: &[&TensorView],
         ticket: Ticket,
+        scatter: Option<Place>,
     ) -> Result<()> {
         let _span = self.bucket_span("allreduce bucket finished", b, bucket, tensors);
         let site = self.site(bucket.memory);
@@ -72,6 +76,10 @@ impl Executor {
         let ranks = site.ranks.expect("early transfers only in a world");
         ranks.finish(ticket, true)?;
         let members = &site.levels.groups[0];
+        debug_assert!(
+            scatter.is_none() || members.len() == 1,
+            "one replica per rank"
+        );
         if members.len() > 1 {
             site.backend.spread(0, &view(bucket, tensors), members[0])?;
         }
@@ -80,14 +88,57 @@ impl Executor {
 
     /// The step agreed: a transfer [`Executor::start_early`] started may write its result as its
     /// pieces complete (`Ranks::release`; NCCL's started buckets are written in
-    /// [`Executor::finish_early`]).
+    /// [`Executor::finish_early`]). With `scatter` (a reduce-scatter step; host memory, one
+    /// replica per rank: [`Executor::early_serves_either`]) only the rank's owned pieces are
+    /// written.
     ///
     /// # Safety
     /// As for [`Executor::finish_early`].
-    pub unsafe fn release_early(&self, ticket: &Ticket) {
+    pub unsafe fn release_early(
+        &self,
+        ticket: &Ticket,
+        (bucket, tensors): (&Bucket, &[&TensorView]),
+        scatter: Option<Place>,
+    ) {
         if let (Some(ranks), false) = (self.ranks(), ticket.0.is::<StartedInGroups>()) {
-            ranks.release(ticket);
+            let owned: Option<Vec<(usize, usize)>> = scatter.map(|place| {
+                (bucket.tensors.iter())
+                    .map(|&t| piece(tensors[t].count, place.offset, place.total))
+                    .collect()
+            });
+            ranks.release(ticket, owned.as_deref());
         }
+    }
+
+    /// Whether a bucket started early serves a reduce-scatter step as well as an allreduce
+    /// one: host memory in a world of one replica per rank over the engine, whose transfer
+    /// writes its result only once the step agreed (the owned pieces alone for a
+    /// reduce-scatter). Elsewhere early buckets write whole (worlds over NCCL, ranks of
+    /// several replicas) or at once (one process), so they follow the previous step's shape.
+    pub fn early_serves_either(&self) -> bool {
+        let levels = &self.levels;
+        self.ranks.is_some()
+            && levels.route == crate::plan::Route::RanksFromHost
+            && levels.ranks.iter().all(|&r| r == 1)
+    }
+
+    /// One bucket reduce-scattered ahead of `dpsync_reduce_scatter_grads` (`dpsync_grad_ready`
+    /// in one process after a reduce-scatter step), as [`Executor::allreduce_early`] does
+    /// for allreduce steps.
+    ///
+    /// # Safety
+    /// As for [`Executor::reduce_scatter_buckets`].
+    pub unsafe fn reduce_scatter_early(
+        &self,
+        bucket: &Bucket,
+        tensors: &[&TensorView],
+        op: ReduceOp,
+        (divisor, place): (usize, Place),
+    ) -> Result<()> {
+        let bucket = std::slice::from_ref(bucket);
+        self.bracket_joined(false, || {
+            self.reduce_scatter_buckets(bucket, tensors, op, divisor, place)
+        })
     }
 
     /// Lets a world's started transfers advance (`Ranks::poke`).

@@ -346,18 +346,31 @@ impl Executor {
     }
 
     /// `x := x / divisor` for every replica's copy of `tensors` (gradients summed earlier,
-    /// finished as an AVG). Device tensors must be inside a [`Executor::bracket`].
+    /// finished as an AVG); with `scatter` (a reduce-scatter step), each replica's owned piece
+    /// alone. Device tensors must be inside a [`Executor::bracket`].
     ///
     /// # Safety
     /// As for [`Executor::allreduce_buckets`].
-    pub unsafe fn divide(&self, tensors: &[&TensorView], divisor: usize) -> Result<()> {
+    pub unsafe fn divide(
+        &self,
+        tensors: &[&TensorView],
+        divisor: usize,
+        scatter: Option<shard::Place>,
+    ) -> Result<()> {
         if divisor <= 1 {
             return Ok(());
         }
         for t in tensors {
             let backend = self.backend_to_touch(t.memory)?;
             for (replica, &ptr) in t.ptrs.iter().enumerate() {
-                backend.divide(replica, t.dtype, ptr, t.count, divisor)?;
+                let (first, count) = match scatter {
+                    Some(place) => shard::piece(t.count, place.offset + replica, place.total),
+                    None => (0, t.count),
+                };
+                if count > 0 {
+                    let at = ptr + first * t.dtype.size();
+                    backend.divide(replica, t.dtype, at, count, divisor)?;
+                }
             }
         }
         Ok(())

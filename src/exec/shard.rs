@@ -1,26 +1,34 @@
 //! Shards (ZeRO stage 1): the gradients reduced onto the pieces their replicas own, and the
 //! owners' pieces copied back to every replica.
 //!
-//! Host memory in one process, and the replicas of one GPU in one process (a kernel), have a
-//! primitive of their own ([`Backend::reduce_owned`]: each replica's pieces summed as the
-//! backend's allreduce sums them, written once). Everywhere else a
-//! reduce-scatter is the allreduce of a library-owned copy of each bucket, on every route the
-//! allreduce takes, followed by each replica's owned pieces copied out. Either way every element
-//! is summed exactly as `dpsync_allreduce_grads` sums it (same buckets, same levels), so a ZeRO-1
-//! step gives the bytes of an allreduce step, and nothing outside a replica's pieces is
-//! written. The copy moves the bucket twice more than the allreduce does (docs/PERFORMANCE.md).
+//! Three routes, the first that applies:
+//!
+//! - Host memory in one process, and the replicas of one GPU in one process (a kernel), have a
+//!   primitive of their own ([`Backend::reduce_owned`]: each replica's pieces summed as the
+//!   backend's allreduce sums them, written once; [`Backend::spread_owned`]: each owner's
+//!   pieces copied to the other replicas, one pass over each bucket).
+//! - A world of one host replica per rank: the engine's own ([`Ranks::reduce_scatter`]: its
+//!   allreduce, writing only the rank's pieces, straight from and into the tensors;
+//!   [`Ranks::allgather_owned`]: each rank's pieces to every other).
+//! - Everywhere else a reduce-scatter is the allreduce of a library-owned copy of each bucket,
+//!   on every route the allreduce takes, followed by each replica's owned pieces copied out
+//!   (the copy moves the bucket twice more than the allreduce does, docs/PERFORMANCE.md); an
+//!   allgather is one broadcast per world replica of the pieces it owns.
+//!
+//! Either way every element is summed exactly as `dpsync_allreduce_grads` sums it (same
+//! buckets, same levels), so a ZeRO-1 step gives the bytes of an allreduce step, and nothing
+//! outside a replica's pieces is written.
 //!
 //! [`Backend::reduce_owned`]: crate::backend::Backend::reduce_owned
-//! An allgather there is likewise one pass over each bucket
-//! ([`Backend::spread_owned`]); everywhere else it is one broadcast per world replica of the
-//! pieces it owns.
-//!
 //! [`Backend::spread_owned`]: crate::backend::Backend::spread_owned
+//! [`Ranks::reduce_scatter`]: crate::backend::Ranks::reduce_scatter
+//! [`Ranks::allgather_owned`]: crate::backend::Ranks::allgather_owned
 
-use super::{buckets_for, view, Executor};
-use crate::backend::{Allocation, Backend, Channel};
+use super::dense::contributions;
+use super::{buckets_for, view, Executor, Site};
+use crate::backend::{Allocation, Backend, Channel, Ranks};
 use crate::error::Result;
-use crate::plan::{Bucket, Levels};
+use crate::plan::{Bucket, Levels, Route};
 use crate::registry::TensorView;
 use crate::types::{Memory, ReduceOp};
 
@@ -55,6 +63,17 @@ impl TensorView {
 fn one_pass(levels: &Levels, memory: Memory, backend: &dyn Backend) -> bool {
     let device = backend.streams().is_some() && levels.groups.len() == 1;
     levels.in_place() && (memory == Memory::Host || device)
+}
+
+/// A world of one replica per rank (alike on every rank: the levels say), in host memory: the
+/// engine reduces onto each rank's pieces itself ([`Ranks::reduce_scatter`]) and gathers them
+/// ([`Ranks::allgather_owned`]), straight from and into the tensors. Each rank's world replica
+/// is its rank.
+fn one_per_rank<'a>(site: &Site<'a>, memory: Memory) -> Option<&'a dyn Ranks> {
+    let one_each = site.levels.ranks.iter().all(|&r| r == 1);
+    let from_host = site.levels.route == Route::RanksFromHost;
+    site.ranks
+        .filter(|_| memory == Memory::Host && from_host && one_each)
 }
 
 impl Executor {
@@ -109,6 +128,22 @@ impl Executor {
                 &owned,
             );
         }
+        if let Some(ranks) = one_per_rank(&site, bucket.memory) {
+            let _span = self.bucket_span("reduce-scatter bucket", 0, bucket, tensors);
+            let avg = (op == ReduceOp::Avg && divisor > 1).then_some(divisor);
+            let owned: Vec<(usize, usize)> = (members.iter())
+                .map(|t| piece(t.count, place.offset, place.total))
+                .collect();
+            // Integers' sums are exact already: the reproducible option leaves them plain.
+            let reproducible = site.levels.reproducible && bucket.dtype.is_float();
+            let done = contributions(&view(bucket, tensors), &[0], |segments| {
+                let data = (bucket.dtype, segments, &owned[..]);
+                ranks.reduce_scatter(Channel::Steps, data, avg, reproducible)
+            })?;
+            if done {
+                return Ok(());
+            }
+        }
         let backend = site.backend;
         let size = bucket.dtype.size();
         let copies: Vec<Allocation> = (0..replicas)
@@ -149,12 +184,7 @@ impl Executor {
     }
 
     /// Every replica's copy of `tensors` := the owners' pieces (`locate`: a world replica's
-    /// rank and local index). Host memory in one process has a primitive of its own
-    /// ([`Backend::spread_owned`]: one pass over each bucket, every owner's pieces copied to the
-    /// other replicas); everything else is one broadcast per world replica of the pieces it
-    /// owns.
-    ///
-    /// [`Backend::spread_owned`]: crate::backend::Backend::spread_owned
+    /// rank and local index), by the routes of this module's first lines.
     ///
     /// # Safety
     /// As for [`Executor::broadcast`].
@@ -169,6 +199,22 @@ impl Executor {
             let mut rest: Vec<&TensorView> = Vec::new();
             for (b, bucket) in buckets_for(tensors, fusion_bytes).iter().enumerate() {
                 let site = self.site_to_touch(bucket.memory)?;
+                if let Some(ranks) = one_per_rank(&site, bucket.memory) {
+                    let _span = self.bucket_span("allgather bucket", b, bucket, tensors);
+                    let size = bucket.dtype.size();
+                    let members: Vec<&TensorView> =
+                        bucket.tensors.iter().map(|&t| tensors[t]).collect();
+                    let spans: Vec<(usize, usize)> = members
+                        .iter()
+                        .map(|t| (t.ptrs[0], t.count * size))
+                        .collect();
+                    let owned = |s: usize, rank: usize| {
+                        let (first, count) = piece(members[s].count, rank, place.total);
+                        (first * size, count * size)
+                    };
+                    ranks.allgather_owned(&spans, &owned)?;
+                    continue;
+                }
                 if !one_pass(site.levels, bucket.memory, site.backend) {
                     rest.extend(bucket.tensors.iter().map(|&t| tensors[t]));
                     continue;

@@ -33,8 +33,11 @@ pub unsafe extern "C" fn dpsync_shard(
 /// whole), except that each replica ends with the reduced values only in the pieces it owns
 /// (dpsync_shard); every other element of its GRAD tensors is left as it was. Each element is
 /// summed as dpsync_allreduce_grads sums it. Buckets reduced early by dpsync_grad_ready follow
-/// the previous step's call: after a reduce-scatter step nothing starts early, and a step whose
-/// buckets were reduced whole early must end with dpsync_allreduce_grads (INVALID_STATE here).
+/// the previous step's call: after a reduce-scatter step they are reduce-scattered (and an
+/// allreduce_grads ending the step gathers their pieces: the same bytes); a step whose buckets
+/// were reduced whole early (after an allreduce step) must end with dpsync_allreduce_grads
+/// (INVALID_STATE here, nothing changed). In a world of one host replica per rank a bucket
+/// started early writes nothing until the step agrees, so it serves either call.
 #[no_mangle]
 pub unsafe extern "C" fn dpsync_reduce_scatter_grads(
     context: *mut dpsync_context,

@@ -70,6 +70,13 @@ pub fn run(rank: usize, per_rank: &[usize], cfg: &Config, setup: &Setup) {
     let mut sum = Tally::default();
     for &seed in &cfg.seeds {
         TRACE.with(|t| t.borrow_mut().clear());
+        // One seed in three on host replicas puts one replica on every rank: the engine's own
+        // reduce-scatter and allgather, and early buckets that serve either gradient step.
+        let ones = vec![1; ranks];
+        let per_rank = match (seed % 3, &setup.at) {
+            (2, Where::Host) => &ones[..],
+            _ => per_rank,
+        };
         let run = catch_unwind(AssertUnwindSafe(|| {
             let mut w = World::new(seed, rank, per_rank, cfg, setup);
             while w.tally.calls < cfg.calls {
@@ -98,8 +105,12 @@ pub fn run(rank: usize, per_rank: &[usize], cfg: &Config, setup: &Setup) {
             _ => "none".into(),
         };
         let (time, off) = (start.elapsed().as_secs_f64(), &cfg.off);
+        let ones = match setup.at {
+            Where::Host => " (every third seed 1 each)",
+            Where::Cuda(..) => "",
+        };
         println!(
-            "{test}: {ranks} ranks {per_rank:?}, seeds {seeds}, {} calls per seed, \
+            "{test}: {ranks} ranks {per_rank:?}{ones}, seeds {seeds}, {} calls per seed, \
              off {off:?}: {} ({time:.1} s)",
             cfg.calls,
             sum.line()
@@ -526,6 +537,8 @@ impl<'a> World<'a> {
             .filter(|&c| {
                 (c != "benign" || std.involved() != 0xf) && (c != "sparse_index" || !bad.is_empty())
             })
+            // `local` needs a rank of several replicas.
+            .filter(|&c| c != "local" || self.per_rank.iter().any(|&r| r > 1))
             .collect();
         if self.below(100) >= 35 || classes.is_empty() {
             return None;
@@ -666,7 +679,11 @@ impl<'a> World<'a> {
         let several: Vec<usize> = (0..self.per_rank.len())
             .filter(|&r| self.per_rank[r] > 1)
             .collect();
-        let local_rank = self.pick(&several);
+        // Drawn alike on every rank (the layout is every rank's).
+        let local_rank = match several.is_empty() {
+            true => dev.rank,
+            false => self.pick(&several),
+        };
         if dev.class == "local" {
             dev.rank = local_rank;
         }
@@ -734,15 +751,22 @@ impl<'a> World<'a> {
 
     // -------------------------------------------------------------- collectives
 
+    /// Whether buckets started early serve a reduce-scatter step as well as an allreduce one:
+    /// host replicas, one on every rank (the engine writes their results once the step
+    /// agreed, its owned pieces alone for a reduce-scatter).
+    fn serves_either(&self) -> bool {
+        !self.setup.at.cuda() && self.per_rank.iter().all(|&r| r == 1)
+    }
+
     /// A gradient step: `dpsync_allreduce_grads`, or with `scatter`
     /// `dpsync_reduce_scatter_grads` (each replica's own pieces of the dense gradients written,
     /// the rest as it was; sparse gradients gathered whole alike).
     fn grads(&mut self, scatter: bool) {
-        // A reduce-scatter step is refused after buckets started early (they reduce whole):
-        // marks there only where nothing starts (the previous step was a reduce-scatter, or
-        // none succeeded yet).
+        // A reduce-scatter step is refused after buckets started early whole: marks there only
+        // where nothing starts (the previous step was a reduce-scatter, or none succeeded
+        // yet), or where started buckets serve either step (one host replica per rank).
         let marks = self.cfg.on("marks") && self.below(3) != 0;
-        let marks = marks && (!scatter || self.last_op.is_none());
+        let marks = marks && (!scatter || self.last_op.is_none() || self.serves_either());
         let mut op = self.pick(&[SUM, AVG]);
         // Buckets averaged early cannot be summed: with marks, AVG stays AVG.
         let avg_early = marks && self.last_op == Some(AVG);
@@ -869,8 +893,9 @@ impl<'a> World<'a> {
         for (s, sp) in self.sparse.iter_mut().enumerate() {
             sp.out = Some(sp.gathered(&sl.idx[s], &sl.val[s], self.coalesce, op));
         }
-        // After a reduce-scatter step nothing starts early.
-        self.last_op = (!scatter).then_some(op);
+        // After a reduce-scatter step nothing starts early, unless started buckets serve
+        // either step.
+        self.last_op = (!scatter || self.serves_either()).then_some(op);
         self.check_values(&format!("after {}", std.function()), &[]);
         // Indices shared on every replica share one gather: one pointer.
         for (&s, k) in sl

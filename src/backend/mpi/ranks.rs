@@ -12,10 +12,10 @@ use super::calls::{check, count_of};
 use super::pieces::{piece_of, stage, Walk, DEPTH, PIECE};
 use super::poll::poll;
 use super::ring::Sum;
-use super::staging::{copy_spans, mpi_type, stage_in, stage_out};
+use super::staging::{copy_spans, mpi_type, outputs, stage_in, stage_out};
 use super::steps::{Handle, Queue, Until};
 use super::MpiRanks;
-use crate::backend::{Channel, Ranks, Segment, Ticket};
+use crate::backend::{allgather_packed, Channel, Ranks, Segment, Ticket};
 use crate::error::{Error, ErrorKind, Result};
 use crate::types::DType;
 
@@ -32,6 +32,84 @@ impl MpiRanks {
             Some(q) => q.ring_pieces(pieces),
             None => self.calls_pieces.fetch_add(pieces, Ordering::Relaxed),
         }
+    }
+
+    /// Whether [`Ranks::allreduce_reproducible`] can sum these segments in one exchange: one
+    /// contribution each, F32 or F64, a bucket the ring carries through shared memory. Alike
+    /// on every rank: the shared memory was agreed at join, and the ranks agreed on the bucket
+    /// and on one contribution each.
+    fn sums_reproducibly(&self, channel: Channel, dtype: DType, segments: &[Segment<'_>]) -> bool {
+        let count: usize = segments.iter().map(|s| s.count).sum();
+        let ring = self.ring(channel);
+        let one_each = segments.iter().all(|s| s.ptrs.len() == 1);
+        let wide_enough = matches!(dtype, DType::F32 | DType::F64);
+        ring.shared() && ring.takes(count * dtype.size()) && one_each && wide_enough
+    }
+
+    /// The sum over the ranks of `segments` (`sum`: how; reproducible only where
+    /// [`MpiRanks::sums_reproducibly`]), divided by `avg`, written into `outs` ([`outputs`]):
+    /// round the ring from [`RING_BYTES`](super::ring) on, else one non-blocking allreduce
+    /// per piece.
+    ///
+    /// # Safety
+    /// As for [`Ranks::allreduce`]; `outs` lie within the segments' `ptrs[0]`.
+    unsafe fn reduce_into(
+        &self,
+        channel: Channel,
+        (dtype, segments, outs): (DType, &[Segment<'_>], &[(usize, usize)]),
+        (sum, avg): (Sum, Option<usize>),
+    ) -> Result<()> {
+        self.refuse_if_failed()?;
+        let (datatype, size) = mpi_type(dtype);
+        let count: usize = segments.iter().map(|s| s.count).sum();
+        let comm = self.comm_of(channel);
+        let ring = self.ring(channel);
+        // Held to the end: the steps' communicator carries this transfer alone meanwhile.
+        let mut queue = (channel == Channel::Steps).then(|| self.queue.lock());
+        if let Some(queue) = &mut queue {
+            // After every bucket started ahead, on every rank.
+            self.drive(queue, Until::Empty)?;
+        }
+        if count == 0 {
+            return Ok(());
+        }
+        if ring.takes(count * size) {
+            let first = self.number_ring_pieces(queue.as_deref_mut(), count, ring.piece_of(size));
+            let data = (dtype, segments, count);
+            return self.ring_allreduce((ring, first), data, outs, sum, avg);
+        }
+        debug_assert!(sum == Sum::Plain, "reproducible sums go round the ring");
+        let piece = piece_of(size).min(count);
+        let pieces = count.div_ceil(piece);
+        // Slot `i % DEPTH` of piece `i`: a send area, then a receive area.
+        let area = (piece * size).next_multiple_of(64);
+        let mut scratch = self.scratch.lock();
+        let stages = stage(&mut scratch, 2 * area * DEPTH.min(pieces));
+        let at = |i: usize, k: usize| stages.add((2 * (i % DEPTH) + k) * area);
+        let range = |i: usize| (i * piece, piece.min(count - i * piece));
+        let (mut walk_in, mut walk_out) = (Walk::default(), Walk::default());
+        let done = self.run_pieces(
+            "MPI_Iallreduce",
+            pieces,
+            |i, request| {
+                stage_in(dtype, segments, &mut walk_in, range(i), at(i, 0));
+                ffi::MPI_Iallreduce(
+                    at(i, 0).cast(),
+                    at(i, 1).cast(),
+                    count_of(range(i).1),
+                    datatype,
+                    ffi::RSMPI_SUM,
+                    comm,
+                    request,
+                )
+            },
+            |i| stage_out(dtype, at(i, 1), (outs, &mut walk_out), range(i), avg),
+        );
+        if done.is_err() {
+            // Pieces still pending may read and write their stages.
+            std::mem::forget(std::mem::take(&mut *scratch));
+        }
+        done
     }
 }
 
@@ -64,57 +142,8 @@ impl Ranks for MpiRanks {
         segments: &[Segment<'_>],
         avg: Option<usize>,
     ) -> Result<()> {
-        self.refuse_if_failed()?;
-        let (datatype, size) = mpi_type(dtype);
-        let count: usize = segments.iter().map(|s| s.count).sum();
-        let comm = self.comm_of(channel);
-        let ring = self.ring(channel);
-        // Held to the end: the steps' communicator carries this transfer alone meanwhile.
-        let mut queue = (channel == Channel::Steps).then(|| self.queue.lock());
-        if let Some(queue) = &mut queue {
-            // After every bucket started ahead, on every rank.
-            self.drive(queue, Until::Empty)?;
-        }
-        if count == 0 {
-            return Ok(());
-        }
-        if ring.takes(count * size) {
-            let first = self.number_ring_pieces(queue.as_deref_mut(), count, ring.piece_of(size));
-            let data = (dtype, segments, count);
-            return self.ring_allreduce((ring, first), data, Sum::Plain, avg);
-        }
-        let piece = piece_of(size).min(count);
-        let pieces = count.div_ceil(piece);
-        // Slot `i % DEPTH` of piece `i`: a send area, then a receive area.
-        let area = (piece * size).next_multiple_of(64);
-        let mut scratch = self.scratch.lock();
-        let stages = stage(&mut scratch, 2 * area * DEPTH.min(pieces));
-        let at = |i: usize, k: usize| stages.add((2 * (i % DEPTH) + k) * area);
-        let range = |i: usize| (i * piece, piece.min(count - i * piece));
-        let outs: Vec<(usize, usize)> = segments.iter().map(|s| (s.ptrs[0], s.count)).collect();
-        let (mut walk_in, mut walk_out) = (Walk::default(), Walk::default());
-        let done = self.run_pieces(
-            "MPI_Iallreduce",
-            pieces,
-            |i, request| {
-                stage_in(dtype, segments, &mut walk_in, range(i), at(i, 0));
-                ffi::MPI_Iallreduce(
-                    at(i, 0).cast(),
-                    at(i, 1).cast(),
-                    count_of(range(i).1),
-                    datatype,
-                    ffi::RSMPI_SUM,
-                    comm,
-                    request,
-                )
-            },
-            |i| stage_out(dtype, at(i, 1), (&outs, &mut walk_out), range(i), avg),
-        );
-        if done.is_err() {
-            // Pieces still pending may read and write their stages.
-            std::mem::forget(std::mem::take(&mut *scratch));
-        }
-        done
+        let outs = outputs(dtype, segments, None);
+        self.reduce_into(channel, (dtype, segments, &outs), (Sum::Plain, avg))
     }
 
     unsafe fn allreduce_reproducible(
@@ -125,24 +154,63 @@ impl Ranks for MpiRanks {
         avg: Option<usize>,
     ) -> Result<bool> {
         self.refuse_if_failed()?;
-        let size = dtype.size();
-        let count: usize = segments.iter().map(|s| s.count).sum();
-        let ring = self.ring(channel);
-        // Alike on every rank: the shared memory was agreed at join, and the ranks agreed on
-        // the bucket and on one contribution each.
-        let one_each = segments.iter().all(|s| s.ptrs.len() == 1);
-        let wide_enough = matches!(dtype, DType::F32 | DType::F64);
-        if !ring.shared() || !ring.takes(count * size) || !one_each || !wide_enough {
+        if !self.sums_reproducibly(channel, dtype, segments) {
             return Ok(false);
         }
-        let mut queue = (channel == Channel::Steps).then(|| self.queue.lock());
-        if let Some(queue) = &mut queue {
-            self.drive(queue, Until::Empty)?;
-        }
-        let first = self.number_ring_pieces(queue.as_deref_mut(), count, ring.piece_of(size));
-        let data = (dtype, segments, count);
-        self.ring_allreduce((ring, first), data, Sum::Reproducible(avg), None)?;
+        let outs = outputs(dtype, segments, None);
+        let sum = (Sum::Reproducible(avg), None);
+        self.reduce_into(channel, (dtype, segments, &outs), sum)?;
         Ok(true)
+    }
+
+    unsafe fn reduce_scatter(
+        &self,
+        channel: Channel,
+        (dtype, segments, owned): (DType, &[Segment<'_>], &[(usize, usize)]),
+        avg: Option<usize>,
+        reproducible: bool,
+    ) -> Result<bool> {
+        self.refuse_if_failed()?;
+        let outs = outputs(dtype, segments, Some(owned));
+        let data = (dtype, segments, &outs[..]);
+        let sum = match reproducible {
+            false => (Sum::Plain, avg),
+            true if self.sums_reproducibly(channel, dtype, segments) => {
+                (Sum::Reproducible(avg), None)
+            }
+            true => return Ok(false),
+        };
+        self.reduce_into(channel, data, sum)?;
+        Ok(true)
+    }
+
+    unsafe fn allgather_owned(
+        &self,
+        spans: &[(usize, usize)],
+        owned: &dyn Fn(usize, usize) -> (usize, usize),
+    ) -> Result<()> {
+        self.refuse_if_failed()?;
+        let ring = self.ring(Channel::Calls);
+        if !ring.shared() {
+            return allgather_packed(self, spans, owned);
+        }
+        let bytes: usize = spans.iter().map(|s| s.1).sum();
+        if bytes == 0 {
+            return Ok(());
+        }
+        // Each rank's owned bytes, the rest null: what it stages, and what the others copy out.
+        let parts: Vec<Vec<(usize, usize)>> = (0..self.size)
+            .map(|r| {
+                let mut part = Vec::with_capacity(3 * spans.len());
+                for (s, &(ptr, len)) in spans.iter().enumerate() {
+                    let (offset, n) = owned(s, r);
+                    part.extend([(0, offset), (ptr + offset, n), (0, len - offset - n)]);
+                }
+                part
+            })
+            .collect();
+        let first = self.number_ring_pieces(None, bytes, ring.piece_of(1));
+        self.shared_allgather((ring, first), bytes, &parts)
     }
 
     fn allreduce_max(&self, channel: Channel, data: &mut [u8], wide: bool) -> Result<()> {
@@ -214,9 +282,9 @@ impl Ranks for MpiRanks {
         Ok(Ticket(Box::new(handle)))
     }
 
-    unsafe fn release(&self, ticket: &Ticket) {
+    unsafe fn release(&self, ticket: &Ticket, owned: Option<&[(usize, usize)]>) {
         if let Some(handle) = ticket.0.downcast_ref::<Handle>() {
-            self.queue.lock().release(handle);
+            self.queue.lock().release(handle, owned);
         }
     }
 
@@ -237,7 +305,9 @@ impl Ranks for MpiRanks {
         self.refuse_if_failed()?;
         let mut queue = self.queue.lock();
         if write {
-            queue.release(&handle);
+            // Released already (Executor::release_early) when its step agreed: with the
+            // outputs it then chose.
+            queue.release(&handle, None);
         }
         self.drive(&mut queue, Until::Done(handle.seq()))?;
         let item = queue.take(&handle).ok_or_else(|| {

@@ -21,7 +21,7 @@ use super::calls::{check, count_of};
 use super::pieces::{piece_of, stage, Walk, DEPTH};
 use super::poll::Idle;
 use super::shm::{Slots, OUT, REDUCED, STAGED};
-use super::staging::{mpi_type, stage_in, stage_out, Summed};
+use super::staging::{copy_spans, mpi_type, stage_in, stage_out, Summed};
 use super::Engine;
 use crate::backend::host::repro;
 use crate::backend::Segment;
@@ -327,7 +327,8 @@ impl Engine {
     /// before); [`DEPTH`] pieces in flight, each staged in and out through the engine's stages
     /// (or this rank's slots of shared memory) as a waited `MPI_Iallreduce` piece is. `sum`:
     /// how each block is summed; `avg` divides a plain sum as it is staged out (a reproducible
-    /// sum divides in its reduction).
+    /// sum divides in its reduction); `outs` ([`outputs`](super::staging::outputs)): where the
+    /// result goes, null parts not written (and, through shared memory, not read).
     ///
     /// # Safety
     /// As for [`Ranks::allreduce`](crate::backend::Ranks).
@@ -335,6 +336,7 @@ impl Engine {
         &self,
         (ring, first): (Ring, usize),
         (dtype, segments, count): (DType, &[Segment<'_>], usize),
+        outs: &[(usize, usize)],
         sum: Sum,
         avg: Option<usize>,
     ) -> Result<()> {
@@ -348,7 +350,6 @@ impl Engine {
         let base = stage(&mut scratch, slot * DEPTH.min(pieces));
         let at = |i: usize| base.add((i % DEPTH) * slot);
         let range = |i: usize| (i * piece, piece.min(count - i * piece));
-        let outs: Vec<(usize, usize)> = segments.iter().map(|s| (s.ptrs[0], s.count)).collect();
         let (mut walk_in, mut walk_out) = (Walk::default(), Walk::default());
         let what = match ring.shared() {
             true => "the ring allreduce through shared memory",
@@ -377,7 +378,7 @@ impl Engine {
                     let (i, flight) = flights.pop_front().expect("a front");
                     let start = range(i).0;
                     flight.finish(&ring, |part, at, len| {
-                        stage_out(dtype, part, (&outs, &mut walk_out), (start + at, len), avg)
+                        stage_out(dtype, part, (outs, &mut walk_out), (start + at, len), avg)
                     });
                 }
                 if flights.is_empty() && next == pieces {
@@ -395,5 +396,73 @@ impl Engine {
             std::mem::forget(std::mem::take(&mut *scratch));
         }
         done
+    }
+}
+
+impl Engine {
+    /// [`Ranks::allgather_owned`](crate::backend::Ranks) through shared memory: `bytes` of
+    /// spans laid end to end, in pieces numbered from `first` on the collectives' channel.
+    /// `parts[r]`: the spans with only rank `r`'s owned bytes (the rest null, [`copy_spans`]).
+    /// Each rank copies its own bytes of a piece into its slot at their place there, then every
+    /// other rank's bytes from that rank's slot: each byte is copied once in, and once out per
+    /// other rank, and nothing is staged that no rank reads. The counters go as a ring piece's
+    /// do ([`Flight`]), so ring pieces and these share the channel's numbering.
+    ///
+    /// # Safety
+    /// As for [`Ranks::allgather_owned`](crate::backend::Ranks); `ring` is shared.
+    pub(super) unsafe fn shared_allgather(
+        &self,
+        (ring, first): (Ring, usize),
+        bytes: usize,
+        parts: &[Vec<(usize, usize)>],
+    ) -> Result<()> {
+        let Some(slots) = ring.shm else {
+            unreachable!("an allgather through shared memory without it");
+        };
+        let (n, me) = (slots.ranks(), slots.me());
+        let piece = ring.piece_of(1).min(bytes);
+        let pieces = bytes.div_ceil(piece);
+        let range = |i: usize| (i * piece, piece.min(bytes - i * piece));
+        // The channel's slots are used under its lock, as the waited transfers' stages are.
+        let _held = self.scratch.lock();
+        let mut walk_in = Walk::default();
+        let mut walks_out: Vec<Walk> = (0..n).map(|_| Walk::default()).collect();
+        let (mut staged, mut done) = (0, 0);
+        let (mut since, mut idle) = (None::<Instant>, Idle::default());
+        let mut run = || -> Result<()> {
+            while done < pieces {
+                let mut moved = false;
+                while staged < pieces && staged < done + DEPTH {
+                    let Some(slot) = slots.mine_when_free(first + staged) else {
+                        break;
+                    };
+                    copy_spans((&parts[me], &mut walk_in), range(staged), slot, false);
+                    slots.publish(STAGED, first + staged);
+                    (staged, moved) = (staged + 1, true);
+                }
+                while done < staged && slots.all_past(STAGED, first + done) {
+                    let k = first + done;
+                    for r in (0..n).filter(|&r| r != me) {
+                        let out = (&parts[r][..], &mut walks_out[r]);
+                        copy_spans(out, range(done), slots.slot(r, k), true);
+                    }
+                    // Nothing to reduce: past that phase at once, so that the next ring
+                    // piece's reduction finds the counter at its number.
+                    slots.publish(REDUCED, k);
+                    slots.publish(OUT, k);
+                    (done, moved) = (done + 1, true);
+                }
+                match moved {
+                    true => idle.reset(),
+                    false => idle.wait(
+                        &mut since,
+                        self.timeout,
+                        "the allgather through shared memory",
+                    )?,
+                }
+            }
+            Ok(())
+        };
+        run().map_err(|e| self.failing(e))
     }
 }

@@ -202,7 +202,8 @@ pub(super) unsafe fn stage_in(
 }
 
 /// `recv`, elements `range` = `(start, n)` of the outputs `(ptr, count)` laid end to end,
-/// divided by `avg` and rounded once into them.
+/// divided by `avg` and rounded once into them; an output of null `ptr` is not written (a
+/// reduce-scatter's elements another rank owns, [`outputs`]).
 ///
 /// # Safety
 /// As for [`scatter_out`]; `recv` holds `n` elements.
@@ -219,6 +220,9 @@ pub(super) unsafe fn stage_out(
         outs.len(),
         range,
         |k, skip, n, at| {
+            if outs[k].0 == 0 {
+                return;
+            }
             let (src, dst) = (recv.add(at * size), (outs[k].0, skip));
             match dtype {
                 DType::F32 => scatter_out::<f32>(src, dst, n, avg),
@@ -232,8 +236,41 @@ pub(super) unsafe fn stage_out(
     );
 }
 
+/// The outputs `(ptr, count)` of `segments` laid end to end, for [`stage_out`]: each
+/// segment's `ptrs[0]`, or with `owned` only its elements `owned[s]` ([`only_owned`]).
+pub(super) fn outputs(
+    dtype: DType,
+    segments: &[Segment<'_>],
+    owned: Option<&[(usize, usize)]>,
+) -> Vec<(usize, usize)> {
+    let whole: Vec<(usize, usize)> = segments.iter().map(|s| (s.ptrs[0], s.count)).collect();
+    match owned {
+        None => whole,
+        Some(owned) => only_owned(dtype, &whole, owned),
+    }
+}
+
+/// Outputs `whole` (`(ptr, count)` each) cut to their elements `owned[s]` = `(first, count)`,
+/// the rest as null outputs, not written (a reduce-scatter).
+pub(super) fn only_owned(
+    dtype: DType,
+    whole: &[(usize, usize)],
+    owned: &[(usize, usize)],
+) -> Vec<(usize, usize)> {
+    let mut outs = Vec::with_capacity(3 * whole.len());
+    for (&(ptr, count), &(first, n)) in whole.iter().zip(owned) {
+        outs.extend([
+            (0, first),
+            (ptr + first * dtype.size(), n),
+            (0, count - first - n),
+        ]);
+    }
+    outs
+}
+
 /// Bytes `range` = `(start, n)` of the spans `(ptr, bytes)` laid end to end, copied into the
-/// stage at `stage` or, with `out`, from it.
+/// stage at `stage` or, with `out`, from it; a span of null `ptr` is skipped (an allgather's
+/// bytes another rank owns).
 ///
 /// # Safety
 /// Every span is valid for its bytes; `stage` for `n`.
@@ -248,6 +285,9 @@ pub(super) unsafe fn copy_spans(
         spans.len(),
         range,
         |k, skip, n, at| {
+            if spans[k].0 == 0 {
+                return;
+            }
             let span = (spans[k].0 as *mut u8).add(skip);
             match out {
                 false => std::ptr::copy_nonoverlapping(span, stage.add(at), n),

@@ -19,7 +19,7 @@ use super::calls::{check, count_of};
 use super::pieces::{stage, Walk, DEPTH, PIECE};
 use super::poll::Idle;
 use super::ring::{Flight, Ring, Sum};
-use super::staging::{mpi_type, stage_in, stage_out};
+use super::staging::{mpi_type, only_owned, stage_in, stage_out};
 use crate::backend::Segment;
 use crate::error::Result;
 use crate::types::DType;
@@ -351,8 +351,15 @@ impl Queue {
     /// The step agreed: the pieces of `handle`'s bucket not yet issued are written straight
     /// into its outputs as they complete. Once per item: a second release would take the
     /// pieces written directly since the first for held ones.
-    pub(super) fn release(&mut self, handle: &Handle) {
+    ///
+    /// With `owned` (the first release only), only each segment's elements `owned[s]` are
+    /// written: the step is a reduce-scatter.
+    pub(super) fn release(&mut self, handle: &Handle, owned: Option<&[(usize, usize)]>) {
         if let Some(item) = self.item(handle.seq) {
+            if let (None, Some(owned)) = (item.direct_from, owned) {
+                // Nothing was written yet: the outputs change before the first piece goes out.
+                item.outs = only_owned(item.dtype, &item.outs, owned);
+            }
             item.direct_from.get_or_insert(item.issued);
         }
     }
