@@ -444,7 +444,8 @@ fn bad_input_gets_its_status_and_changes_nothing() {
 }
 
 /// Worlds of one host replica per rank (the engine's own reduce-scatter and allgather, straight
-/// from and into the tensors; `scripts/test.sh` runs this under the MPI build), 1 to 4 ranks:
+/// from and into the tensors; `scripts/test.sh` runs this under the MPI build), 1 to 4 ranks,
+/// and 2 and 3 without shared memory:
 /// ZeRO-1 gives the bytes of allreduce; every dtype, SUM and AVG, with and without reproducible
 /// sums, small buckets (one MPI allreduce per piece) and large ones (the ring through shared
 /// memory): the owned pieces hold what allreduce_grads gives, every other element stays, and
@@ -461,6 +462,12 @@ mod world {
         }
         for ranks in [1, 2, 3, 4] {
             launch("world::world_body", ranks, 300, None);
+        }
+        // Without shared memory: the ring over MPI messages, and the allgather as one
+        // MPI_Iallgatherv of every rank's pieces.
+        let no_shm = Some(("DPSYNC_MPI_SHM", std::path::Path::new("0")));
+        for ranks in [2, 3] {
+            launch("world::world_body", ranks, 300, no_shm);
         }
     }
 

@@ -96,6 +96,63 @@ unsafe fn allreduce_levels(
     unpack_all(links, bucket, &layouts, &buffers, avg)
 }
 
+/// A reduce-scatter over levels 1 and 2 (several groups, or NCCL across the ranks): every
+/// group's replicas packed and the buffers combined exactly as [`allreduce`] does (so the same
+/// sums), the result divided by `avg` in each group's buffer (the unpack's arithmetic), and each
+/// replica's owned pieces (`owned(segment, replica)`) copied out of its group's buffer: nothing
+/// else of the replicas is written, and no copy of the bucket is made. `false` (nothing done)
+/// where the levels have no such combine.
+///
+/// # Safety
+/// As for [`allreduce`].
+pub(super) unsafe fn reduce_scatter_levels(
+    site: Site<'_>,
+    bucket: &BucketView<'_>,
+    avg: Option<usize>,
+    owned: &dyn Fn(usize, usize) -> (usize, usize),
+) -> Result<bool> {
+    let (backend, levels) = (site.backend, site.levels);
+    let combined = matches!(levels.route, Route::Local | Route::RanksOverClique(_));
+    let links = match (&levels.across, backend.links()) {
+        (Across::Nothing, _) | (_, None) => return Ok(false),
+        (_, Some(links)) if combined => links,
+        _ => return Ok(false),
+    };
+    if bucket.elements() == 0 {
+        return Ok(true);
+    }
+    let (dtype, size) = (bucket.dtype, bucket.dtype.size());
+    let (buffers, layouts) = fusion_buffers(links, levels, bucket)?;
+    for (g, (&layout, &buffer)) in layouts.iter().zip(&buffers).enumerate() {
+        links.pack(g, bucket, layout, buffer)?;
+    }
+    combine(links, levels, bucket, &buffers)?;
+    for (g, (members, &buffer)) in levels.groups.iter().zip(&buffers).enumerate() {
+        if let Some(divisor) = avg {
+            backend.divide(
+                members[0],
+                dtype,
+                buffer as usize,
+                bucket.elements(),
+                divisor,
+            )?;
+        }
+        let mut at = 0;
+        for (s, segment) in bucket.segments.iter().enumerate() {
+            for &r in members {
+                let (first, count) = owned(s, r);
+                if count > 0 {
+                    let src = buffer + ((at + first) * size) as u64;
+                    let dst = (segment.ptrs[r] + first * size) as u64;
+                    links.copy_between(g, src, g, dst, count * size)?;
+                }
+            }
+            at += segment.count;
+        }
+    }
+    Ok(true)
+}
+
 /// A gradient bucket started ahead of `dpsync_allreduce_grads` with NCCL across the ranks
 /// (`dpsync_grad_ready`): every group's replicas packed into a buffer of the bucket's own and
 /// the buffers summed over the world's groups, queued on the groups' streams; nothing is

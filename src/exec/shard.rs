@@ -1,7 +1,7 @@
 //! Shards (ZeRO stage 1): the gradients reduced onto the pieces their replicas own, and the
 //! owners' pieces copied back to every replica.
 //!
-//! Three routes, the first that applies:
+//! Four routes, the first that applies:
 //!
 //! - Host memory in one process, and the replicas of one GPU in one process (a kernel), have a
 //!   primitive of their own ([`Backend::reduce_owned`]: each replica's pieces summed as the
@@ -10,10 +10,16 @@
 //! - A world of one host replica per rank: the engine's own ([`Ranks::reduce_scatter`]: its
 //!   allreduce, writing only the rank's pieces, straight from and into the tensors;
 //!   [`Ranks::allgather_owned`]: each rank's pieces to every other).
+//! - Several GPUs in one process, or NCCL across the ranks: the allreduce's combine of the
+//!   groups' fusion buffers, each replica's pieces copied out of its group's buffer
+//!   ([`dense::reduce_scatter_levels`]; `ncclReduceScatter` promises no common summation order
+//!   with `ncclAllReduce`, so it would break the bytes below).
 //! - Everywhere else a reduce-scatter is the allreduce of a library-owned copy of each bucket,
 //!   on every route the allreduce takes, followed by each replica's owned pieces copied out
-//!   (the copy moves the bucket twice more than the allreduce does, docs/PERFORMANCE.md); an
-//!   allgather is one broadcast per world replica of the pieces it owns.
+//!   (the copy moves the bucket twice more than the allreduce does, docs/PERFORMANCE.md).
+//!
+//! An allgather outside the first two routes is one broadcast per world replica of the pieces
+//! it owns.
 //!
 //! Either way every element is summed exactly as `dpsync_allreduce_grads` sums it (same
 //! buckets, same levels), so a ZeRO-1 step gives the bytes of an allreduce step, and nothing
@@ -24,7 +30,7 @@
 //! [`Ranks::reduce_scatter`]: crate::backend::Ranks::reduce_scatter
 //! [`Ranks::allgather_owned`]: crate::backend::Ranks::allgather_owned
 
-use super::dense::contributions;
+use super::dense::{self, contributions};
 use super::{buckets_for, view, Executor, Site};
 use crate::backend::{Allocation, Backend, Channel, Ranks};
 use crate::error::Result;
@@ -98,8 +104,8 @@ impl Executor {
         })
     }
 
-    /// One bucket of [`Executor::reduce_scatter_buckets`], through copies of the bucket in
-    /// library memory on every replica.
+    /// One bucket of [`Executor::reduce_scatter_buckets`], by the first route of this module's
+    /// list that applies.
     unsafe fn reduce_scatter_bucket(
         &self,
         bucket: &Bucket,
@@ -141,6 +147,22 @@ impl Executor {
                 ranks.reduce_scatter(Channel::Steps, data, avg, reproducible)
             })?;
             if done {
+                return Ok(());
+            }
+        }
+        if !site.levels.reproducible {
+            // Several GPUs, or NCCL across the ranks: the allreduce's combine of the groups'
+            // fusion buffers, the owned pieces copied out of them.
+            let _span = self.bucket_span("reduce-scatter bucket", 0, bucket, tensors);
+            let avg = (op == ReduceOp::Avg && divisor > 1).then_some(divisor);
+            let owned = |segment: usize, r: usize| {
+                piece(members[segment].count, place.offset + r, place.total)
+            };
+            let site = Site {
+                channel: Channel::Steps,
+                ..site
+            };
+            if dense::reduce_scatter_levels(site, &view(bucket, tensors), avg, &owned)? {
                 return Ok(());
             }
         }
