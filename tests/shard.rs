@@ -469,6 +469,39 @@ mod world {
         for ranks in [2, 3] {
             launch("world::world_body", ranks, 300, no_shm);
         }
+        // Ranks of several replicas (1 + rank % 2 each), with and without shared memory.
+        for (ranks, env) in [(2, None), (3, None), (3, no_shm)] {
+            launch("world::local_replicas_body", ranks, 300, env);
+        }
+    }
+
+    /// ZeRO-1 on ranks of 1 + rank % 2 host replicas: every local replica a contribution to
+    /// the engine's reduce-scatter, each getting its own pieces, and the allgather through
+    /// local replica 0; the parameters are the allreduce's, byte for byte, on every replica.
+    #[test]
+    fn local_replicas_body() {
+        let Some((rank, ranks)) = as_rank("local_replicas_body") else {
+            return;
+        };
+        let replicas_of = |r: usize| 1 + r % 2;
+        let (local, offset) = (replicas_of(rank), (0..rank).map(replicas_of).sum::<usize>());
+        let context = || {
+            let o = Options::host(local);
+            o.set_timeout_ms(60_000);
+            o.set_fusion_bytes(64);
+            // SAFETY: valid options; NULL is MPI_COMM_WORLD.
+            check(
+                unsafe { dpsync_options_set_world_mpi(o.0, ptr::null()) },
+                "set_world_mpi",
+            );
+            Context::new(&o)
+        };
+        let (plain, _) = train_in(&context(), &Place::Host, (local, offset), false, 5);
+        let (zero, _) = train_in(&context(), &Place::Host, (local, offset), true, 5);
+        for r in 0..local {
+            assert_eq!(zero[r], plain[r], "rank {rank} of {ranks}: replica {r}");
+            assert_eq!(zero[r], zero[0], "rank {rank} of {ranks}: replicas agree");
+        }
     }
 
     fn world_context(reproducible: bool) -> Context {

@@ -548,13 +548,14 @@ pub(crate) trait Ranks: Send {
         avg: Option<usize>,
     ) -> Result<bool>;
 
-    /// A reduce-scatter: as [`Ranks::allreduce`] of one contribution per segment (or, with
-    /// `reproducible`, as [`Ranks::allreduce_reproducible`]), but only elements `owned[s]` =
-    /// `(first, count)` of each segment `s` are written, with the bytes the allreduce would
-    /// write there; nothing else of the segments is written. The engine may read and write
-    /// less than an allreduce does (through shared memory it copies out the owned elements
-    /// alone). `false` (nothing moved) only with `reproducible`, where
-    /// [`Ranks::allreduce_reproducible`] would be `false`, alike on every rank.
+    /// A reduce-scatter: the sum of [`Ranks::allreduce`] (or, with `reproducible`, of
+    /// [`Ranks::allreduce_reproducible`]), written to each contribution's own elements alone:
+    /// `owned` holds `(first, count)` for every contribution of every segment (segment after
+    /// segment, in `ptrs` order, ascending), and `ptrs[j]` gets the sum in its elements only.
+    /// Nothing else of the segments is written. The engine may read and write less than an
+    /// allreduce does (through shared memory it copies out the owned elements alone). `false`
+    /// (nothing moved) only with `reproducible`, where [`Ranks::allreduce_reproducible`] would
+    /// be `false`, alike on every rank.
     ///
     /// # Safety
     /// As for [`Ranks::allreduce`].
@@ -616,8 +617,8 @@ pub(crate) trait Ranks: Send {
     /// pieces completing from now on may be written into the outputs at once. Called for
     /// every started transfer of the step before the first is finished, so that the later
     /// buckets' results land in place while the earlier are finished. With `owned` (the step
-    /// is a reduce-scatter), only elements `owned[s]` = `(first, count)` of each segment are
-    /// written, as [`Ranks::reduce_scatter`] writes them: a started bucket serves either step.
+    /// is a reduce-scatter; as for [`Ranks::reduce_scatter`], a piece per contribution), only
+    /// the contributions' own elements are written: a started bucket serves either step.
     ///
     /// # Safety
     /// As for [`Ranks::finish`] with `write`.

@@ -7,14 +7,17 @@
 //!   primitive of their own ([`Backend::reduce_owned`]: each replica's pieces summed as the
 //!   backend's allreduce sums them, written once; [`Backend::spread_owned`]: each owner's
 //!   pieces copied to the other replicas, one pass over each bucket).
-//! - A world of one host replica per rank: the engine's own ([`Ranks::reduce_scatter`]: its
-//!   allreduce, writing only the rank's pieces, straight from and into the tensors;
-//!   [`Ranks::allgather_owned`]: each rank's pieces to every other).
+//! - A world of host replicas: the engine's own ([`Ranks::reduce_scatter`]: its allreduce of
+//!   every local replica's contribution, each local replica getting its own pieces, straight
+//!   from and into the tensors; [`Ranks::allgather_owned`]: each rank's pieces, gathered into
+//!   local replica 0 first, to every other rank, then spread to the other local replicas).
 //! - Several GPUs in one process, or NCCL across the ranks: the allreduce's combine of the
 //!   groups' fusion buffers, each replica's pieces copied out of its group's buffer
 //!   ([`dense::reduce_scatter_levels`]; `ncclReduceScatter` promises no common summation order
 //!   with `ncclAllReduce`, so it would break the bytes below).
-//! - Everywhere else a reduce-scatter is the allreduce of a library-owned copy of each bucket,
+//! - Everywhere else (CUDA replicas in a world staged through the host, reproducible sums
+//!   the engine cannot do in one exchange) a reduce-scatter is the allreduce of a
+//!   library-owned copy of each bucket,
 //!   on every route the allreduce takes, followed by each replica's owned pieces copied out
 //!   (the copy moves the bucket twice more than the allreduce does, docs/PERFORMANCE.md).
 //!
@@ -71,15 +74,27 @@ fn one_pass(levels: &Levels, memory: Memory, backend: &dyn Backend) -> bool {
     levels.in_place() && (memory == Memory::Host || device)
 }
 
-/// A world of one replica per rank (alike on every rank: the levels say), in host memory: the
-/// engine reduces onto each rank's pieces itself ([`Ranks::reduce_scatter`]) and gathers them
-/// ([`Ranks::allgather_owned`]), straight from and into the tensors. Each rank's world replica
-/// is its rank.
-fn one_per_rank<'a>(site: &Site<'a>, memory: Memory) -> Option<&'a dyn Ranks> {
-    let one_each = site.levels.ranks.iter().all(|&r| r == 1);
+/// A world of host replicas (alike on every rank: the levels say): the engine reduces onto
+/// each local replica's pieces itself ([`Ranks::reduce_scatter`], every local replica a
+/// contribution) and gathers the ranks' pieces ([`Ranks::allgather_owned`]), straight from and
+/// into the tensors.
+fn host_world<'a>(site: &Site<'a>, memory: Memory) -> Option<&'a dyn Ranks> {
     let from_host = site.levels.route == Route::RanksFromHost;
-    site.ranks
-        .filter(|_| memory == Memory::Host && from_host && one_each)
+    site.ranks.filter(|_| memory == Memory::Host && from_host)
+}
+
+/// The pieces `(first, count)` of every tensor of `members` on every local replica of
+/// `replicas`, tensor after tensor ([`Ranks::reduce_scatter`]'s order).
+pub(super) fn pieces_of(
+    members: &[&TensorView],
+    replicas: &[usize],
+    place: Place,
+) -> Vec<(usize, usize)> {
+    (members.iter())
+        .flat_map(|t| {
+            (replicas.iter()).map(move |&r| piece(t.count, place.offset + r, place.total))
+        })
+        .collect()
 }
 
 impl Executor {
@@ -134,15 +149,16 @@ impl Executor {
                 &owned,
             );
         }
-        if let Some(ranks) = one_per_rank(&site, bucket.memory) {
+        if let Some(ranks) = host_world(&site, bucket.memory) {
             let _span = self.bucket_span("reduce-scatter bucket", 0, bucket, tensors);
             let avg = (op == ReduceOp::Avg && divisor > 1).then_some(divisor);
-            let owned: Vec<(usize, usize)> = (members.iter())
-                .map(|t| piece(t.count, place.offset, place.total))
-                .collect();
+            let local = &site.levels.groups[0];
+            let owned = pieces_of(&members, local, place);
             // Integers' sums are exact already: the reproducible option leaves them plain.
             let reproducible = site.levels.reproducible && bucket.dtype.is_float();
-            let done = contributions(&view(bucket, tensors), &[0], |segments| {
+            // Every local replica a contribution, summed in the engine's stage in their order
+            // (as the local sum of an allreduce), each getting its own pieces.
+            let done = contributions(&view(bucket, tensors), local, |segments| {
                 let data = (bucket.dtype, segments, &owned[..]);
                 ranks.reduce_scatter(Channel::Steps, data, avg, reproducible)
             })?;
@@ -217,24 +233,24 @@ impl Executor {
         locate: impl Fn(usize) -> (usize, usize),
         fusion_bytes: usize,
     ) -> Result<()> {
+        // Every rank's world replicas, `(first, count)`, for the engine's allgather.
+        let mut spans_of: Vec<(usize, usize)> = Vec::new();
+        for w in 0..place.total {
+            let (rank, _) = locate(w);
+            if spans_of.len() <= rank {
+                spans_of.resize(rank + 1, (w, 0));
+            }
+            spans_of[rank].1 += 1;
+        }
         self.bracket(|| {
             let mut rest: Vec<&TensorView> = Vec::new();
             for (b, bucket) in buckets_for(tensors, fusion_bytes).iter().enumerate() {
                 let site = self.site_to_touch(bucket.memory)?;
-                if let Some(ranks) = one_per_rank(&site, bucket.memory) {
+                if let Some(ranks) = host_world(&site, bucket.memory) {
                     let _span = self.bucket_span("allgather bucket", b, bucket, tensors);
-                    let size = bucket.dtype.size();
                     let members: Vec<&TensorView> =
                         bucket.tensors.iter().map(|&t| tensors[t]).collect();
-                    let spans: Vec<(usize, usize)> = members
-                        .iter()
-                        .map(|t| (t.ptrs[0], t.count * size))
-                        .collect();
-                    let owned = |s: usize, rank: usize| {
-                        let (first, count) = piece(members[s].count, rank, place.total);
-                        (first * size, count * size)
-                    };
-                    ranks.allgather_owned(&spans, &owned)?;
+                    self.allgather_ranks(site, ranks, &members, (place, &spans_of))?;
                     continue;
                 }
                 if !one_pass(site.levels, bucket.memory, site.backend) {
@@ -264,6 +280,68 @@ impl Executor {
             }
             Ok(())
         })
+    }
+}
+
+impl Executor {
+    /// A world of host replicas: each local replica's pieces of `members` copied into local
+    /// replica 0's tensors, every rank's pieces gathered there over the engine (rank `r` owns
+    /// the pieces of its world replicas `ranks_at[r]` = `(first, count)`, one range per tensor),
+    /// then local replica 0's tensors spread to the other local replicas.
+    ///
+    /// # Safety
+    /// As for [`Executor::allgather`].
+    unsafe fn allgather_ranks(
+        &self,
+        site: Site<'_>,
+        ranks: &dyn Ranks,
+        members: &[&TensorView],
+        (place, ranks_at): (Place, &[(usize, usize)]),
+    ) -> Result<()> {
+        let local = &site.levels.groups[0];
+        let size = members.first().map_or(1, |t| t.dtype.size());
+        let leader = local[0];
+        for t in members {
+            for &r in &local[1..] {
+                let (first, count) = piece(t.count, place.offset + r, place.total);
+                if count > 0 {
+                    let at = first * size;
+                    (site.backend).copy(
+                        r,
+                        t.ptrs[r] + at,
+                        leader,
+                        t.ptrs[leader] + at,
+                        count * size,
+                    )?;
+                }
+            }
+        }
+        let spans: Vec<(usize, usize)> = members
+            .iter()
+            .map(|t| (t.ptrs[leader], t.count * size))
+            .collect();
+        let owned = |s: usize, rank: usize| {
+            let (w, n) = ranks_at[rank];
+            let count = members[s].count;
+            let first = piece(count, w, place.total).0;
+            let end = match n {
+                0 => first,
+                _ => {
+                    let (f, c) = piece(count, w + n - 1, place.total);
+                    f + c
+                }
+            };
+            (first * size, (end - first) * size)
+        };
+        ranks.allgather_owned(&spans, &owned)?;
+        if local.len() > 1 {
+            let bucket = Bucket {
+                tensors: (0..members.len()).collect(),
+                ..buckets_for(members, usize::MAX)[0].clone()
+            };
+            site.backend.spread(0, &view(&bucket, members), leader)?;
+        }
+        Ok(())
     }
 }
 

@@ -336,15 +336,22 @@ pub fn describe(ctx: *const dpsync_context) -> String {
         unsafe { dpsync_describe(ctx, ptr::null_mut(), 0, &mut len) },
         "describe(size)",
     );
-    let mut buf = vec![0u8; len + 1];
-    let mut len2 = 0usize;
-    // SAFETY: buffer of len + 1 bytes.
-    check(
-        unsafe { dpsync_describe(ctx, buf.as_mut_ptr().cast(), buf.len(), &mut len2) },
-        "describe",
-    );
-    assert_eq!(len, len2, "describe length changed between calls");
-    assert_eq!(buf[len], 0, "describe must NUL-terminate");
-    buf.truncate(len);
-    String::from_utf8(buf).expect("describe output is UTF-8")
+    // The text may change between the calls (a world's early buckets move on the engine's
+    // progress thread, and their counters with them): sized again until it fits.
+    loop {
+        let mut buf = vec![0u8; len + 1];
+        let mut len2 = 0usize;
+        // SAFETY: buffer of len + 1 bytes.
+        check(
+            unsafe { dpsync_describe(ctx, buf.as_mut_ptr().cast(), buf.len(), &mut len2) },
+            "describe",
+        );
+        if len2 > len {
+            len = len2;
+            continue;
+        }
+        assert_eq!(buf[len2], 0, "describe must NUL-terminate");
+        buf.truncate(len2);
+        return String::from_utf8(buf).expect("describe output is UTF-8");
+    }
 }

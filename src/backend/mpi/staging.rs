@@ -237,33 +237,41 @@ pub(super) unsafe fn stage_out(
 }
 
 /// The outputs `(ptr, count)` of `segments` laid end to end, for [`stage_out`]: each
-/// segment's `ptrs[0]`, or with `owned` only its elements `owned[s]` ([`only_owned`]).
+/// segment's `ptrs[0]`, or with `owned` each contribution's own elements ([`only_owned`]).
 pub(super) fn outputs(
     dtype: DType,
     segments: &[Segment<'_>],
     owned: Option<&[(usize, usize)]>,
 ) -> Vec<(usize, usize)> {
-    let whole: Vec<(usize, usize)> = segments.iter().map(|s| (s.ptrs[0], s.count)).collect();
     match owned {
-        None => whole,
-        Some(owned) => only_owned(dtype, &whole, owned),
+        None => segments.iter().map(|s| (s.ptrs[0], s.count)).collect(),
+        Some(owned) => only_owned(dtype, segments.iter().map(|s| (s.ptrs, s.count)), owned),
     }
 }
 
-/// Outputs `whole` (`(ptr, count)` each) cut to their elements `owned[s]` = `(first, count)`,
-/// the rest as null outputs, not written (a reduce-scatter).
-pub(super) fn only_owned(
+/// The outputs of a reduce-scatter: segments given as (contributions, count), and `owned`
+/// the `(first, count)` of every contribution of every segment in order (segment after
+/// segment), ascending within a segment; each contribution's own elements are written to it,
+/// the rest are null outputs, not written.
+pub(super) fn only_owned<'a>(
     dtype: DType,
-    whole: &[(usize, usize)],
+    segments: impl Iterator<Item = (&'a [usize], usize)>,
     owned: &[(usize, usize)],
 ) -> Vec<(usize, usize)> {
-    let mut outs = Vec::with_capacity(3 * whole.len());
-    for (&(ptr, count), &(first, n)) in whole.iter().zip(owned) {
-        outs.extend([
-            (0, first),
-            (ptr + first * dtype.size(), n),
-            (0, count - first - n),
-        ]);
+    let mut outs = Vec::with_capacity(3 * owned.len());
+    let mut pieces = owned.iter();
+    for (ptrs, count) in segments {
+        let mut at = 0;
+        for &ptr in ptrs {
+            let &(first, n) = pieces.next().expect("a piece per contribution");
+            debug_assert!(
+                first >= at && first + n <= count,
+                "ascending pieces within it"
+            );
+            outs.extend([(0, first - at), (ptr + first * dtype.size(), n)]);
+            at = first + n;
+        }
+        outs.push((0, count - at));
     }
     outs
 }

@@ -358,7 +358,8 @@ impl Queue {
         if let Some(item) = self.item(handle.seq) {
             if let (None, Some(owned)) = (item.direct_from, owned) {
                 // Nothing was written yet: the outputs change before the first piece goes out.
-                item.outs = only_owned(item.dtype, &item.outs, owned);
+                let inputs = item.inputs.iter().map(|(ptrs, count)| (&ptrs[..], *count));
+                item.outs = only_owned(item.dtype, inputs, owned);
             }
             item.direct_from.get_or_insert(item.issued);
         }
