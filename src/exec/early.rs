@@ -2,7 +2,7 @@
 //! started on the engine's steps channel (host memory) or queued on the NCCL clique (device
 //! memory), finished once the step agrees, or drained when it fails (context/overlap.rs).
 
-use super::shard::{piece, Place};
+use super::shard::{pieces_of, Place};
 use super::{dense, view, Executor};
 use crate::backend::Ticket;
 use crate::error::Result;
@@ -101,10 +101,11 @@ impl Executor {
         scatter: Option<Place>,
     ) {
         if let (Some(ranks), false) = (self.ranks(), ticket.0.is::<StartedInGroups>()) {
+            // A piece per contribution: the local replicas, as `start_early` gave them.
             let owned: Option<Vec<(usize, usize)>> = scatter.map(|place| {
-                (bucket.tensors.iter())
-                    .map(|&t| piece(tensors[t].count, place.offset, place.total))
-                    .collect()
+                let members: Vec<&TensorView> =
+                    bucket.tensors.iter().map(|&t| tensors[t]).collect();
+                pieces_of(&members, &self.site(bucket.memory).levels.groups[0], place)
             });
             ranks.release(ticket, owned.as_deref());
         }

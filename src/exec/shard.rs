@@ -17,9 +17,9 @@
 //!   with `ncclAllReduce`, so it would break the bytes below).
 //! - Everywhere else (CUDA replicas in a world staged through the host, reproducible sums
 //!   the engine cannot do in one exchange) a reduce-scatter is the allreduce of a
-//!   library-owned copy of each bucket,
-//!   on every route the allreduce takes, followed by each replica's owned pieces copied out
-//!   (the copy moves the bucket twice more than the allreduce does, docs/PERFORMANCE.md).
+//!   library-owned copy of each bucket, on every route the allreduce takes, followed by each
+//!   replica's owned pieces copied out (the copy moves the bucket twice more than the
+//!   allreduce does, docs/PERFORMANCE.md).
 //!
 //! An allgather outside the first two routes is one broadcast per world replica of the pieces
 //! it owns.
