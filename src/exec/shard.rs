@@ -134,11 +134,11 @@ impl Executor {
             return Ok(());
         };
         let site = self.site_to_touch(bucket.memory)?;
+        let avg = (op == ReduceOp::Avg && divisor > 1).then_some(divisor);
         if one_pass(site.levels, bucket.memory, site.backend) && !site.levels.reproducible {
             // Host memory in one process, or replicas of one GPU: the backend's own
             // reduce-scatter, which sums as its allreduce does and writes each piece once.
             let _span = self.bucket_span("reduce-scatter bucket", 0, bucket, tensors);
-            let avg = (op == ReduceOp::Avg && divisor > 1).then_some(divisor);
             let owned = |segment: usize, r: usize| {
                 piece(members[segment].count, place.offset + r, place.total)
             };
@@ -151,7 +151,6 @@ impl Executor {
         }
         if let Some(ranks) = host_world(&site, bucket.memory) {
             let _span = self.bucket_span("reduce-scatter bucket", 0, bucket, tensors);
-            let avg = (op == ReduceOp::Avg && divisor > 1).then_some(divisor);
             let local = &site.levels.groups[0];
             let owned = pieces_of(&members, local, place);
             // Integers' sums are exact already: the reproducible option leaves them plain.
@@ -170,7 +169,6 @@ impl Executor {
             // Several GPUs, or NCCL across the ranks: the allreduce's combine of the groups'
             // fusion buffers, the owned pieces copied out of them.
             let _span = self.bucket_span("reduce-scatter bucket", 0, bucket, tensors);
-            let avg = (op == ReduceOp::Avg && divisor > 1).then_some(divisor);
             let owned = |segment: usize, r: usize| {
                 piece(members[segment].count, place.offset + r, place.total)
             };
@@ -248,9 +246,7 @@ impl Executor {
                 let site = self.site_to_touch(bucket.memory)?;
                 if let Some(ranks) = host_world(&site, bucket.memory) {
                     let _span = self.bucket_span("allgather bucket", b, bucket, tensors);
-                    let members: Vec<&TensorView> =
-                        bucket.tensors.iter().map(|&t| tensors[t]).collect();
-                    self.allgather_ranks(site, ranks, &members, (place, &spans_of))?;
+                    self.allgather_ranks(site, ranks, (bucket, tensors), (place, &spans_of))?;
                     continue;
                 }
                 if !one_pass(site.levels, bucket.memory, site.backend) {
@@ -284,7 +280,7 @@ impl Executor {
 }
 
 impl Executor {
-    /// A world of host replicas: each local replica's pieces of `members` copied into local
+    /// A world of host replicas: each local replica's pieces of `bucket` copied into local
     /// replica 0's tensors, every rank's pieces gathered there over the engine (rank `r` owns
     /// the pieces of its world replicas `ranks_at[r]` = `(first, count)`, one range per tensor),
     /// then local replica 0's tensors spread to the other local replicas.
@@ -295,13 +291,14 @@ impl Executor {
         &self,
         site: Site<'_>,
         ranks: &dyn Ranks,
-        members: &[&TensorView],
+        (bucket, tensors): (&Bucket, &[&TensorView]),
         (place, ranks_at): (Place, &[(usize, usize)]),
     ) -> Result<()> {
+        let members: Vec<&TensorView> = bucket.tensors.iter().map(|&t| tensors[t]).collect();
         let local = &site.levels.groups[0];
         let size = members.first().map_or(1, |t| t.dtype.size());
         let leader = local[0];
-        for t in members {
+        for t in &members {
             for &r in &local[1..] {
                 let (first, count) = piece(t.count, place.offset + r, place.total);
                 if count > 0 {
@@ -335,11 +332,7 @@ impl Executor {
         };
         ranks.allgather_owned(&spans, &owned)?;
         if local.len() > 1 {
-            let bucket = Bucket {
-                tensors: (0..members.len()).collect(),
-                ..buckets_for(members, usize::MAX)[0].clone()
-            };
-            site.backend.spread(0, &view(&bucket, members), leader)?;
+            site.backend.spread(0, &view(bucket, tensors), leader)?;
         }
         Ok(())
     }

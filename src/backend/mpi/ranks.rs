@@ -52,7 +52,7 @@ impl MpiRanks {
     /// per piece.
     ///
     /// # Safety
-    /// As for [`Ranks::allreduce`]; `outs` lie within the segments' `ptrs[0]`.
+    /// As for [`Ranks::allreduce`]; `outs` lie within the segments' contributions.
     unsafe fn reduce_into(
         &self,
         channel: Channel,
