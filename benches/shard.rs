@@ -104,4 +104,19 @@ fn cuda(n: usize, reps: usize) {
         ms(t_ar),
         ms(t_both) / ms(t_ar)
     );
+    // Each half alone, to tell which one the pair's cost comes from.
+    let scatter = || {
+        check(unsafe { dpsync_reduce_scatter_grads(ctx.0, SUM) });
+        sync();
+    };
+    let gather = || {
+        check(unsafe { dpsync_allgather(ctx.0, PARAM) });
+        sync();
+    };
+    let (t_rs, t_ag) = side_by_side(reps, scatter, gather);
+    println!(
+        "cuda, {REPLICAS} replicas on GPU 0: reduce_scatter_grads alone {:8.2} ms   allgather(PARAM) alone {:8.2} ms",
+        ms(t_rs),
+        ms(t_ag)
+    );
 }

@@ -59,7 +59,7 @@ bundle() (
   # reproducible sums as repro_bench: its test is mpi/repro).
   cargo test --release --features mpi --target-dir target/mpi --no-run \
     --message-format=json --test world_cuda --test world_mpi --test world_comm \
-    --test world_agreement --test world_random --test world_random_cuda --test repro \
+    --test world_agreement --test world_random --test world_random_cuda --test repro --test shard \
     2>/dev/null | executables test |
     while read -r exe; do cp "$exe" "$BUNDLE/mpi/$(basename "${exe%-*}")"; done
   cargo bench --features mpi --target-dir target/mpi --bench world_allreduce --bench repro \
@@ -287,6 +287,11 @@ run() {
   part_repro() {
     section "test binary repro (worlds)"
     timed "$dir/mpi/repro" --test-threads=1 || failures=$((failures + 1))
+    endsection
+    # Shards across ranks (tests/shard.rs `world`: its launchers start 1-4 ranks of host
+    # replicas, with and without shared memory).
+    section "test binary shard (worlds)"
+    timed "$dir/mpi/shard" world:: --test-threads=1 || failures=$((failures + 1))
     endsection
     # From the working tree's root, where benches/data is.
     for b in "$dir"/mpi/repro_bench "$dir"/benches/shard-*; do

@@ -61,29 +61,33 @@ __device__ __forceinline__ int owner_of(u64 i, u64 count, int nrep) {
 
 // N elements of one segment of `count` (as walk_items): with `scatter`, the sum over the
 // replicas in their order (walk's, so the allreduce's bytes) written to the owner alone;
-// otherwise the owner's value copied to every other replica.
+// otherwise the owner's value copied to every other replica. Owners are monotone in the
+// element, so when the first and the last of the N share one (the usual case: pieces are far
+// larger than a chunk) it owns them all: two 64-bit divisions instead of N. Every load is
+// issued before any store: the compiler cannot tell a store to one replica from a later load
+// of another, so interleaving them left one load in flight per thread.
 template <int N, class T>
 __device__ __forceinline__ void owned_items(const u64* p, int nrep, u64 count, int scatter,
                                             int avg, double divisor, u64 i0, u64 step) {
   typedef typename Num<T>::A A;
+  int o[N];
+  o[0] = owner_of(i0, count, nrep);
+  const int last = N > 1 ? owner_of(i0 + (N - 1) * step, count, nrep) : o[0];
+  for (int k = 1; k < N; ++k) o[k] = last == o[0] ? o[0] : owner_of(i0 + k * step, count, nrep);
+  T out[N];
   if (!scatter) {
-    for (int k = 0; k < N; ++k) {
-      const u64 i = i0 + k * step;
-      const int o = owner_of(i, count, nrep);
-      const T x = ((const T*)p[o])[i];
-      for (int r = 0; r < nrep; ++r)
-        if (r != o) ((T*)p[r])[i] = x;
-    }
+    for (int k = 0; k < N; ++k) out[k] = ((const T*)p[o[k]])[i0 + k * step];
+    for (int r = 0; r < nrep; ++r)
+      for (int k = 0; k < N; ++k)
+        if (r != o[k]) ((T*)p[r])[i0 + k * step] = out[k];
     return;
   }
   A v[N];
   for (int k = 0; k < N; ++k) v[k] = Num<T>::load(((const T*)p[0])[i0 + k * step]);
   for (int r = 1; r < nrep; ++r)
     for (int k = 0; k < N; ++k) v[k] += Num<T>::load(((const T*)p[r])[i0 + k * step]);
-  for (int k = 0; k < N; ++k) {
-    const u64 i = i0 + k * step;
-    ((T*)p[owner_of(i, count, nrep)])[i] = Num<T>::store(avg ? divide(v[k], divisor) : v[k]);
-  }
+  for (int k = 0; k < N; ++k)
+    ((T*)p[o[k]])[i0 + k * step] = Num<T>::store(avg ? divide(v[k], divisor) : v[k]);
 }
 
 template <class T>
