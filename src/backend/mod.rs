@@ -555,7 +555,9 @@ pub(crate) trait Ranks: Send {
     /// Nothing else of the segments is written. The engine may read and write less than an
     /// allreduce does (through shared memory it copies out the owned elements alone). `false`
     /// (nothing moved) only with `reproducible`, where [`Ranks::allreduce_reproducible`] would
-    /// be `false`, alike on every rank.
+    /// be `false`, alike on every rank. `every_rank`, given where every rank has one
+    /// contribution: rank `r`'s `(first, count)` of segment `s`, which lets an engine sum each
+    /// rank's elements at that rank (the same bytes: in the allreduce's order).
     ///
     /// # Safety
     /// As for [`Ranks::allreduce`].
@@ -565,6 +567,7 @@ pub(crate) trait Ranks: Send {
         data: (DType, &[Segment<'_>], &[(usize, usize)]),
         avg: Option<usize>,
         reproducible: bool,
+        every_rank: Option<&dyn Fn(usize, usize) -> (usize, usize)>,
     ) -> Result<bool>;
 
     /// An allgather of owned ranges: every span `s` (`(ptr, bytes)`, alike in size on every

@@ -155,11 +155,16 @@ impl Executor {
             let owned = pieces_of(&members, local, place);
             // Integers' sums are exact already: the reproducible option leaves them plain.
             let reproducible = site.levels.reproducible && bucket.dtype.is_float();
+            // Every rank's pieces, where every rank has one replica (a rank has at least one).
+            let each =
+                |segment: usize, rank: usize| piece(members[segment].count, rank, place.total);
+            let every_rank = (place.total == ranks.ranks())
+                .then_some(&each as &dyn Fn(usize, usize) -> (usize, usize));
             // Every local replica a contribution, summed in the engine's stage in their order
             // (as the local sum of an allreduce), each getting its own pieces.
             let done = contributions(&view(bucket, tensors), local, |segments| {
                 let data = (bucket.dtype, segments, &owned[..]);
-                ranks.reduce_scatter(Channel::Steps, data, avg, reproducible)
+                ranks.reduce_scatter(Channel::Steps, data, avg, reproducible, every_rank)
             })?;
             if done {
                 return Ok(());

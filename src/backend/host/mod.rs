@@ -9,6 +9,9 @@
 
 mod bmuf;
 mod kernels;
+// The MPI engine's allgather streams its large copies out as the host's does.
+#[cfg(feature = "mpi")]
+pub(crate) use kernels::copy_streaming;
 pub(crate) mod repro;
 mod sparse;
 
@@ -179,7 +182,7 @@ where
 const COPY_BLOCK: usize = 32 << 10;
 /// A spread of an owned piece writing at least this many bytes uses non-temporal stores
 /// ([`kernels::copy_streaming`]); smaller ones leave the bytes in cache for the caller.
-const STREAM_BYTES: usize = 8 << 20;
+pub(crate) const STREAM_BYTES: usize = 8 << 20;
 
 /// [`kernels::copy_streaming`]'s plain counterpart.
 ///

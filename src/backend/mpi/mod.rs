@@ -35,6 +35,7 @@ mod poll;
 mod progress;
 mod ranks;
 mod ring;
+mod scatter;
 mod shm;
 mod staging;
 mod steps;

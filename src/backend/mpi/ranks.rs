@@ -12,7 +12,8 @@ use super::calls::{check, count_of};
 use super::pieces::{piece_of, stage, Walk, DEPTH, PIECE};
 use super::poll::poll;
 use super::ring::Sum;
-use super::staging::{copy_spans, mpi_type, outputs, stage_in, stage_out};
+use super::scatter::{self, sums_in_place};
+use super::staging::{copy_spans, mpi_type, outputs, stage_in, stage_out, Way};
 use super::steps::{Handle, Queue, Until};
 use super::MpiRanks;
 use crate::backend::{allgather_packed, Channel, Ranks, Segment, Ticket};
@@ -46,6 +47,31 @@ impl MpiRanks {
         ring.shared() && ring.takes(count * dtype.size()) && one_each && wide_enough
     }
 
+    /// `f` with the channel to itself: on the steps' channel under the queue's lock (handed
+    /// to `f`, which numbers its ring pieces there), after every bucket started ahead has
+    /// finished on every rank.
+    fn alone<R>(
+        &self,
+        channel: Channel,
+        f: impl FnOnce(Option<&mut Queue>) -> Result<R>,
+    ) -> Result<R> {
+        let mut queue = (channel == Channel::Steps).then(|| self.queue.lock());
+        if let Some(queue) = &mut queue {
+            self.drive(queue, Until::Empty)?;
+        }
+        f(queue.as_deref_mut())
+    }
+
+    /// Whether [`Engine::shared_reduce_scatter`](super::Engine) carries a reduce-scatter of
+    /// these segments: one contribution each, a dtype [`sums_in_place`], a bucket the ring
+    /// carries through shared memory. Alike on every rank, as [`MpiRanks::sums_reproducibly`].
+    fn scatters_in_place(&self, channel: Channel, dtype: DType, segments: &[Segment<'_>]) -> bool {
+        let count: usize = segments.iter().map(|s| s.count).sum();
+        let ring = self.ring(channel);
+        let one_each = segments.iter().all(|s| s.ptrs.len() == 1);
+        ring.shared() && ring.takes(count * dtype.size()) && one_each && sums_in_place(dtype)
+    }
+
     /// The sum over the ranks of `segments` (`sum`: how; reproducible only where
     /// [`MpiRanks::sums_reproducibly`]), divided by `avg`, written into `outs` ([`outputs`]):
     /// round the ring from [`RING_BYTES`](super::ring) on, else one non-blocking allreduce
@@ -60,25 +86,37 @@ impl MpiRanks {
         (sum, avg): (Sum, Option<usize>),
     ) -> Result<()> {
         self.refuse_if_failed()?;
-        let (datatype, size) = mpi_type(dtype);
+        let size = mpi_type(dtype).1;
         let count: usize = segments.iter().map(|s| s.count).sum();
-        let comm = self.comm_of(channel);
         let ring = self.ring(channel);
         // Held to the end: the steps' communicator carries this transfer alone meanwhile.
-        let mut queue = (channel == Channel::Steps).then(|| self.queue.lock());
-        if let Some(queue) = &mut queue {
-            // After every bucket started ahead, on every rank.
-            self.drive(queue, Until::Empty)?;
-        }
-        if count == 0 {
-            return Ok(());
-        }
-        if ring.takes(count * size) {
-            let first = self.number_ring_pieces(queue.as_deref_mut(), count, ring.piece_of(size));
-            let data = (dtype, segments, count);
-            return self.ring_allreduce((ring, first), data, outs, sum, avg);
-        }
-        debug_assert!(sum == Sum::Plain, "reproducible sums go round the ring");
+        self.alone(channel, |queue| {
+            if count == 0 {
+                return Ok(());
+            }
+            if ring.takes(count * size) {
+                let first = self.number_ring_pieces(queue, count, ring.piece_of(size));
+                let data = (dtype, segments, count);
+                return self.ring_allreduce((ring, first), data, outs, sum, avg);
+            }
+            debug_assert!(sum == Sum::Plain, "reproducible sums go round the ring");
+            self.reduce_pieces(self.comm_of(channel), (dtype, segments, count), outs, avg)
+        })
+    }
+
+    /// [`MpiRanks::reduce_into`] of a bucket below the ring's size: one non-blocking
+    /// allreduce per piece, staged in and out.
+    ///
+    /// # Safety
+    /// As for [`MpiRanks::reduce_into`].
+    unsafe fn reduce_pieces(
+        &self,
+        comm: ffi::MPI_Comm,
+        (dtype, segments, count): (DType, &[Segment<'_>], usize),
+        outs: &[(usize, usize)],
+        avg: Option<usize>,
+    ) -> Result<()> {
+        let (datatype, size) = mpi_type(dtype);
         let piece = piece_of(size).min(count);
         let pieces = count.div_ceil(piece);
         // Slot `i % DEPTH` of piece `i`: a send area, then a receive area.
@@ -169,8 +207,22 @@ impl Ranks for MpiRanks {
         (dtype, segments, owned): (DType, &[Segment<'_>], &[(usize, usize)]),
         avg: Option<usize>,
         reproducible: bool,
+        every_rank: Option<&dyn Fn(usize, usize) -> (usize, usize)>,
     ) -> Result<bool> {
         self.refuse_if_failed()?;
+        let in_place = !reproducible && self.scatters_in_place(channel, dtype, segments);
+        if let Some(owners) = every_rank.filter(|_| in_place) {
+            let ring = self.ring(channel);
+            let count: usize = segments.iter().map(|s| s.count).sum();
+            let ring_piece = ring.piece_of(dtype.size()).min(count);
+            let pieces = scatter::pieces_of(segments, owners, self.size, dtype.size());
+            self.alone(channel, |queue| {
+                let first = self.number_ring_pieces(queue, pieces, 1);
+                let data = (dtype, segments, ring_piece);
+                self.shared_reduce_scatter((ring, first), data, owners, avg)
+            })?;
+            return Ok(true);
+        }
         let outs = outputs(dtype, segments, Some(owned));
         let data = (dtype, segments, &outs[..]);
         let sum = match reproducible {
@@ -222,43 +274,41 @@ impl Ranks for MpiRanks {
         };
         let count = data.len() / size;
         let comm = self.comm_of(channel);
-        let mut queue = (channel == Channel::Steps).then(|| self.queue.lock());
-        if let Some(queue) = &mut queue {
-            // After every bucket started ahead, on every rank.
-            self.drive(queue, Until::Empty)?;
-        }
-        if count == 0 {
-            return Ok(());
-        }
-        // rsmpi has no MPI_IN_PLACE: the pieces are sent from a copy.
-        let send = data.to_vec();
-        let recv = data.as_mut_ptr();
-        let piece = piece_of(size).min(count);
-        let done = self.run_pieces(
-            "MPI_Iallreduce (MPI_MAX)",
-            count.div_ceil(piece),
-            |i, request| {
-                let (at, n) = (i * piece * size, piece.min(count - i * piece));
-                // SAFETY: both ranges hold the piece; `send` outlives the requests (below).
-                unsafe {
-                    ffi::MPI_Iallreduce(
-                        send.as_ptr().add(at).cast(),
-                        recv.add(at).cast(),
-                        count_of(n),
-                        datatype,
-                        ffi::RSMPI_MAX,
-                        comm,
-                        request,
-                    )
-                }
-            },
-            |_| {},
-        );
-        if done.is_err() {
-            // Pieces still pending may read it (the world has failed: nothing is sent again).
-            std::mem::forget(send);
-        }
-        done
+        // Held to the end: the steps' communicator carries this transfer alone meanwhile.
+        self.alone(channel, |_| {
+            if count == 0 {
+                return Ok(());
+            }
+            // rsmpi has no MPI_IN_PLACE: the pieces are sent from a copy.
+            let send = data.to_vec();
+            let recv = data.as_mut_ptr();
+            let piece = piece_of(size).min(count);
+            let done = self.run_pieces(
+                "MPI_Iallreduce (MPI_MAX)",
+                count.div_ceil(piece),
+                |i, request| {
+                    let (at, n) = (i * piece * size, piece.min(count - i * piece));
+                    // SAFETY: both ranges hold the piece; `send` outlives the requests (below).
+                    unsafe {
+                        ffi::MPI_Iallreduce(
+                            send.as_ptr().add(at).cast(),
+                            recv.add(at).cast(),
+                            count_of(n),
+                            datatype,
+                            ffi::RSMPI_MAX,
+                            comm,
+                            request,
+                        )
+                    }
+                },
+                |_| {},
+            );
+            if done.is_err() {
+                // Pieces still pending may read it (the world has failed: nothing is sent again).
+                std::mem::forget(send);
+            }
+            done
+        })
     }
 
     unsafe fn start(
@@ -348,7 +398,7 @@ impl Ranks for MpiRanks {
             pieces,
             |i, request| {
                 if mine {
-                    copy_spans((spans, &mut walk_in), range(i), at(i), false);
+                    copy_spans((spans, &mut walk_in), range(i), at(i), Way::In);
                 }
                 ffi::MPI_Ibcast(
                     at(i).cast(),
@@ -361,7 +411,12 @@ impl Ranks for MpiRanks {
             },
             |i| {
                 if !mine {
-                    copy_spans((spans, &mut walk_out), range(i), at(i), true);
+                    copy_spans(
+                        (spans, &mut walk_out),
+                        range(i),
+                        at(i),
+                        Way::Out { streaming: false },
+                    );
                 }
             },
         );

@@ -21,9 +21,9 @@ use super::calls::{check, count_of};
 use super::pieces::{piece_of, stage, Walk, DEPTH};
 use super::poll::Idle;
 use super::shm::{Slots, OUT, REDUCED, STAGED};
-use super::staging::{copy_spans, mpi_type, stage_in, stage_out, Summed};
+use super::staging::{copy_spans, mpi_type, stage_in, stage_out, Summed, Way};
 use super::Engine;
-use crate::backend::host::repro;
+use crate::backend::host::{repro, STREAM_BYTES};
 use crate::backend::Segment;
 use crate::error::Result;
 use crate::types::DType;
@@ -84,6 +84,11 @@ impl Ring {
         self.shm.is_some()
     }
 
+    /// The communicator's slots of shared memory, where every rank shares this host.
+    pub(super) fn slots(&self) -> Option<Slots> {
+        self.shm
+    }
+
     /// A flight's steps: sends and receives round the ring, or through shared memory its
     /// reduction then its copy out.
     fn steps(&self) -> usize {
@@ -104,7 +109,7 @@ impl Ring {
 }
 
 /// Block `b` of `m` elements split into `n`: its first element and length.
-fn block(m: usize, n: usize, b: usize) -> (usize, usize) {
+pub(super) fn block(m: usize, n: usize, b: usize) -> (usize, usize) {
     let (q, rem) = (m / n, m % n);
     (b * q + b.min(rem), q + usize::from(b < rem))
 }
@@ -113,7 +118,7 @@ fn block(m: usize, n: usize, b: usize) -> (usize, usize) {
 ///
 /// # Safety
 /// Both hold `count` aligned elements of that type.
-unsafe fn add_into(dtype: DType, dst: *mut u8, src: *const u8, count: usize) {
+pub(super) unsafe fn add_into(dtype: DType, dst: *mut u8, src: *const u8, count: usize) {
     unsafe fn add<T: Summed>(dst: *mut u8, src: *const u8, count: usize) {
         let d = std::slice::from_raw_parts_mut(dst.cast::<T::Acc>(), count);
         let s = std::slice::from_raw_parts(src.cast::<T::Acc>(), count);
@@ -423,6 +428,9 @@ impl Engine {
         let piece = ring.piece_of(1).min(bytes);
         let pieces = bytes.div_ceil(piece);
         let range = |i: usize| (i * piece, piece.min(bytes - i * piece));
+        // The others' bytes land where this rank has not read: a large gather streams them
+        // past the caches, as the host's own allgather does.
+        let streaming = bytes >= STREAM_BYTES;
         // The channel's slots are used under its lock, as the waited transfers' stages are.
         let _held = self.scratch.lock();
         let mut walk_in = Walk::default();
@@ -436,7 +444,7 @@ impl Engine {
                     let Some(slot) = slots.mine_when_free(first + staged) else {
                         break;
                     };
-                    copy_spans((&parts[me], &mut walk_in), range(staged), slot, false);
+                    copy_spans((&parts[me], &mut walk_in), range(staged), slot, Way::In);
                     slots.publish(STAGED, first + staged);
                     (staged, moved) = (staged + 1, true);
                 }
@@ -444,7 +452,7 @@ impl Engine {
                     let k = first + done;
                     for r in (0..n).filter(|&r| r != me) {
                         let out = (&parts[r][..], &mut walks_out[r]);
-                        copy_spans(out, range(done), slots.slot(r, k), true);
+                        copy_spans(out, range(done), slots.slot(r, k), Way::Out { streaming });
                     }
                     // Nothing to reduce: past that phase at once, so that the next ring
                     // piece's reduction finds the counter at its number.

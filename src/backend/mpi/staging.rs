@@ -8,6 +8,7 @@ use half::{bf16, f16};
 use mpi::ffi;
 
 use super::pieces::Walk;
+use crate::backend::host::copy_streaming;
 use crate::backend::Segment;
 use crate::types::DType;
 
@@ -276,8 +277,18 @@ pub(super) fn only_owned<'a>(
     outs
 }
 
+/// Which way [`copy_spans`] copies.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Way {
+    /// Into the stage.
+    In,
+    /// Out of it into the spans; `streaming`: with non-temporal stores, so that a large
+    /// transfer writes spans this core has not read without reading them from memory first.
+    Out { streaming: bool },
+}
+
 /// Bytes `range` = `(start, n)` of the spans `(ptr, bytes)` laid end to end, copied into the
-/// stage at `stage` or, with `out`, from it; a span of null `ptr` is skipped (an allgather's
+/// stage at `stage` or out of it (`way`); a span of null `ptr` is skipped (an allgather's
 /// bytes another rank owns).
 ///
 /// # Safety
@@ -286,7 +297,7 @@ pub(super) unsafe fn copy_spans(
     (spans, walk): (&[(usize, usize)], &mut Walk),
     range: (usize, usize),
     stage: *mut u8,
-    out: bool,
+    way: Way,
 ) {
     walk.parts(
         |k| spans[k].1,
@@ -297,9 +308,12 @@ pub(super) unsafe fn copy_spans(
                 return;
             }
             let span = (spans[k].0 as *mut u8).add(skip);
-            match out {
-                false => std::ptr::copy_nonoverlapping(span, stage.add(at), n),
-                true => std::ptr::copy_nonoverlapping(stage.add(at), span, n),
+            match way {
+                Way::In => std::ptr::copy_nonoverlapping(span, stage.add(at), n),
+                Way::Out { streaming: false } => {
+                    std::ptr::copy_nonoverlapping(stage.add(at), span, n)
+                }
+                Way::Out { streaming: true } => copy_streaming(stage.add(at), span, n),
             }
         },
     );
