@@ -149,17 +149,20 @@ impl Executor {
                 &owned,
             );
         }
-        if let Some(ranks) = host_world(&site, bucket.memory) {
+        // Integers' sums are exact already: the reproducible option leaves them plain.
+        let reproducible = site.levels.reproducible && bucket.dtype.is_float();
+        // The plan's layout, alike on every rank: the engine's reproducible sum and its
+        // in-place reduce-scatter serve one replica per rank, and every rank must choose alike.
+        let one_each = site.levels.ranks.iter().all(|&r| r == 1);
+        let world = host_world(&site, bucket.memory).filter(|_| one_each || !reproducible);
+        if let Some(ranks) = world {
             let _span = self.bucket_span("reduce-scatter bucket", 0, bucket, tensors);
             let local = &site.levels.groups[0];
             let owned = pieces_of(&members, local, place);
-            // Integers' sums are exact already: the reproducible option leaves them plain.
-            let reproducible = site.levels.reproducible && bucket.dtype.is_float();
-            // Every rank's pieces, where every rank has one replica (a rank has at least one).
+            // Every rank's pieces, where every rank has one replica.
             let each =
                 |segment: usize, rank: usize| piece(members[segment].count, rank, place.total);
-            let every_rank = (place.total == ranks.ranks())
-                .then_some(&each as &dyn Fn(usize, usize) -> (usize, usize));
+            let every_rank = one_each.then_some(&each as &dyn Fn(usize, usize) -> (usize, usize));
             // Every local replica a contribution, summed in the engine's stage in their order
             // (as the local sum of an allreduce), each getting its own pieces.
             let done = contributions(&view(bucket, tensors), local, |segments| {

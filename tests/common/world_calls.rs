@@ -19,8 +19,10 @@ use dpsync::*;
 const NAMES: [&str; 7] = ["w_a", "w_b", "w_c", "w_d", "w_e", "w_f", "w_g"];
 const SPARSE: [&str; 3] = ["emb_a", "emb_b", "emb_c"];
 const ROLES: [u32; 4] = [PARAM, GRAD, COMPUTED, STATE];
-/// Element counts: the small ones ride in the agreement record, 40 and 100 of most dtypes not.
-const COUNTS: [usize; 7] = [1, 2, 3, 5, 8, 40, 100];
+/// Element counts: the small ones ride in the agreement record, 40 and 100 of most dtypes not;
+/// 20000 makes a bucket the engine's ring carries (64 KiB on: the shared-memory ring, and the
+/// in-place reduce-scatter of one replica per rank).
+const COUNTS: [usize; 8] = [1, 2, 3, 5, 8, 40, 100, 20_000];
 const FLOATS: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
 
 /// Replicas per rank: uneven, so that world indices and AVG's divisor are not the rank's.

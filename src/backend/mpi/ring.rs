@@ -435,6 +435,35 @@ impl Engine {
         let _held = self.scratch.lock();
         let mut walk_in = Walk::default();
         let mut walks_out: Vec<Walk> = (0..n).map(|_| Walk::default()).collect();
+        self.through_slots(
+            (slots, first, pieces),
+            "the allgather through shared memory",
+            |i, slot| copy_spans((&parts[me], &mut walk_in), range(i), slot, Way::In),
+            |i, k| {
+                for r in (0..n).filter(|&r| r != me) {
+                    let out = (&parts[r][..], &mut walks_out[r]);
+                    copy_spans(out, range(i), slots.slot(r, k), Way::Out { streaming });
+                }
+            },
+        )
+    }
+
+    /// `pieces` pieces through a channel's `slots`, numbered from `first` as ring pieces (the
+    /// same counters): piece `i` staged into this rank's slot by `stage(i, slot)` once every
+    /// rank is done with that slot's last piece, at most [`DEPTH`] ahead; then, once every
+    /// rank staged it, read from the others' slots by `read(i, k)` (`k`: its number). Nothing
+    /// is reduced between, so both later counters pass at once, and the next ring piece finds
+    /// them at its number. The caller holds the channel's lock.
+    ///
+    /// # Safety
+    /// `stage` and `read` stay within the slots' pieces and the caller's memory.
+    pub(super) unsafe fn through_slots(
+        &self,
+        (slots, first, pieces): (Slots, usize, usize),
+        what: &str,
+        mut stage: impl FnMut(usize, *mut u8),
+        mut read: impl FnMut(usize, usize),
+    ) -> Result<()> {
         let (mut staged, mut done) = (0, 0);
         let (mut since, mut idle) = (None::<Instant>, Idle::default());
         let mut run = || -> Result<()> {
@@ -444,29 +473,20 @@ impl Engine {
                     let Some(slot) = slots.mine_when_free(first + staged) else {
                         break;
                     };
-                    copy_spans((&parts[me], &mut walk_in), range(staged), slot, Way::In);
+                    stage(staged, slot);
                     slots.publish(STAGED, first + staged);
                     (staged, moved) = (staged + 1, true);
                 }
                 while done < staged && slots.all_past(STAGED, first + done) {
                     let k = first + done;
-                    for r in (0..n).filter(|&r| r != me) {
-                        let out = (&parts[r][..], &mut walks_out[r]);
-                        copy_spans(out, range(done), slots.slot(r, k), Way::Out { streaming });
-                    }
-                    // Nothing to reduce: past that phase at once, so that the next ring
-                    // piece's reduction finds the counter at its number.
+                    read(done, k);
                     slots.publish(REDUCED, k);
                     slots.publish(OUT, k);
                     (done, moved) = (done + 1, true);
                 }
                 match moved {
                     true => idle.reset(),
-                    false => idle.wait(
-                        &mut since,
-                        self.timeout,
-                        "the allgather through shared memory",
-                    )?,
+                    false => idle.wait(&mut since, self.timeout, what)?,
                 }
             }
             Ok(())

@@ -10,12 +10,8 @@
 //! `ring::Flight::advance_shared`), in the same arithmetic, and divided as it is staged out.
 //! Only which rank does the adding differs.
 
-use std::time::Instant;
-
-use super::pieces::{Walk, DEPTH};
-use super::poll::Idle;
+use super::pieces::Walk;
 use super::ring::{add_into, block, Ring};
-use super::shm::{OUT, REDUCED, STAGED};
 use super::staging::{mpi_type, stage_out};
 use super::Engine;
 use crate::backend::Segment;
@@ -78,76 +74,51 @@ impl Engine {
         let _held = self.scratch.lock();
         let mut walks_in: Vec<Walk> = (0..n).map(|_| Walk::default()).collect();
         let mut walk_sum = Walk::default();
-        let (mut staged, mut done) = (0, 0);
-        let (mut since, mut idle) = (None::<Instant>, Idle::default());
-        let mut go = || -> Result<()> {
-            while done < pieces {
-                let mut moved = false;
-                while staged < pieces && staged < done + DEPTH {
-                    let Some(slot) = slots.mine_when_free(first + staged) else {
-                        break;
-                    };
-                    for q in (0..n).filter(|&q| q != me) {
-                        let Some(range) = range_of(staged, c, total(q)) else {
-                            continue;
-                        };
-                        let section = slot.add(section(q, me) * c * size);
-                        let lengths = |k: usize| runs[q][k].len;
-                        walks_in[q].parts(lengths, runs[q].len(), range, |k, skip, len, at| {
-                            let from = tensor(&runs[q][k], skip);
-                            std::ptr::copy_nonoverlapping(from, section.add(at * size), len * size);
-                        });
-                    }
-                    slots.publish(STAGED, first + staged);
-                    (staged, moved) = (staged + 1, true);
-                }
-                while done < staged && slots.all_past(STAGED, first + done) {
-                    let k = first + done;
-                    if let Some(range) = range_of(done, c, total(me)) {
-                        let mine = &runs[me];
-                        let lengths = |j: usize| mine[j].len;
-                        walk_sum.parts(lengths, mine.len(), range, |j, skip, len, at| {
-                            let own = &mine[j];
-                            let e = offsets[own.segment] + own.first + skip;
-                            let mut o = 0;
-                            // Cut where the ring's blocks meet: each block's elements are
-                            // summed from its rank's value on.
-                            for (b, l) in blocks((e, len), (ring_piece, count), n) {
-                                let from = |r: usize| match r == me {
-                                    true => tensor(own, skip + o) as *const u8,
-                                    false => {
-                                        slots.slot(r, k).add((section(me, r) * c + at + o) * size)
-                                            as *const u8
-                                    }
-                                };
-                                std::ptr::copy_nonoverlapping(from(b), sum, l * size);
-                                for r in (0..n).filter(|&r| r != b) {
-                                    add_into(dtype, sum, from(r), l);
-                                }
-                                let out = [(tensor(own, skip + o) as usize, l)];
-                                stage_out(dtype, sum, (&out, &mut Walk::default()), (0, l), avg);
-                                o += l;
-                            }
-                        });
-                    }
-                    // Nothing to copy out: past both phases at once, so that the next ring
-                    // piece finds the counters at its number.
-                    slots.publish(REDUCED, k);
-                    slots.publish(OUT, k);
-                    (done, moved) = (done + 1, true);
-                }
-                match moved {
-                    true => idle.reset(),
-                    false => idle.wait(
-                        &mut since,
-                        self.timeout,
-                        "the reduce-scatter through shared memory",
-                    )?,
-                }
+        let stage = |i: usize, slot: *mut u8| {
+            for q in (0..n).filter(|&q| q != me) {
+                let Some(range) = range_of(i, c, total(q)) else {
+                    continue;
+                };
+                let into = slot.add(section(q, me) * c * size);
+                let lengths = |k: usize| runs[q][k].len;
+                walks_in[q].parts(lengths, runs[q].len(), range, |k, skip, len, at| {
+                    let from = tensor(&runs[q][k], skip);
+                    std::ptr::copy_nonoverlapping(from, into.add(at * size), len * size);
+                });
             }
-            Ok(())
         };
-        go().map_err(|e| self.failing(e))
+        let read = |i: usize, k: usize| {
+            let Some(range) = range_of(i, c, total(me)) else {
+                return;
+            };
+            let mine = &runs[me];
+            let lengths = |j: usize| mine[j].len;
+            walk_sum.parts(lengths, mine.len(), range, |j, skip, len, at| {
+                let own = &mine[j];
+                let e = offsets[own.segment] + own.first + skip;
+                let mut o = 0;
+                // Cut where the ring's blocks meet: each block's elements are summed from its
+                // rank's value on.
+                for (b, l) in blocks((e, len), (ring_piece, count), n) {
+                    let from = |r: usize| match r == me {
+                        true => tensor(own, skip + o) as *const u8,
+                        false => {
+                            let at = (section(me, r) * c + at + o) * size;
+                            slots.slot(r, k).add(at) as *const u8
+                        }
+                    };
+                    std::ptr::copy_nonoverlapping(from(b), sum, l * size);
+                    for r in (0..n).filter(|&r| r != b) {
+                        add_into(dtype, sum, from(r), l);
+                    }
+                    let out = [(tensor(own, skip + o) as usize, l)];
+                    stage_out(dtype, sum, (&out, &mut Walk::default()), (0, l), avg);
+                    o += l;
+                }
+            });
+        };
+        let what = "the reduce-scatter through shared memory";
+        self.through_slots((slots, first, pieces), what, stage, read)
     }
 }
 
