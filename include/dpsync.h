@@ -464,8 +464,8 @@ enum dpsync_status dpsync_shard(const struct dpsync_context *context,
  * the previous step's call: after a reduce-scatter step they are reduce-scattered (and an
  * allreduce_grads ending the step gathers their pieces: the same bytes); a step whose buckets
  * were reduced whole early (after an allreduce step) must end with dpsync_allreduce_grads
- * (INVALID_STATE here, nothing changed). In a world of one host replica per rank a bucket
- * started early writes nothing until the step agrees, so it serves either call.
+ * (INVALID_STATE here, nothing changed). In a world of host replicas a bucket started early
+ * writes nothing until the step agrees, so it serves either call.
  */
 enum dpsync_status dpsync_reduce_scatter_grads(struct dpsync_context *context, uint32_t op);
 

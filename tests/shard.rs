@@ -478,6 +478,7 @@ mod world {
     /// ZeRO-1 on ranks of 1 + rank % 2 host replicas: every local replica a contribution to
     /// the engine's reduce-scatter, each getting its own pieces, and the allgather through
     /// local replica 0; the parameters are the allreduce's, byte for byte, on every replica.
+    /// Then overlap steps of both shapes.
     #[test]
     fn local_replicas_body() {
         let Some((rank, ranks)) = as_rank("local_replicas_body") else {
@@ -502,14 +503,17 @@ mod world {
             assert_eq!(zero[r], plain[r], "rank {rank} of {ranks}: replica {r}");
             assert_eq!(zero[r], zero[0], "rank {rank} of {ranks}: replicas agree");
         }
+        // Started buckets serve either step here too: a reduce-scatter's release writes each
+        // local replica's own pieces.
+        overlap_serves_either_step(rank, ranks, (local, offset));
     }
 
     fn world_context(reproducible: bool) -> Context {
-        world_context_fused(reproducible, None)
+        world_context_fused(reproducible, None, 1)
     }
 
-    fn world_context_fused(reproducible: bool, fusion: Option<usize>) -> Context {
-        let o = Options::host(1);
+    fn world_context_fused(reproducible: bool, fusion: Option<usize>, local: usize) -> Context {
+        let o = Options::host(local);
         o.set_timeout_ms(60_000);
         if let Some(bytes) = fusion {
             o.set_fusion_bytes(bytes);
@@ -567,35 +571,50 @@ mod world {
 
     /// Buckets started early (`dpsync_grad_ready`, every gradient marked from the second step
     /// on) serve an allreduce step and a reduce-scatter step alike, whatever the previous step
-    /// was: the bytes of the same steps without marks.
-    fn overlap_serves_either_step(rank: usize, ranks: usize) {
+    /// was: the bytes of the same steps without marks. `local` replicas on this rank, world
+    /// replicas `offset..`.
+    fn overlap_serves_either_step(rank: usize, ranks: usize, (local, offset): (usize, usize)) {
         let counts = [40_000usize, 3, 20_001, 7];
         let shapes = [false, true, true, false, true, false, false, true];
         let fusion = Some(64 << 10);
         let (marked, plain) = (
-            world_context_fused(false, fusion),
-            world_context_fused(false, fusion),
+            world_context_fused(false, fusion, local),
+            world_context_fused(false, fusion, local),
         );
-        let value = |step: usize, t: usize, i: usize| inexact(DType::F32, rank + step, i + t);
-        let mut a = tensors(&marked, DType::F32, (GRAD, "g"), &counts, |t, i| {
-            value(0, t, i)
-        });
-        let mut b = tensors(&plain, DType::F32, (GRAD, "g"), &counts, |t, i| {
-            value(0, t, i)
-        });
+        let value =
+            |step: usize, w: usize, t: usize, i: usize| inexact(DType::F32, w + step, i + t);
+        // mems[context][t][r]: each context's tensors on each local replica.
+        let mut mems: Vec<Vec<Vec<Vec<u8>>>> = vec![Vec::new(), Vec::new()];
+        for (ctx, mine) in [&marked, &plain].into_iter().zip(mems.iter_mut()) {
+            for (t, &n) in counts.iter().enumerate() {
+                let mut row: Vec<Vec<u8>> = (0..local)
+                    .map(|r| {
+                        let v: Vec<f64> = (0..n).map(|i| value(0, offset + r, t, i)).collect();
+                        encode(DType::F32, &v)
+                    })
+                    .collect();
+                for (r, m) in row.iter_mut().enumerate() {
+                    let (name, ptr) = (format!("g{t}"), m.as_mut_ptr().cast());
+                    check(register_raw(ctx.0, &name, GRAD, r, ptr, n, F32), "register");
+                }
+                mine.push(row);
+            }
+        }
         for (step, &scatter) in shapes.iter().enumerate() {
             let tag = format!("rank {rank} of {ranks}: overlap step {step} (scatter {scatter})");
             for (t, &n) in counts.iter().enumerate() {
-                let v = encode(
-                    DType::F32,
-                    &(0..n).map(|i| value(step, t, i)).collect::<Vec<_>>(),
-                );
-                a[t].copy_from_slice(&v);
-                b[t].copy_from_slice(&v);
+                for r in 0..local {
+                    let v: Vec<f64> = (0..n).map(|i| value(step, offset + r, t, i)).collect();
+                    let v = encode(DType::F32, &v);
+                    mems[0][t][r].copy_from_slice(&v);
+                    mems[1][t][r].copy_from_slice(&v);
+                }
             }
             if step > 0 {
                 for t in (0..counts.len()).rev() {
-                    check(marked.grad_ready(&format!("g{t}"), 0), &tag);
+                    for r in 0..local {
+                        check(marked.grad_ready(&format!("g{t}"), r), &tag);
+                    }
                 }
                 let early = marked.describe_json()["overlap"]["buckets_reduced_early_this_step"]
                     .as_u64()
@@ -609,7 +628,7 @@ mod world {
                 };
                 check(st, &tag);
             }
-            assert_eq!(a, b, "{tag}");
+            assert_eq!(mems[0], mems[1], "{tag}");
         }
     }
 
@@ -630,7 +649,7 @@ mod world {
             "{}",
             tag(&format!("optimizer state {kept:?} of {total}"))
         );
-        overlap_serves_either_step(rank, ranks);
+        overlap_serves_either_step(rank, ranks, (1, rank));
         for counts in [vec![13usize, 2, 5], vec![40_000, 3, 20_001]] {
             for dtype in DType::ALL {
                 for (op, reproducible) in [(SUM, false), (AVG, false), (AVG, true)] {

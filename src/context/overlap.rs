@@ -23,9 +23,9 @@
 //! Shapes: early buckets take the previous gradient step's shape as they take its op. In one
 //! process, after a reduce-scatter step they reduce-scatter (an allreduce step then gathers
 //! their pieces: the same bytes); after an allreduce step they reduce whole, and a
-//! reduce-scatter step is refused. In a world of one host replica per rank a started bucket
-//! writes nothing until the step agreed, so it serves either shape; in other worlds after a
-//! reduce-scatter step nothing starts early.
+//! reduce-scatter step is refused. In a world of host replicas a started bucket writes nothing
+//! until the step agreed, so it serves either shape (a reduce-scatter's release writes each
+//! local replica's own pieces); over NCCL, after a reduce-scatter step nothing starts early.
 //!
 //! Marks belong to one plan: registrations that would change the buckets are refused while a
 //! bucket of the step has been reduced early (they would reduce it twice or not at all), and
@@ -505,8 +505,8 @@ impl Context {
         let reduced = self.overlap.reduced.iter().filter(|&&r| r).count();
         self.overlap.last_step_early = reduced - self.overlap.caught_up;
         // Early buckets follow the step's shape in one process, and serve either shape in a
-        // world of one host replica per rank. Elsewhere in a world they reduce whole: after a
-        // reduce-scatter step nothing starts early (it would write outside the owned pieces).
+        // world of host replicas. Over NCCL they reduce whole: after a reduce-scatter step
+        // nothing starts early (it would write outside the owned pieces).
         let scatter = shape == Shape::ReduceScatter;
         let follows = !self.in_world() || self.executor.early_serves_either();
         self.overlap.op = (!scatter || follows).then_some(op);

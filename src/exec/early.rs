@@ -51,8 +51,8 @@ impl Executor {
 
     /// Finishes a bucket [`Executor::start_early`] started: its result into local replica 0
     /// (the engine writes it), then copied to the other local replicas; with `scatter` (a
-    /// reduce-scatter step, one replica per rank), into the rank's owned pieces alone, as
-    /// [`Executor::release_early`] said.
+    /// reduce-scatter step of host replicas), into each local replica's owned pieces alone,
+    /// as [`Executor::release_early`] said.
     ///
     /// # Safety
     /// As for [`Executor::start_early`], with the same bucket.
@@ -76,11 +76,9 @@ impl Executor {
         let ranks = site.ranks.expect("early transfers only in a world");
         ranks.finish(ticket, true)?;
         let members = &site.levels.groups[0];
-        debug_assert!(
-            scatter.is_none() || members.len() == 1,
-            "one replica per rank"
-        );
-        if members.len() > 1 {
+        // A reduce-scatter's release wrote every local replica's own pieces; an allreduce's
+        // wrote local replica 0, whose result the others copy.
+        if members.len() > 1 && scatter.is_none() {
             site.backend.spread(0, &view(bucket, tensors), members[0])?;
         }
         Ok(())
@@ -88,9 +86,8 @@ impl Executor {
 
     /// The step agreed: a transfer [`Executor::start_early`] started may write its result as its
     /// pieces complete (`Ranks::release`; NCCL's started buckets are written in
-    /// [`Executor::finish_early`]). With `scatter` (a reduce-scatter step; host memory, one
-    /// replica per rank: [`Executor::early_serves_either`]) only the rank's owned pieces are
-    /// written.
+    /// [`Executor::finish_early`]). With `scatter` (a reduce-scatter step of host replicas:
+    /// [`Executor::early_serves_either`]) only each local replica's owned pieces are written.
     ///
     /// # Safety
     /// As for [`Executor::finish_early`].
@@ -112,15 +109,12 @@ impl Executor {
     }
 
     /// Whether a bucket started early serves a reduce-scatter step as well as an allreduce
-    /// one: host memory in a world of one replica per rank over the engine, whose transfer
-    /// writes its result only once the step agreed (the owned pieces alone for a
-    /// reduce-scatter). Elsewhere early buckets write whole (worlds over NCCL, ranks of
-    /// several replicas) or at once (one process), so they follow the previous step's shape.
+    /// one: host memory in a world over the engine, whose transfer writes its result only
+    /// once the step agreed (for a reduce-scatter, each local replica's owned pieces alone:
+    /// every local replica is a contribution). Elsewhere early buckets write whole (worlds
+    /// over NCCL) or at once (one process), so they follow the previous step's shape.
     pub fn early_serves_either(&self) -> bool {
-        let levels = &self.levels;
-        self.ranks.is_some()
-            && levels.route == crate::plan::Route::RanksFromHost
-            && levels.ranks.iter().all(|&r| r == 1)
+        self.ranks.is_some() && self.levels.route == crate::plan::Route::RanksFromHost
     }
 
     /// One bucket reduce-scattered ahead of `dpsync_reduce_scatter_grads` (`dpsync_grad_ready`

@@ -36,8 +36,8 @@ pub unsafe extern "C" fn dpsync_shard(
 /// the previous step's call: after a reduce-scatter step they are reduce-scattered (and an
 /// allreduce_grads ending the step gathers their pieces: the same bytes); a step whose buckets
 /// were reduced whole early (after an allreduce step) must end with dpsync_allreduce_grads
-/// (INVALID_STATE here, nothing changed). In a world of one host replica per rank a bucket
-/// started early writes nothing until the step agrees, so it serves either call.
+/// (INVALID_STATE here, nothing changed). In a world of host replicas a bucket started early
+/// writes nothing until the step agrees, so it serves either call.
 #[no_mangle]
 pub unsafe extern "C" fn dpsync_reduce_scatter_grads(
     context: *mut dpsync_context,

@@ -754,10 +754,10 @@ impl<'a> World<'a> {
     // -------------------------------------------------------------- collectives
 
     /// Whether buckets started early serve a reduce-scatter step as well as an allreduce one:
-    /// host replicas, one on every rank (the engine writes their results once the step
-    /// agreed, its owned pieces alone for a reduce-scatter).
+    /// host replicas (the engine writes their results once the step agreed, for a
+    /// reduce-scatter each local replica's owned pieces alone).
     fn serves_either(&self) -> bool {
-        !self.setup.at.cuda() && self.per_rank.iter().all(|&r| r == 1)
+        !self.setup.at.cuda()
     }
 
     /// A gradient step: `dpsync_allreduce_grads`, or with `scatter`
@@ -766,7 +766,7 @@ impl<'a> World<'a> {
     fn grads(&mut self, scatter: bool) {
         // A reduce-scatter step is refused after buckets started early whole: marks there only
         // where nothing starts (the previous step was a reduce-scatter, or none succeeded
-        // yet), or where started buckets serve either step (one host replica per rank).
+        // yet), or where started buckets serve either step (host replicas).
         let marks = self.cfg.on("marks") && self.below(3) != 0;
         let marks = marks && (!scatter || self.last_op.is_none() || self.serves_either());
         let mut op = self.pick(&[SUM, AVG]);
