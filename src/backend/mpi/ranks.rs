@@ -12,7 +12,7 @@ use super::calls::{check, count_of};
 use super::pieces::{piece_of, stage, Walk, DEPTH, PIECE};
 use super::poll::poll;
 use super::ring::Sum;
-use super::scatter::{self, sums_in_place};
+use super::scatter;
 use super::staging::{copy_spans, mpi_type, outputs, stage_in, stage_out, Way};
 use super::steps::{Handle, Queue, Until};
 use super::MpiRanks;
@@ -63,13 +63,17 @@ impl MpiRanks {
     }
 
     /// Whether [`Engine::shared_reduce_scatter`](super::Engine) carries a reduce-scatter of
-    /// these segments: one contribution each, a dtype [`sums_in_place`], a bucket the ring
-    /// carries through shared memory. Alike on every rank, as [`MpiRanks::sums_reproducibly`].
-    fn scatters_in_place(&self, channel: Channel, dtype: DType, segments: &[Segment<'_>]) -> bool {
-        let count: usize = segments.iter().map(|s| s.count).sum();
+    /// `count` elements of these segments: one contribution each, a bucket the ring allreduce
+    /// carries through shared memory (the sums then follow its order). Alike on every rank,
+    /// as [`MpiRanks::sums_reproducibly`].
+    fn scatters_in_place(
+        &self,
+        channel: Channel,
+        (dtype, segments, count): (DType, &[Segment<'_>], usize),
+    ) -> bool {
         let ring = self.ring(channel);
         let one_each = segments.iter().all(|s| s.ptrs.len() == 1);
-        ring.shared() && ring.takes(count * dtype.size()) && one_each && sums_in_place(dtype)
+        ring.shared() && ring.takes(count * mpi_type(dtype).1) && one_each
     }
 
     /// The sum over the ranks of `segments` (`sum`: how; reproducible only where
@@ -210,16 +214,16 @@ impl Ranks for MpiRanks {
         every_rank: Option<&dyn Fn(usize, usize) -> (usize, usize)>,
     ) -> Result<bool> {
         self.refuse_if_failed()?;
-        let in_place = !reproducible && self.scatters_in_place(channel, dtype, segments);
+        let count: usize = segments.iter().map(|s| s.count).sum();
+        let in_place = !reproducible && self.scatters_in_place(channel, (dtype, segments, count));
         if let Some(owners) = every_rank.filter(|_| in_place) {
             let ring = self.ring(channel);
-            let count: usize = segments.iter().map(|s| s.count).sum();
-            let ring_piece = ring.piece_of(dtype.size()).min(count);
-            let pieces = scatter::pieces_of(segments, owners, self.size, dtype.size());
+            let ring_piece = ring.piece_of(mpi_type(dtype).1).min(count);
+            let owned = scatter::Owned::new(segments, owners, self.size, dtype.size());
             self.alone(channel, |queue| {
-                let first = self.number_ring_pieces(queue, pieces, 1);
-                let data = (dtype, segments, ring_piece);
-                self.shared_reduce_scatter((ring, first), data, owners, avg)
+                let first = self.number_ring_pieces(queue, owned.pieces, 1);
+                let data = (dtype, segments, count);
+                self.shared_reduce_scatter((ring, first), data, (&owned, ring_piece), avg)
             })?;
             return Ok(true);
         }

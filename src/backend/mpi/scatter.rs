@@ -1,18 +1,23 @@
 //! A reduce-scatter through shared memory where every rank has one contribution: each rank
 //! stages only the elements the other ranks own, each section in the owner's order, and each
 //! rank sums its own elements from its tensors and the others' slots straight into its
-//! tensors. Against the ring allreduce with its copy-out cut to the owned elements (what
-//! ranks of several contributions still get), a rank reads and writes half as much staging:
-//! nothing of its own elements is staged, and no summed block crosses back between ranks.
+//! tensors, in one pass (each source read once, the tensor written once). Against the ring
+//! allreduce with its copy-out cut to the owned elements (what ranks of several contributions
+//! still get), a rank reads and writes half as much staging: nothing of its own elements is
+//! staged, and no summed block crosses back between ranks. Sections are staged raw (f16 and
+//! bf16 at their own width, where the ring stages them widened to f32).
 //!
 //! The bytes are the allreduce's: an element is summed in the order the ring's shared-memory
 //! reduction sums it (the rank of its block first, then the others ascending,
-//! `ring::Flight::advance_shared`), in the same arithmetic, and divided as it is staged out.
-//! Only which rank does the adding differs.
+//! `ring::Flight::advance_shared`), in the same arithmetic (MPI's type for the dtype, widened
+//! exactly), divided and rounded once as the ring stages it out. Only which rank does the
+//! adding differs.
 
 use super::pieces::Walk;
-use super::ring::{add_into, block, Ring};
-use super::staging::{mpi_type, stage_out};
+use half::{bf16, f16};
+
+use super::ring::{block, Ring};
+use super::staging::Summed;
 use super::Engine;
 use crate::backend::Segment;
 use crate::error::Result;
@@ -26,19 +31,50 @@ struct Run {
     len: usize,
 }
 
-/// Whether [`Engine::shared_reduce_scatter`] sums `dtype`: MPI's type for it is the dtype
-/// itself, so a rank's own elements enter the sum straight from its tensors, as staged.
-pub(super) fn sums_in_place(dtype: DType) -> bool {
-    mpi_type(dtype).1 == dtype.size()
+/// Every rank's owned elements of a bucket, as [`Engine::shared_reduce_scatter`] lays them
+/// in the slots (alike on every rank).
+pub(super) struct Owned {
+    /// Each rank's owned runs, segment after segment.
+    runs: Vec<Vec<Run>>,
+    /// Each rank's owned elements in all.
+    totals: Vec<usize>,
+    /// Elements of one rank's section of a slot ([`section_of`]).
+    c: usize,
+    /// Pieces through the slots: enough for the rank that owns the most.
+    pub(super) pieces: usize,
+}
+
+impl Owned {
+    /// `segments` among `ranks`, rank `r` owning `owners(s, r)` = `(first, count)` of segment
+    /// `s`, elements of `size` bytes.
+    pub(super) fn new(
+        segments: &[Segment<'_>],
+        owners: &dyn Fn(usize, usize) -> (usize, usize),
+        ranks: usize,
+        size: usize,
+    ) -> Owned {
+        let runs: Vec<Vec<Run>> = (0..ranks).map(|r| runs_of(segments, owners, r)).collect();
+        let totals: Vec<usize> = (runs.iter())
+            .map(|runs| runs.iter().map(|run| run.len).sum())
+            .collect();
+        let c = section_of(size, ranks);
+        let pieces = totals.iter().max().unwrap_or(&0).div_ceil(c);
+        Owned {
+            runs,
+            totals,
+            c,
+            pieces,
+        }
+    }
 }
 
 impl Engine {
     /// [`Ranks::reduce_scatter`](crate::backend::Ranks) through shared memory of one
-    /// contribution per rank (`segments[s].ptrs[0]`), rank `r` owning `owners(s, r)` =
-    /// `(first, count)` of segment `s` (alike on every rank), [`sums_in_place`] dtypes only.
-    /// Piece `k` (numbered from `first` on the channel, counters as a ring piece's) holds, in
-    /// each rank's slot, that rank's elements `[k c, (k + 1) c)` of every other rank's owned
-    /// elements laid end to end, one section of `c` per other rank in ascending order.
+    /// contribution per rank (`segments[s].ptrs[0]`, `count` elements in all), every rank's
+    /// elements `owned` (laid out for this many ranks and `dtype`'s size). Piece `k`
+    /// (numbered from `first` on the channel, counters as a ring piece's) holds, in each
+    /// rank's slot, that rank's elements `[k c, (k + 1) c)` of every other rank's owned
+    /// elements laid end to end, raw, one section of `c` per other rank in ascending order.
     /// `ring_piece`: the ring allreduce's piece of this bucket, whose blocks say the order of
     /// each element's sum.
     ///
@@ -47,36 +83,32 @@ impl Engine {
     pub(super) unsafe fn shared_reduce_scatter(
         &self,
         (ring, first): (Ring, usize),
-        (dtype, segments, ring_piece): (DType, &[Segment<'_>], usize),
-        owners: &dyn Fn(usize, usize) -> (usize, usize),
+        (dtype, segments, count): (DType, &[Segment<'_>], usize),
+        (owned, ring_piece): (&Owned, usize),
         avg: Option<usize>,
     ) -> Result<()> {
         let slots = ring
             .slots()
             .expect("a reduce-scatter through shared memory without it");
         let (n, me, size) = (slots.ranks(), slots.me(), dtype.size());
-        let c = section_of(size, n);
-        let runs: Vec<Vec<Run>> = (0..n).map(|r| runs_of(segments, owners, r)).collect();
-        let total = |r: usize| runs[r].iter().map(|run| run.len).sum::<usize>();
-        let pieces = pieces_of(segments, owners, n, size);
+        let Owned {
+            runs, totals, c, ..
+        } = owned;
+        let c = *c;
         // Where each segment starts in the bucket, whose ring pieces and blocks cut the sums.
         let offsets: Vec<usize> = (segments.iter())
             .scan(0, |at, s| Some(std::mem::replace(at, *at + s.count)))
             .collect();
-        let count = segments.iter().map(|s| s.count).sum::<usize>();
         let tensor = |run: &Run, skip: usize| {
             (segments[run.segment].ptrs[0] as *mut u8).add((run.first + skip) * size)
         };
-        // The sum of a block's run, before its one rounding into the tensor.
-        let mut sum = vec![0u64; (c * size).div_ceil(8)];
-        let sum = sum.as_mut_ptr().cast::<u8>();
         // The channel's slots are used under its lock, as the ring's are.
         let _held = self.scratch.lock();
         let mut walks_in: Vec<Walk> = (0..n).map(|_| Walk::default()).collect();
         let mut walk_sum = Walk::default();
         let stage = |i: usize, slot: *mut u8| {
             for q in (0..n).filter(|&q| q != me) {
-                let Some(range) = range_of(i, c, total(q)) else {
+                let Some(range) = range_of(i, c, totals[q]) else {
                     continue;
                 };
                 let into = slot.add(section(q, me) * c * size);
@@ -87,8 +119,10 @@ impl Engine {
                 });
             }
         };
+        // A block's sources in its sum's order, reused block after block.
+        let mut from: Vec<*const u8> = Vec::with_capacity(n);
         let read = |i: usize, k: usize| {
-            let Some(range) = range_of(i, c, total(me)) else {
+            let Some(range) = range_of(i, c, totals[me]) else {
                 return;
             };
             let mine = &runs[me];
@@ -100,25 +134,22 @@ impl Engine {
                 // Cut where the ring's blocks meet: each block's elements are summed from its
                 // rank's value on.
                 for (b, l) in blocks((e, len), (ring_piece, count), n) {
-                    let from = |r: usize| match r == me {
+                    let of = |r: usize| match r == me {
                         true => tensor(own, skip + o) as *const u8,
                         false => {
                             let at = (section(me, r) * c + at + o) * size;
                             slots.slot(r, k).add(at) as *const u8
                         }
                     };
-                    std::ptr::copy_nonoverlapping(from(b), sum, l * size);
-                    for r in (0..n).filter(|&r| r != b) {
-                        add_into(dtype, sum, from(r), l);
-                    }
-                    let out = [(tensor(own, skip + o) as usize, l)];
-                    stage_out(dtype, sum, (&out, &mut Walk::default()), (0, l), avg);
+                    from.clear();
+                    from.extend(std::iter::once(b).chain((0..n).filter(|&r| r != b)).map(of));
+                    sum_in_order(dtype, tensor(own, skip + o), &from, l, avg);
                     o += l;
                 }
             });
         };
         let what = "the reduce-scatter through shared memory";
-        self.through_slots((slots, first, pieces), what, stage, read)
+        self.through_slots((slots, first, owned.pieces), what, stage, read)
     }
 }
 
@@ -126,22 +157,6 @@ impl Engine {
 /// other rank.
 fn section_of(size: usize, ranks: usize) -> usize {
     (super::shm::PIECE / size / (ranks - 1).max(1)).max(1)
-}
-
-/// The pieces of [`Engine::shared_reduce_scatter`] of `segments` owned by `owners` among
-/// `ranks`: enough for the rank that owns the most (alike on every rank).
-pub(super) fn pieces_of(
-    segments: &[Segment<'_>],
-    owners: &dyn Fn(usize, usize) -> (usize, usize),
-    ranks: usize,
-    size: usize,
-) -> usize {
-    let c = section_of(size, ranks);
-    let most = (0..ranks)
-        .map(|r| (0..segments.len()).map(|s| owners(s, r).1).sum::<usize>())
-        .max()
-        .unwrap_or(0);
-    most.div_ceil(c)
 }
 
 /// Where rank `q`'s section sits in rank `r`'s slot: the others in ascending order.
@@ -176,6 +191,65 @@ fn range_of(k: usize, c: usize, total: usize) -> Option<(usize, usize)> {
     let start = k * c;
     (start < total).then(|| (start, c.min(total - start)))
 }
+
+/// `out[..len]` = `from[0][..len]` + `from[1][..len]` + … in that order, in MPI's type for
+/// `dtype` (each source raw `dtype`, widened as staging would), divided by `avg` and rounded
+/// once: the ring's sum and its staging out, in one pass that reads each source once and
+/// writes `out` once. `out` may be one of the sources: each chunk is read whole before it is
+/// written.
+///
+/// # Safety
+/// Every source holds `len` elements of `dtype`, and `out` room for them.
+unsafe fn sum_in_order(
+    dtype: DType,
+    out: *mut u8,
+    from: &[*const u8],
+    len: usize,
+    avg: Option<usize>,
+) {
+    match dtype {
+        DType::F32 => sum_chunks::<f32>(out, from, len, avg),
+        DType::F64 => sum_chunks::<f64>(out, from, len, avg),
+        DType::F16 => sum_chunks::<f16>(out, from, len, avg),
+        DType::Bf16 => sum_chunks::<bf16>(out, from, len, avg),
+        DType::I32 => sum_chunks::<i32>(out, from, len, avg),
+        DType::I64 => sum_chunks::<i64>(out, from, len, avg),
+    }
+}
+
+/// [`sum_in_order`] for `T`, [`CHUNK`] elements at a time in registers.
+unsafe fn sum_chunks<T: Summed>(out: *mut u8, from: &[*const u8], len: usize, avg: Option<usize>) {
+    let out = out.cast::<T>();
+    let mut done = 0;
+    while done < len {
+        let l = CHUNK.min(len - done);
+        let source = |r: usize| from[r].cast::<T>().add(done);
+        let mut acc = [T::Acc::default(); CHUNK];
+        let (acc, first) = (&mut acc[..l], source(0));
+        for (i, a) in acc.iter_mut().enumerate() {
+            *a = T::widen(first.add(i).read());
+        }
+        for r in 1..from.len() {
+            let s = source(r);
+            for (i, a) in acc.iter_mut().enumerate() {
+                *a = T::add(*a, T::widen(s.add(i).read()));
+            }
+        }
+        let o = out.add(done);
+        match avg {
+            None => acc
+                .iter()
+                .enumerate()
+                .for_each(|(i, &a)| o.add(i).write(T::narrow(a))),
+            Some(d) => (acc.iter().enumerate())
+                .for_each(|(i, &a)| o.add(i).write(T::narrow(T::divide(a, d)))),
+        }
+        done += l;
+    }
+}
+
+/// Elements [`sum_chunks`] sums at a time: a few vector registers' worth.
+const CHUNK: usize = 64;
 
 /// `len` bucket elements from `e` cut where the ring allreduce's blocks meet (`piece`
 /// elements per ring piece of the bucket's `count`, `ranks` blocks each): `(the block's rank,

@@ -15,7 +15,7 @@ use crate::types::DType;
 /// A dtype's element type, and how it is summed in the type MPI sums it in.
 pub(super) trait Summed: Copy + 'static {
     /// The type MPI sums it in ([`mpi_type`]).
-    type Acc: Copy + 'static;
+    type Acc: Copy + Default + 'static;
     fn widen(x: Self) -> Self::Acc;
     fn add(a: Self::Acc, b: Self::Acc) -> Self::Acc;
     fn divide(a: Self::Acc, d: usize) -> Self::Acc;
