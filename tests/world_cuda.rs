@@ -445,6 +445,7 @@ fn cuda_overlap_across_ranks_over_nccl() {
 /// ranks that started different numbers of buckets still match; another collective while
 /// buckets are in flight fails on every rank and changes nothing; a failed agreement drains the
 /// started buckets (stand-ins on the ranks that did not start them) and writes nothing.
+/// Started buckets serve a reduce-scatter step too, and start after one.
 #[test]
 fn nccl_overlap_body() {
     let Some((rank, ranks)) = as_rank("nccl_overlap_body") else {
@@ -535,6 +536,46 @@ fn nccl_overlap_body() {
     check(ctx.allreduce_grads(SUM), &tag("step 2"));
     expect(&g, "step 2");
     assert_eq!(early_last(), 3, "{}", tag("step 2 early"));
+
+    // Steps 2b and 2c: started buckets serve a reduce-scatter step (each replica's own pieces
+    // copied out of their buffers, nothing else written), and after one they start early
+    // again and serve an allreduce step.
+    refill(&mut g);
+    mark(&[2, 1, 0]);
+    assert_eq!(early_now(), 3, "{}", tag("step 2b started"));
+    // SAFETY: a live context.
+    check(
+        unsafe { dpsync_reduce_scatter_grads(ctx.0, SUM) },
+        &tag("step 2b"),
+    );
+    check(common::place::synchronize(&ctx), &tag("synchronize"));
+    let summed = |t: usize, i: usize| ((i + 1) * total * (total + 1) / 2 * (t + 1)) as f32;
+    for (t, per_replica) in g.iter().enumerate() {
+        for (k, mem) in per_replica.iter().enumerate() {
+            let (got, before) = (from_bytes::<f32>(&mem.read()), init(t, offset + k));
+            let before = from_bytes::<f32>(&before);
+            let (lo, hi) = (n * (offset + k) / total, n * (offset + k + 1) / total);
+            for i in 0..n {
+                let want = match (lo..hi).contains(&i) {
+                    true => summed(t, i),
+                    false => before[i],
+                };
+                let what = format!("step 2b: g{t}[{i}] on replica {k} (owns {lo}..{hi})");
+                assert_eq!(got[i], want, "{}", tag(&what));
+            }
+        }
+    }
+    assert_eq!(early_last(), 3, "{}", tag("step 2b early"));
+    refill(&mut g);
+    mark(&[2, 1, 0]);
+    assert_eq!(
+        early_now(),
+        3,
+        "{}",
+        tag("step 2c started after a reduce-scatter")
+    );
+    check(ctx.allreduce_grads(SUM), &tag("step 2c"));
+    expect(&g, "step 2c");
 
     // Ranks that start different buckets need streams that run apart from the host: the fake
     // NCCL's synchronous mode runs a collective across processes inside the call that queues

@@ -23,9 +23,9 @@
 //! Shapes: early buckets take the previous gradient step's shape as they take its op. In one
 //! process, after a reduce-scatter step they reduce-scatter (an allreduce step then gathers
 //! their pieces: the same bytes); after an allreduce step they reduce whole, and a
-//! reduce-scatter step is refused. In a world of host replicas a started bucket writes nothing
-//! until the step agreed, so it serves either shape (a reduce-scatter's release writes each
-//! local replica's own pieces); over NCCL, after a reduce-scatter step nothing starts early.
+//! reduce-scatter step is refused. In a world a started bucket writes nothing until the step
+//! agreed, so it serves either shape: of host replicas, a reduce-scatter's release writes each
+//! local replica's own pieces; over NCCL, they are copied out of the bucket's summed buffers.
 //!
 //! Marks belong to one plan: registrations that would change the buckets are refused while a
 //! bucket of the step has been reduced early (they would reduce it twice or not at all), and
@@ -405,12 +405,14 @@ impl Context {
     /// With NCCL across the ranks the step's early buckets are queued on the clique every
     /// collective uses: another collective queued now would meet them in another order on a
     /// rank that started fewer (their streams would wait on each other), so it is refused here,
-    /// before its agreement, which then fails it on every rank.
+    /// before its agreement, which then fails it on every rank. The gradient step of either
+    /// shape finishes them.
     pub(super) fn check_nothing_in_flight(&self, call: &str) -> Result<()> {
         let started = self.overlap.started.len();
+        let step = ["dpsync_allreduce_grads", "dpsync_reduce_scatter_grads"];
         if started == 0
             || self.topology.world_nccl.is_none()
-            || call.starts_with("dpsync_allreduce_grads")
+            || step.iter().any(|s| call.starts_with(s))
         {
             return Ok(());
         }
@@ -418,7 +420,8 @@ impl Context {
             ErrorKind::InvalidState,
             format!(
                 "dpsync_grad_ready started {started} gradient bucket(s) of this step on the NCCL \
-                 clique across the ranks: call dpsync_allreduce_grads before other collectives"
+                 clique across the ranks: call dpsync_allreduce_grads or \
+                 dpsync_reduce_scatter_grads before other collectives"
             ),
         ))
     }
@@ -505,8 +508,7 @@ impl Context {
         let reduced = self.overlap.reduced.iter().filter(|&&r| r).count();
         self.overlap.last_step_early = reduced - self.overlap.caught_up;
         // Early buckets follow the step's shape in one process, and serve either shape in a
-        // world of host replicas. Over NCCL they reduce whole: after a reduce-scatter step
-        // nothing starts early (it would write outside the owned pieces).
+        // world (where nothing starts early on the staged path).
         let scatter = shape == Shape::ReduceScatter;
         let follows = !self.in_world() || self.executor.early_serves_either();
         self.overlap.op = (!scatter || follows).then_some(op);

@@ -66,8 +66,8 @@ impl Context {
 
     /// Buckets `dpsync_grad_ready` reduced this step took the previous step's shape, as they
     /// take its op. Reduce-scattered ones serve an allreduce step too (it gathers their pieces,
-    /// [`Context::early_scattered`]), and in a world of host replicas started ones serve
-    /// either ([`Executor::early_serves_either`]); but whole ones would have written
+    /// [`Context::early_scattered`]), and in a world started ones serve either
+    /// ([`Executor::early_serves_either`]); but whole ones would have written
     /// outside the owned pieces, so a reduce-scatter after them is refused, as AVG after SUM
     /// buckets is.
     ///

@@ -121,13 +121,38 @@ pub(super) unsafe fn reduce_scatter_levels(
     if bucket.elements() == 0 {
         return Ok(true);
     }
-    let (dtype, size) = (bucket.dtype, bucket.dtype.size());
     let (buffers, layouts) = fusion_buffers(links, levels, bucket)?;
     for (g, (&layout, &buffer)) in layouts.iter().zip(&buffers).enumerate() {
         links.pack(g, bucket, layout, buffer)?;
     }
     combine(links, levels, bucket, &buffers)?;
-    for (g, (members, &buffer)) in levels.groups.iter().zip(&buffers).enumerate() {
+    copy_owned_out(
+        (backend, links),
+        &levels.groups,
+        bucket,
+        &buffers,
+        avg,
+        owned,
+    )?;
+    Ok(true)
+}
+
+/// A reduce-scatter's end on the groups' summed buffers (`groups[g]`'s in `buffers[g]`):
+/// each divided by `avg` (the unpack's arithmetic), then each replica's owned pieces
+/// (`owned(segment, replica)`) copied out of its group's buffer, on the groups' streams.
+///
+/// # Safety
+/// Every buffer holds the bucket, summed (or queued to be).
+unsafe fn copy_owned_out(
+    (backend, links): (&dyn Backend, &dyn Links),
+    groups: &[Vec<usize>],
+    bucket: &BucketView<'_>,
+    buffers: &[u64],
+    avg: Option<usize>,
+    owned: &dyn Fn(usize, usize) -> (usize, usize),
+) -> Result<()> {
+    let (dtype, size) = (bucket.dtype, bucket.dtype.size());
+    for (g, (members, &buffer)) in groups.iter().zip(buffers).enumerate() {
         if let Some(divisor) = avg {
             backend.divide(
                 members[0],
@@ -150,7 +175,7 @@ pub(super) unsafe fn reduce_scatter_levels(
             at += segment.count;
         }
     }
-    Ok(true)
+    Ok(())
 }
 
 /// A gradient bucket started ahead of `dpsync_allreduce_grads` with NCCL across the ranks
@@ -177,7 +202,9 @@ pub(super) unsafe fn start_in_groups(
 }
 
 /// Writes a bucket [`start_in_groups`] started: every group's buffer into its replicas
-/// (divided by `avg`), after the collective on the groups' streams.
+/// (divided by `avg`), after the collective on the groups' streams; with `owned` (a
+/// reduce-scatter step), only each replica's owned pieces, as [`reduce_scatter_levels`]
+/// writes them (the collective is its combine: the same sums).
 ///
 /// # Safety
 /// As for [`start_in_groups`], with the same bucket.
@@ -186,8 +213,14 @@ pub(super) unsafe fn finish_started(
     bucket: &BucketView<'_>,
     buffers: &[Allocation],
     avg: Option<usize>,
+    owned: Option<&dyn Fn(usize, usize) -> (usize, usize)>,
 ) -> Result<()> {
     let (links, _) = world_links(site.backend);
+    if let Some(owned) = owned {
+        let ptrs: Vec<u64> = buffers.iter().map(|b| b.ptr() as u64).collect();
+        let groups = &site.levels.groups;
+        return copy_owned_out((site.backend, links), groups, bucket, &ptrs, avg, owned);
+    }
     for (g, buffer) in buffers.iter().enumerate() {
         let layout = links.layout(g, bucket, Members::All)?;
         links.unpack(g, bucket, layout, buffer.ptr() as u64, avg)?;

@@ -2,7 +2,7 @@
 //! started on the engine's steps channel (host memory) or queued on the NCCL clique (device
 //! memory), finished once the step agrees, or drained when it fails (context/overlap.rs).
 
-use super::shard::{pieces_of, Place};
+use super::shard::{owned_by, pieces_of, Place};
 use super::{dense, view, Executor};
 use crate::backend::Ticket;
 use crate::error::Result;
@@ -51,8 +51,8 @@ impl Executor {
 
     /// Finishes a bucket [`Executor::start_early`] started: its result into local replica 0
     /// (the engine writes it), then copied to the other local replicas; with `scatter` (a
-    /// reduce-scatter step of host replicas), into each local replica's owned pieces alone,
-    /// as [`Executor::release_early`] said.
+    /// reduce-scatter step), into each local replica's owned pieces alone (host replicas: as
+    /// [`Executor::release_early`] said; over NCCL: copied out of the bucket's buffers).
     ///
     /// # Safety
     /// As for [`Executor::start_early`], with the same bucket.
@@ -68,8 +68,14 @@ impl Executor {
         let ticket = match ticket.0.downcast::<StartedInGroups>() {
             Ok(started) => {
                 let view = view(bucket, tensors);
-                return self
-                    .bracket(|| dense::finish_started(site, &view, &started.buffers, started.avg));
+                let members: Vec<&TensorView> =
+                    bucket.tensors.iter().map(|&t| tensors[t]).collect();
+                let owned = scatter.map(|place| owned_by(&members, place));
+                let owned = owned
+                    .as_ref()
+                    .map(|f| f as &dyn Fn(usize, usize) -> (usize, usize));
+                let (buffers, avg) = (&started.buffers, started.avg);
+                return self.bracket(|| dense::finish_started(site, &view, buffers, avg, owned));
             }
             Err(other) => Ticket(other),
         };
@@ -109,12 +115,15 @@ impl Executor {
     }
 
     /// Whether a bucket started early serves a reduce-scatter step as well as an allreduce
-    /// one: host memory in a world over the engine, whose transfer writes its result only
-    /// once the step agreed (for a reduce-scatter, each local replica's owned pieces alone:
-    /// every local replica is a contribution). Elsewhere early buckets write whole (worlds
-    /// over NCCL) or at once (one process), so they follow the previous step's shape.
+    /// one: in a world, its result is written only once the step agreed, so either shape
+    /// can be written (host memory over the engine: each local replica's owned pieces
+    /// alone, every local replica a contribution; over NCCL: the owned pieces copied out of
+    /// the bucket's summed buffers, as a reduce-scatter step's combine leaves them). In one
+    /// process early buckets write at once, so they follow the previous step's shape.
     pub fn early_serves_either(&self) -> bool {
-        self.ranks.is_some() && self.levels.route == crate::plan::Route::RanksFromHost
+        use crate::plan::Route;
+        let route = &self.levels.route;
+        self.ranks.is_some() && matches!(route, Route::RanksFromHost | Route::RanksOverClique(_))
     }
 
     /// One bucket reduce-scattered ahead of `dpsync_reduce_scatter_grads` (`dpsync_grad_ready`

@@ -97,6 +97,15 @@ pub(super) fn pieces_of(
         .collect()
 }
 
+/// Local replica `r`'s owned piece `(first, count)` of segment `s` of a bucket of `members`:
+/// the piece of world replica `place.offset + r`.
+pub(super) fn owned_by<'a>(
+    members: &'a [&TensorView],
+    place: Place,
+) -> impl Fn(usize, usize) -> (usize, usize) + 'a {
+    move |segment, r| piece(members[segment].count, place.offset + r, place.total)
+}
+
 impl Executor {
     /// Every local replica's owned pieces of every bucket's tensors := their sum over all
     /// replicas (divided by `divisor` for AVG); nothing else of the tensors is written.
@@ -139,14 +148,11 @@ impl Executor {
             // Host memory in one process, or replicas of one GPU: the backend's own
             // reduce-scatter, which sums as its allreduce does and writes each piece once.
             let _span = self.bucket_span("reduce-scatter bucket", 0, bucket, tensors);
-            let owned = |segment: usize, r: usize| {
-                piece(members[segment].count, place.offset + r, place.total)
-            };
             return site.backend.reduce_owned(
                 &site.levels.groups[0],
                 &view(bucket, tensors),
                 avg,
-                &owned,
+                &owned_by(&members, place),
             );
         }
         // Integers' sums are exact already: the reproducible option leaves them plain.
@@ -177,9 +183,7 @@ impl Executor {
             // Several GPUs, or NCCL across the ranks: the allreduce's combine of the groups'
             // fusion buffers, the owned pieces copied out of them.
             let _span = self.bucket_span("reduce-scatter bucket", 0, bucket, tensors);
-            let owned = |segment: usize, r: usize| {
-                piece(members[segment].count, place.offset + r, place.total)
-            };
+            let owned = owned_by(&members, place);
             let site = Site {
                 channel: Channel::Steps,
                 ..site

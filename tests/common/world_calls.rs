@@ -624,7 +624,7 @@ impl<'a> World<'a> {
             ("call", _) => {
                 let other = match std {
                     Call::Broadcast(..) => Call::Average(COMPUTED),
-                    // The step's other shape (nothing started early in a reduce-scatter step).
+                    // The step's other shape: it may finish buckets started early too.
                     Call::Scatter(op) => Call::Grads(*op),
                     _ => Call::Broadcast(PARAM | STATE, 0),
                 };
@@ -755,9 +755,11 @@ impl<'a> World<'a> {
 
     /// Whether buckets started early serve a reduce-scatter step as well as an allreduce one:
     /// host replicas (the engine writes their results once the step agreed, for a
-    /// reduce-scatter each local replica's owned pieces alone).
+    /// reduce-scatter each local replica's owned pieces alone) and NCCL across the ranks (the
+    /// owned pieces copied out of the started bucket's buffers). On the staged path nothing
+    /// starts early, and after a reduce-scatter step nothing would.
     fn serves_either(&self) -> bool {
-        !self.setup.at.cuda()
+        !self.setup.at.cuda() || self.setup.nccl()
     }
 
     /// A gradient step: `dpsync_allreduce_grads`, or with `scatter`
@@ -766,7 +768,7 @@ impl<'a> World<'a> {
     fn grads(&mut self, scatter: bool) {
         // A reduce-scatter step is refused after buckets started early whole: marks there only
         // where nothing starts (the previous step was a reduce-scatter, or none succeeded
-        // yet), or where started buckets serve either step (host replicas).
+        // yet), or where started buckets serve either step.
         let marks = self.cfg.on("marks") && self.below(3) != 0;
         let marks = marks && (!scatter || self.last_op.is_none() || self.serves_either());
         let mut op = self.pick(&[SUM, AVG]);
@@ -840,7 +842,7 @@ impl<'a> World<'a> {
                 self.expect(st, &e, "dpsync_grad_ready");
             }
             if self.setup.at.cuda() {
-                self.early_buckets(&every, dev.as_mut());
+                self.early_buckets(&every, dev.as_mut(), scatter);
             }
         }
         if !self.sparse.is_empty() && self.cfg.on("sparse_share") {
@@ -917,8 +919,15 @@ impl<'a> World<'a> {
     /// early, on this rank as describe counts them. Only with NCCL across the ranks (on the
     /// staged path CUDA replicas only mark), in bucket order, on a rank whose registrations are
     /// those the last successful step agreed on. With buckets in flight on the NCCL clique, a
-    /// rank that calls another collective (`call`) is refused at once: its own INVALID_STATE.
-    fn early_buckets(&mut self, every: &[Vec<(usize, usize)>], dev: Option<&mut Dev>) {
+    /// rank that calls a collective other than a gradient step (`call`) is refused at once:
+    /// its own INVALID_STATE.
+    /// `scatter`: they finish a reduce-scatter step (counted apart).
+    fn early_buckets(
+        &mut self,
+        every: &[Vec<(usize, usize)>],
+        dev: Option<&mut Dev>,
+        scatter: bool,
+    ) {
         let buckets = model::buckets(&self.dense, self.fusion);
         let can_start =
             |r: usize| self.setup.nccl() && self.agreed[r] && self.last_op.is_some() && !self.repro;
@@ -942,8 +951,14 @@ impl<'a> World<'a> {
         }
         if started.iter().any(|&n| n > 0) {
             self.tally.count("early_buckets");
+            if scatter {
+                self.tally.count("early_buckets_scatter");
+            }
         }
-        if let Some(dev) = dev.filter(|d| d.class == "call" && started[d.rank] > 0) {
+        // A gradient step of either shape finishes them.
+        let step = |c: &Option<Call>| matches!(c, Some(Call::Grads(_) | Call::Scatter(_)));
+        let other = |d: &&mut Dev| d.class == "call" && !step(&d.call);
+        if let Some(dev) = dev.filter(|d| other(d) && started[d.rank] > 0) {
             self.note(format!("rank {} has buckets in flight", dev.rank));
             self.tally.count("call_in_flight");
             dev.expect = own(dev.rank, INVALID_STATE, &["dpsync_allreduce_grads"]);
