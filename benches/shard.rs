@@ -86,16 +86,22 @@ fn cuda(n: usize, reps: usize) {
         };
         register(&ctx, name, role, k % REPLICAS, ptr as *mut c_void, n, F32);
     }
-    // SAFETY (all): a live context over registered memory.
-    let sync = || check(unsafe { dpsync_synchronize(ctx.0) });
-    let allreduce = || {
-        check(unsafe { dpsync_allreduce_grads(ctx.0, SUM) });
-        sync();
+    // SAFETY (all): a live context over registered memory. Each step is waited for.
+    let waited = |calls: &dyn Fn()| {
+        calls();
+        check(unsafe { dpsync_synchronize(ctx.0) });
     };
+    let (allreduce_grads, reduce_scatter_grads, allgather_param) = (
+        || check(unsafe { dpsync_allreduce_grads(ctx.0, SUM) }),
+        || check(unsafe { dpsync_reduce_scatter_grads(ctx.0, SUM) }),
+        || check(unsafe { dpsync_allgather(ctx.0, PARAM) }),
+    );
+    let allreduce = || waited(&allreduce_grads);
     let both = || {
-        check(unsafe { dpsync_reduce_scatter_grads(ctx.0, SUM) });
-        check(unsafe { dpsync_allgather(ctx.0, PARAM) });
-        sync();
+        waited(&|| {
+            reduce_scatter_grads();
+            allgather_param();
+        })
     };
     let (t_both, t_ar) = side_by_side(reps, both, allreduce);
     println!(
@@ -105,14 +111,8 @@ fn cuda(n: usize, reps: usize) {
         ms(t_both) / ms(t_ar)
     );
     // Each half alone, to tell which one the pair's cost comes from.
-    let scatter = || {
-        check(unsafe { dpsync_reduce_scatter_grads(ctx.0, SUM) });
-        sync();
-    };
-    let gather = || {
-        check(unsafe { dpsync_allgather(ctx.0, PARAM) });
-        sync();
-    };
+    let scatter = || waited(&reduce_scatter_grads);
+    let gather = || waited(&allgather_param);
     let (t_rs, t_ag) = side_by_side(reps, scatter, gather);
     println!(
         "cuda, {REPLICAS} replicas on GPU 0: reduce_scatter_grads alone {:8.2} ms   allgather(PARAM) alone {:8.2} ms",
