@@ -287,7 +287,86 @@ fn block_of(m: usize, n: usize, at: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::{block, block_of};
+    use super::{block, block_of, sum_in_order, CHUNK};
+    use crate::backend::mpi::pieces::Walk;
+    use crate::backend::mpi::ring::add_into;
+    use crate::backend::mpi::staging::{mpi_type, stage_in, stage_out};
+    use crate::backend::Segment;
+    use crate::types::DType;
+
+    /// `v` as `dtype`'s bytes (integers: rounded).
+    fn encode(dtype: DType, v: f64) -> Vec<u8> {
+        match dtype {
+            DType::F32 => (v as f32).to_ne_bytes().to_vec(),
+            DType::F64 => v.to_ne_bytes().to_vec(),
+            DType::F16 => half::f16::from_f64(v).to_ne_bytes().to_vec(),
+            DType::Bf16 => half::bf16::from_f64(v).to_ne_bytes().to_vec(),
+            DType::I32 => (v.round() as i32).to_ne_bytes().to_vec(),
+            DType::I64 => (v.round() as i64).to_ne_bytes().to_vec(),
+        }
+    }
+
+    /// `sum_in_order` gives the ring's bytes: each source staged into MPI's type, summed
+    /// after the first with the ring's `add_into`, staged out with its division; at lengths
+    /// around its chunk, with the output one of the sources (as the in-place sum writes).
+    #[test]
+    fn one_pass_sum_gives_the_ring_arithmetic() {
+        for dtype in DType::ALL {
+            let size = dtype.size();
+            for len in [1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 7] {
+                for sources in 2..=4 {
+                    for avg in [None, Some(3)] {
+                        // Values whose sums round, small enough for every dtype.
+                        let raw: Vec<Vec<u8>> = (0..sources)
+                            .map(|r| {
+                                (0..len)
+                                    .flat_map(|i| {
+                                        let v = (i % 13) as f64 * 0.37 + r as f64 * 1.3 - 2.0;
+                                        encode(dtype, v)
+                                    })
+                                    .collect()
+                            })
+                            .collect();
+                        // The ring: widened, summed in order, staged out.
+                        let wide = mpi_type(dtype).1;
+                        let mut acc = vec![0u64; (len * wide).div_ceil(8)];
+                        let mut term = vec![0u64; (len * wide).div_ceil(8)];
+                        let mut want = vec![0u8; len * size];
+                        // SAFETY: every buffer holds `len` elements of its type.
+                        unsafe {
+                            for (r, src) in raw.iter().enumerate() {
+                                let ptrs = [src.as_ptr() as usize];
+                                let seg = [Segment {
+                                    ptrs: &ptrs,
+                                    count: len,
+                                }];
+                                let into = match r {
+                                    0 => acc.as_mut_ptr().cast::<u8>(),
+                                    _ => term.as_mut_ptr().cast::<u8>(),
+                                };
+                                stage_in(dtype, &seg, &mut Walk::default(), (0, len), into);
+                                if r > 0 {
+                                    let (a, t) = (acc.as_mut_ptr().cast(), term.as_ptr().cast());
+                                    add_into(dtype, a, t, len);
+                                }
+                            }
+                            let outs = [(want.as_mut_ptr() as usize, len)];
+                            let acc = acc.as_ptr().cast::<u8>();
+                            stage_out(dtype, acc, (&outs, &mut Walk::default()), (0, len), avg);
+                        }
+                        // One pass, written over source 1.
+                        let mut got = raw.clone();
+                        let from: Vec<*const u8> = got.iter().map(|v| v.as_ptr()).collect();
+                        let out = got[1].as_mut_ptr();
+                        // SAFETY: as above; the output is a source, read before written.
+                        unsafe { sum_in_order(dtype, out, &from, len, avg) };
+                        let what = format!("{dtype:?} len {len} sources {sources} avg {avg:?}");
+                        assert_eq!(got[1], want, "{what}");
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn block_of_finds_the_block_holding_each_element() {
