@@ -8,8 +8,9 @@
 //! ranks share memory), `progress.rs` (the progress thread), `pieces.rs` (transfers in pieces),
 //! `staging.rs` (elements in and out of the stages, per dtype), `poll.rs` (waiting for MPI),
 //! `calls.rs` (an MPI call's errors), `ranks.rs` (the `Ranks` implementation), `ring.rs` (the
-//! ring allreduce), `shm.rs` (the shared memory it crosses) and `steps.rs` (the buckets started
-//! early).
+//! ring allreduce), `shm.rs` (the shared memory it crosses), `scatter.rs` (the reduce-scatter
+//! through it), `owners.rs` (the reduce-scatter and allgather round the ring without it) and
+//! `steps.rs` (the buckets started early).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize};
 use std::sync::Arc;
@@ -30,6 +31,7 @@ use steps::{Queue, Until};
 mod calls;
 mod init;
 mod negotiate;
+mod owners;
 mod pieces;
 mod poll;
 mod progress;

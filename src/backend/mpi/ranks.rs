@@ -62,18 +62,19 @@ impl MpiRanks {
         f(queue.as_deref_mut())
     }
 
-    /// Whether [`Engine::shared_reduce_scatter`](super::Engine) carries a reduce-scatter of
-    /// `count` elements of these segments: one contribution each, a bucket the ring allreduce
-    /// carries through shared memory (the sums then follow its order). Alike on every rank,
-    /// as [`MpiRanks::sums_reproducibly`].
-    fn scatters_in_place(
+    /// Whether a reduce-scatter of `count` elements of these segments sums each rank's
+    /// elements alone: one contribution each, a bucket the ring allreduce carries (through
+    /// shared memory [`Engine::shared_reduce_scatter`](super::Engine), whose sums follow the
+    /// allreduce's order; else [`Engine::ring_reduce_scatter`](super::Engine)). Alike on every
+    /// rank, as [`MpiRanks::sums_reproducibly`].
+    fn scatters_owned(
         &self,
         channel: Channel,
         (dtype, segments, count): (DType, &[Segment<'_>], usize),
     ) -> bool {
         let ring = self.ring(channel);
         let one_each = segments.iter().all(|s| s.ptrs.len() == 1);
-        ring.shared() && ring.takes(count * mpi_type(dtype).1) && one_each
+        ring.takes(count * mpi_type(dtype).1) && one_each
     }
 
     /// The sum over the ranks of `segments` (`sum`: how; reproducible only where
@@ -215,15 +216,27 @@ impl Ranks for MpiRanks {
     ) -> Result<bool> {
         self.refuse_if_failed()?;
         let count: usize = segments.iter().map(|s| s.count).sum();
-        let in_place = !reproducible && self.scatters_in_place(channel, (dtype, segments, count));
-        if let Some(owners) = every_rank.filter(|_| in_place) {
+        let alone = !reproducible && self.scatters_owned(channel, (dtype, segments, count));
+        if let Some(owners) = every_rank.filter(|_| alone) {
             let ring = self.ring(channel);
-            let ring_piece = ring.piece_of(mpi_type(dtype).1).min(count);
-            let owned = scatter::Owned::new(segments, owners, self.size, dtype.size());
+            let size = mpi_type(dtype).1;
+            let c = match ring.shared() {
+                true => scatter::section_of(dtype.size(), self.size),
+                false => ring.piece_of(size).div_ceil(self.size),
+            };
+            let owned = scatter::Owned::new(segments.len(), owners, self.size, c);
             self.alone(channel, |queue| {
                 let first = self.number_ring_pieces(queue, owned.pieces, 1);
-                let data = (dtype, segments, count);
-                self.shared_reduce_scatter((ring, first), data, (&owned, ring_piece), avg)
+                match ring.shared() {
+                    true => {
+                        let data = (dtype, segments, count);
+                        let ring_piece = ring.piece_of(size).min(count);
+                        self.shared_reduce_scatter((ring, first), data, (&owned, ring_piece), avg)
+                    }
+                    false => {
+                        self.ring_reduce_scatter((ring, first), (dtype, segments), &owned, avg)
+                    }
+                }
             })?;
             return Ok(true);
         }
@@ -247,12 +260,19 @@ impl Ranks for MpiRanks {
     ) -> Result<()> {
         self.refuse_if_failed()?;
         let ring = self.ring(Channel::Calls);
-        if !ring.shared() {
-            return allgather_packed(self, spans, owned);
-        }
         let bytes: usize = spans.iter().map(|s| s.1).sum();
         if bytes == 0 {
             return Ok(());
+        }
+        if !ring.shared() {
+            if !ring.takes(bytes) {
+                // Latency rules: one exchange.
+                return allgather_packed(self, spans, owned);
+            }
+            let c = ring.piece_of(1).div_ceil(self.size);
+            let owned = scatter::Owned::new(spans.len(), owned, self.size, c);
+            let first = self.number_ring_pieces(None, owned.pieces, 1);
+            return self.ring_allgather((ring, first), spans, &owned);
         }
         // Each rank's owned bytes, the rest null: what it stages, and what the others copy out.
         let parts: Vec<Vec<(usize, usize)>> = (0..self.size)

@@ -56,6 +56,15 @@ impl Ring {
         self.comm
     }
 
+    /// Ranks round it, and this rank's place.
+    pub(super) fn ranks(&self) -> usize {
+        self.n
+    }
+
+    pub(super) fn me(&self) -> usize {
+        self.me
+    }
+
     /// Whether a bucket of `bytes` goes round the ring.
     pub(super) fn takes(&self, bytes: usize) -> bool {
         self.n > 1 && bytes >= RING_BYTES
@@ -149,17 +158,32 @@ pub(super) enum Sum {
 /// One piece on its way round the ring: `m` elements in MPI's type at `work`, reduced in
 /// place, and room for one block at `block_in`.
 pub(super) struct Flight {
-    dtype: DType,
+    /// What it sums, in MPI's type for it; None: raw bytes, gathered only.
+    dtype: Option<DType>,
     sum: Sum,
     m: usize,
+    /// Where each of its `n` blocks starts, then `m`: the owners' layout (`owners.rs`); None:
+    /// the even split ([`block`]).
+    cut: Option<Vec<usize>>,
     work: *mut u8,
     block_in: *mut u8,
     tag: c_int,
     /// Its number among the communicator's ring pieces.
     k: usize,
-    /// Steps done; [`Ring::steps`]: finished.
+    /// Steps done (a gather starts halfway).
     step: usize,
+    /// The step it finishes at: [`Ring::steps`], or halfway for a reduce-scatter.
+    end: usize,
     requests: [ffi::MPI_Request; 2],
+}
+
+/// Which half of the ring's steps a flight of the owners' layout takes (without shared
+/// memory): the reduce-scatter leaves rank `r` the sum of block `(r + 1) % n`; the allgather
+/// starts from each rank holding that block.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Half {
+    Scatter,
+    Gather,
 }
 
 impl Flight {
@@ -178,23 +202,92 @@ impl Flight {
             sum == Sum::Plain || ring.shared(),
             "reproducible: shared memory only"
         );
-        let mut flight = Flight {
-            dtype,
+        let flight = Flight {
+            dtype: Some(dtype),
             sum,
             m,
+            cut: None,
             work,
             block_in,
             tag: TAG_RING + (k % DEPTH) as c_int,
             k,
             step: 0,
+            end: ring.steps(),
             // SAFETY: link-time constants.
             requests: [ffi::RSMPI_REQUEST_NULL; 2],
         };
+        flight.launch(ring)
+    }
+
+    /// Sends the `k`-th ring piece of the communicator off in the owners' layout, over MPI
+    /// messages: block `b` spans `cut[b]..cut[b + 1]` of `work`, and the flight takes `half`
+    /// of the steps (`dtype` None: bytes, gathered only).
+    ///
+    /// # Safety
+    /// As for [`Flight::start`], `block_in` holding the largest block.
+    pub(super) unsafe fn start_owned(
+        ring: &Ring,
+        (dtype, k, half): (Option<DType>, usize, Half),
+        cut: Vec<usize>,
+        work: *mut u8,
+        block_in: *mut u8,
+    ) -> Result<Flight> {
+        debug_assert!(!ring.shared() && cut.len() == ring.n + 1);
+        debug_assert!(
+            dtype.is_some() || half == Half::Gather,
+            "bytes are not summed"
+        );
+        let n = ring.n;
+        let (step, end) = match half {
+            Half::Scatter => (0, n - 1),
+            Half::Gather => (n - 1, 2 * (n - 1)),
+        };
+        let flight = Flight {
+            dtype,
+            sum: Sum::Plain,
+            m: cut[n],
+            cut: Some(cut),
+            work,
+            block_in,
+            tag: TAG_RING + (k % DEPTH) as c_int,
+            k,
+            step,
+            end,
+            // SAFETY: link-time constants.
+            requests: [ffi::RSMPI_REQUEST_NULL; 2],
+        };
+        flight.launch(ring)
+    }
+
+    /// Its first step: issued, or through shared memory said to be staged.
+    unsafe fn launch(mut self, ring: &Ring) -> Result<Flight> {
         match &ring.shm {
-            Some(slots) => slots.publish(STAGED, k),
-            None => flight.issue(ring)?,
+            Some(slots) => slots.publish(STAGED, self.k),
+            None => self.issue(ring)?,
         }
-        Ok(flight)
+        Ok(self)
+    }
+
+    /// The MPI type of its elements, and their size.
+    fn mpi(&self) -> (ffi::MPI_Datatype, usize) {
+        match self.dtype {
+            Some(dtype) => mpi_type(dtype),
+            // SAFETY: a link-time constant.
+            None => (unsafe { ffi::RSMPI_UINT8_T }, 1),
+        }
+    }
+
+    /// The dtype it sums.
+    fn summed(&self) -> DType {
+        self.dtype.expect("a flight that sums has a dtype")
+    }
+
+    /// Block `b` of `n`: its first element and length.
+    fn block(&self, n: usize, b: usize) -> (usize, usize) {
+        match &self.cut {
+            Some(cut) => (cut[b], cut[b + 1] - cut[b]),
+            None => block(self.m, n, b),
+        }
     }
 
     /// The finished piece's result, handed to `f(part, first element, elements)` part after
@@ -208,7 +301,7 @@ impl Flight {
         let Some(slots) = &ring.shm else {
             return f(self.work, 0, self.m);
         };
-        let (n, me, size) = (slots.ranks(), slots.me(), mpi_type(self.dtype).1);
+        let (n, me, size) = (slots.ranks(), slots.me(), self.mpi().1);
         for r in 0..n {
             let (o, l) = block(self.m, n, r);
             let slot = match r == me {
@@ -220,15 +313,15 @@ impl Flight {
         slots.publish(OUT, self.k);
     }
 
-    pub(super) fn finished(&self, ring: &Ring) -> bool {
-        self.step == ring.steps()
+    pub(super) fn finished(&self) -> bool {
+        self.step == self.end
     }
 
     unsafe fn issue(&mut self, ring: &Ring) -> Result<()> {
-        let (datatype, size) = mpi_type(self.dtype);
+        let (datatype, size) = self.mpi();
         let (sent, received) = ring.blocks(self.step);
-        let (so, sl) = block(self.m, ring.n, sent);
-        let (ro, rl) = block(self.m, ring.n, received);
+        let (so, sl) = self.block(ring.n, sent);
+        let (ro, rl) = self.block(ring.n, received);
         let into = match self.step < ring.n - 1 {
             true => self.block_in,
             false => self.work.add(ro * size),
@@ -257,7 +350,7 @@ impl Flight {
     /// # Safety
     /// As for [`Flight::start`].
     pub(super) unsafe fn advance(&mut self, ring: &Ring) -> Result<bool> {
-        if self.finished(ring) {
+        if self.finished() {
             return Ok(false);
         }
         if let Some(slots) = &ring.shm {
@@ -271,12 +364,12 @@ impl Flight {
             return Ok(false);
         }
         if self.step < ring.n - 1 {
-            let (ro, rl) = block(self.m, ring.n, ring.blocks(self.step).1);
-            let size = mpi_type(self.dtype).1;
-            add_into(self.dtype, self.work.add(ro * size), self.block_in, rl);
+            let (ro, rl) = self.block(ring.n, ring.blocks(self.step).1);
+            let size = self.mpi().1;
+            add_into(self.summed(), self.work.add(ro * size), self.block_in, rl);
         }
         self.step += 1;
-        if !self.finished(ring) {
+        if !self.finished() {
             self.issue(ring)?;
         }
         Ok(true)
@@ -288,7 +381,7 @@ impl Flight {
     /// after its piece `k - 1`: a counter says every piece before it passed too. Whether it
     /// moved.
     unsafe fn advance_shared(&mut self, slots: &Slots) -> bool {
-        let (n, me, size) = (slots.ranks(), slots.me(), mpi_type(self.dtype).1);
+        let (n, me, size) = (slots.ranks(), slots.me(), self.mpi().1);
         let at = |b: usize| block(self.m, n, b);
         let k = self.k;
         match self.step {
@@ -299,7 +392,7 @@ impl Flight {
                 match self.sum {
                     Sum::Plain => {
                         for r in (0..n).filter(|&r| r != me) {
-                            add_into(self.dtype, mine, theirs(r), l);
+                            add_into(self.summed(), mine, theirs(r), l);
                         }
                     }
                     Sum::Reproducible(avg) => {
@@ -309,7 +402,7 @@ impl Flight {
                                 false => theirs(r) as usize,
                             })
                             .collect();
-                        repro::reduce_ptrs(self.dtype, &ptrs, me, l, avg);
+                        repro::reduce_ptrs(self.summed(), &ptrs, me, l, avg);
                     }
                 }
                 slots.publish(REDUCED, self.k);
@@ -348,29 +441,60 @@ impl Engine {
         let size = mpi_type(dtype).1;
         let piece = ring.piece_of(size).min(count);
         let pieces = count.div_ceil(piece);
-        // Slot `i % DEPTH` of piece `i`: the piece, then room for one received block.
+        // Each slot: the piece, then room for one received block.
         let work = (piece * size).next_multiple_of(64);
         let slot = work + (piece.div_ceil(ring.n) * size).next_multiple_of(64);
-        let mut scratch = self.scratch.lock();
-        let base = stage(&mut scratch, slot * DEPTH.min(pieces));
-        let at = |i: usize| base.add((i % DEPTH) * slot);
         let range = |i: usize| (i * piece, piece.min(count - i * piece));
         let (mut walk_in, mut walk_out) = (Walk::default(), Walk::default());
         let what = match ring.shared() {
             true => "the ring allreduce through shared memory",
             false => "MPI_Isend/MPI_Irecv (ring allreduce)",
         };
+        self.fly(
+            (ring, pieces, slot),
+            what,
+            |i, own| {
+                let Some(stage) = ring.stage_for(first + i, own) else {
+                    return Ok(None);
+                };
+                stage_in(dtype, segments, &mut walk_in, range(i), stage);
+                let key = (dtype, range(i).1, first + i, sum);
+                Flight::start(&ring, key, stage, own.add(work)).map(Some)
+            },
+            |i, flight| {
+                let start = range(i).0;
+                flight.finish(&ring, |part, at, len| {
+                    stage_out(dtype, part, (outs, &mut walk_out), (start + at, len), avg)
+                });
+            },
+        )
+    }
+
+    /// `pieces` ring pieces round `ring`, [`DEPTH`] in flight, each in a slot of `slot` bytes
+    /// of the engine's stages: `launch(i, slot)` stages piece `i` and starts its flight (None:
+    /// its slot of shared memory is not free yet; asked again), `land(i, flight)` finishes
+    /// each in piece order. `what`: the transfer, named in a timeout.
+    ///
+    /// # Safety
+    /// `launch` and `land` stay within the slot and the caller's memory.
+    pub(super) unsafe fn fly(
+        &self,
+        (ring, pieces, slot): (Ring, usize, usize),
+        what: &str,
+        mut launch: impl FnMut(usize, *mut u8) -> Result<Option<Flight>>,
+        mut land: impl FnMut(usize, Flight),
+    ) -> Result<()> {
+        let mut scratch = self.scratch.lock();
+        let base = stage(&mut scratch, slot * DEPTH.min(pieces));
+        let at = |i: usize| base.add((i % DEPTH) * slot);
         let mut flights: VecDeque<(usize, Flight)> = VecDeque::with_capacity(DEPTH);
         let (mut next, mut since, mut idle) = (0, None::<Instant>, Idle::default());
         let mut run = || -> Result<()> {
             loop {
                 while flights.len() < DEPTH && next < pieces {
-                    let Some(stage) = ring.stage_for(first + next, at(next)) else {
+                    let Some(flight) = launch(next, at(next))? else {
                         break;
                     };
-                    stage_in(dtype, segments, &mut walk_in, range(next), stage);
-                    let key = (dtype, range(next).1, first + next, sum);
-                    let flight = Flight::start(&ring, key, stage, at(next).add(work))?;
                     flights.push_back((next, flight));
                     next += 1;
                 }
@@ -379,12 +503,9 @@ impl Engine {
                     moved |= flight.advance(&ring)?;
                 }
                 // Out in piece order: a later piece that finished first keeps its slot.
-                while flights.front().is_some_and(|(_, f)| f.finished(&ring)) {
+                while flights.front().is_some_and(|(_, f)| f.finished()) {
                     let (i, flight) = flights.pop_front().expect("a front");
-                    let start = range(i).0;
-                    flight.finish(&ring, |part, at, len| {
-                        stage_out(dtype, part, (outs, &mut walk_out), (start + at, len), avg)
-                    });
+                    land(i, flight);
                 }
                 if flights.is_empty() && next == pieces {
                     return Ok(());

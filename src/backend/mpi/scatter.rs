@@ -25,39 +25,39 @@ use crate::types::DType;
 
 /// One rank's owned run of a segment: `len` elements from `first`.
 #[derive(Clone, Copy)]
-struct Run {
-    segment: usize,
-    first: usize,
-    len: usize,
+pub(super) struct Run {
+    pub(super) segment: usize,
+    pub(super) first: usize,
+    pub(super) len: usize,
 }
 
-/// Every rank's owned elements of a bucket, as [`Engine::shared_reduce_scatter`] lays them
-/// in the slots (alike on every rank).
+/// Every rank's owned elements of a bucket, each rank's laid end to end and moved `c` at a
+/// time: piece `k` carries elements `[k c, (k + 1) c)` of every rank's (alike on every rank).
+/// [`Engine::shared_reduce_scatter`] lays them in the slots, `owners.rs` in ring pieces.
 pub(super) struct Owned {
     /// Each rank's owned runs, segment after segment.
-    runs: Vec<Vec<Run>>,
+    pub(super) runs: Vec<Vec<Run>>,
     /// Each rank's owned elements in all.
-    totals: Vec<usize>,
-    /// Elements of one rank's section of a slot ([`section_of`]).
-    c: usize,
-    /// Pieces through the slots: enough for the rank that owns the most.
+    pub(super) totals: Vec<usize>,
+    /// Each rank's elements per piece.
+    pub(super) c: usize,
+    /// Pieces: enough for the rank that owns the most.
     pub(super) pieces: usize,
 }
 
 impl Owned {
-    /// `segments` among `ranks`, rank `r` owning `owners(s, r)` = `(first, count)` of segment
-    /// `s`, elements of `size` bytes.
+    /// `segments` segments among `ranks`, rank `r` owning `owners(s, r)` = `(first, count)` of
+    /// segment `s`, `c` of each rank's per piece.
     pub(super) fn new(
-        segments: &[Segment<'_>],
+        segments: usize,
         owners: &dyn Fn(usize, usize) -> (usize, usize),
         ranks: usize,
-        size: usize,
+        c: usize,
     ) -> Owned {
         let runs: Vec<Vec<Run>> = (0..ranks).map(|r| runs_of(segments, owners, r)).collect();
         let totals: Vec<usize> = (runs.iter())
             .map(|runs| runs.iter().map(|run| run.len).sum())
             .collect();
-        let c = section_of(size, ranks);
         let pieces = totals.iter().max().unwrap_or(&0).div_ceil(c);
         Owned {
             runs,
@@ -154,8 +154,8 @@ impl Engine {
 }
 
 /// Elements of one rank's section of a slot for `ranks` ranks: a slot holds one section per
-/// other rank.
-fn section_of(size: usize, ranks: usize) -> usize {
+/// other rank ([`Owned`]'s `c` through shared memory).
+pub(super) fn section_of(size: usize, ranks: usize) -> usize {
     (super::shm::PIECE / size / (ranks - 1).max(1)).max(1)
 }
 
@@ -168,12 +168,8 @@ fn section(q: usize, r: usize) -> usize {
 }
 
 /// Rank `r`'s owned runs, segment after segment.
-fn runs_of(
-    segments: &[Segment<'_>],
-    owners: &dyn Fn(usize, usize) -> (usize, usize),
-    r: usize,
-) -> Vec<Run> {
-    (0..segments.len())
+fn runs_of(segments: usize, owners: &dyn Fn(usize, usize) -> (usize, usize), r: usize) -> Vec<Run> {
+    (0..segments)
         .map(|segment| {
             let (first, len) = owners(segment, r);
             Run {
@@ -187,7 +183,7 @@ fn runs_of(
 }
 
 /// Piece `k`'s elements of `total` owned ones, `c` per piece: `(start, n)`, or None past them.
-fn range_of(k: usize, c: usize, total: usize) -> Option<(usize, usize)> {
+pub(super) fn range_of(k: usize, c: usize, total: usize) -> Option<(usize, usize)> {
     let start = k * c;
     (start < total).then(|| (start, c.min(total - start)))
 }

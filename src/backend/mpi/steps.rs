@@ -281,7 +281,7 @@ impl Queue {
                 continue;
             };
             let finished = match front {
-                Transfer::Ring(flight) => flight.finished(ring),
+                Transfer::Ring(flight) => flight.finished(),
                 Transfer::Collective(request) => {
                     let mut flag = 0;
                     let rc = ffi::MPI_Test(request, &mut flag, ffi::RSMPI_STATUS_IGNORE);
