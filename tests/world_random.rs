@@ -17,7 +17,10 @@
 //! (collectives and registrations per seed), `DPSYNC_RANDOM_NO` (classes switched off, comma
 //! separated: `CLASSES`), `DPSYNC_RANDOM_RANKS` (`2,3`), `DPSYNC_RANDOM_LIMIT_S` (per mpirun),
 //! `DPSYNC_RANDOM_TIMEOUT_MS` (the contexts' timeout), `DPSYNC_RANDOM_TRACE=1` (rank 0 prints
-//! every call). scripts/world-random.sh sets them from its arguments.
+//! every call). scripts/world-random.sh sets them from its arguments. `DPSYNC_MPI_SHM=0`
+//! turns the shared memory between the ranks off (scripts/test.sh runs the test both ways):
+//! every piece then crosses in MPI messages, and the reduce-scatter and allgather of one
+//! replica per rank take their halves of the ring (`backend/mpi/owners.rs`).
 #![cfg(feature = "mpi")]
 
 mod common {
@@ -67,8 +70,13 @@ fn random_body() {
         lockstep: false,
         replay: |_, seed, calls, ranks| {
             let no = env("DPSYNC_RANDOM_NO").map_or(String::new(), |v| format!(" --no {v}"));
+            // Without shared memory between the ranks, the replay needs it off too.
+            let shm = match env("DPSYNC_MPI_SHM").as_deref() {
+                Some("0") => "DPSYNC_MPI_SHM=0 ",
+                _ => "",
+            };
             format!(
-                "scripts/world-random.sh --seeds {seed}..{seed} --calls {calls} --ranks {ranks}{no}"
+                "{shm}scripts/world-random.sh --seeds {seed}..{seed} --calls {calls} --ranks {ranks}{no}"
             )
         },
     };
