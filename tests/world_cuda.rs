@@ -493,13 +493,15 @@ fn nccl_overlap_body() {
             }
         }
     };
+    // Element `i` of tensor `t` summed over the world's replicas.
+    let summed = |t: usize, i: usize| ((i + 1) * total * (total + 1) / 2 * (t + 1)) as f32;
     let expect = |g: &Vec<Vec<Mem>>, what: &str| {
         check(common::place::synchronize(&ctx), &tag("synchronize"));
         for (t, per_replica) in g.iter().enumerate() {
             for mem in per_replica {
                 let got = from_bytes::<f32>(&mem.read());
                 for i in [0, 1, n - 1] {
-                    let want = ((i + 1) * total * (total + 1) / 2 * (t + 1)) as f32;
+                    let want = summed(t, i);
                     assert_eq!(got[i], want, "{}", tag(&format!("{what}: g{t}[{i}]")));
                 }
             }
@@ -549,7 +551,6 @@ fn nccl_overlap_body() {
         &tag("step 2b"),
     );
     check(common::place::synchronize(&ctx), &tag("synchronize"));
-    let summed = |t: usize, i: usize| ((i + 1) * total * (total + 1) / 2 * (t + 1)) as f32;
     for (t, per_replica) in g.iter().enumerate() {
         for (k, mem) in per_replica.iter().enumerate() {
             let (got, before) = (from_bytes::<f32>(&mem.read()), init(t, offset + k));

@@ -90,10 +90,10 @@ pub(super) fn pieces_of(
     replicas: &[usize],
     place: Place,
 ) -> Vec<(usize, usize)> {
-    (members.iter())
-        .flat_map(|t| {
-            (replicas.iter()).map(move |&r| piece(t.count, place.offset + r, place.total))
-        })
+    let owned = owned_by(members, place);
+    (0..members.len())
+        .flat_map(|s| replicas.iter().map(move |&r| (s, r)))
+        .map(|(s, r)| owned(s, r))
         .collect()
 }
 

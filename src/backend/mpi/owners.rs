@@ -27,6 +27,11 @@ fn owner_of(b: usize, n: usize) -> usize {
     (b + n - 1) % n
 }
 
+/// The block of `n` that holds rank `r`'s elements.
+fn block_of(r: usize, n: usize) -> usize {
+    (r + 1) % n
+}
+
 /// Ring piece `k`'s cut: where each block starts, then the piece's length.
 fn cut(owned: &Owned, k: usize) -> Vec<usize> {
     let n = owned.totals.len();
@@ -106,7 +111,7 @@ impl Engine {
                 let Some(range) = range_of(i, owned.c, owned.totals[me]) else {
                     return;
                 };
-                let at = cut(owned, i)[(me + 1) % n];
+                let at = cut(owned, i)[block_of(me, n)];
                 flight.finish(&ring, |piece, _, _| {
                     stage_out(
                         dtype,
@@ -156,7 +161,7 @@ impl Engine {
             |i, stage| {
                 let cut = cut(owned, i);
                 if let Some(range) = range_of(i, owned.c, owned.totals[me]) {
-                    let into = stage.add(cut[(me + 1) % n]);
+                    let into = stage.add(cut[block_of(me, n)]);
                     copy_spans((&parts[me], &mut walk_in), range, into, Way::In);
                 }
                 let key = (None, first + i, Half::Gather);
@@ -167,7 +172,7 @@ impl Engine {
                 flight.finish(&ring, |piece, _, _| {
                     for q in (0..n).filter(|&q| q != me) {
                         if let Some(range) = range_of(i, owned.c, owned.totals[q]) {
-                            let from = piece.add(cut[(q + 1) % n]).cast_mut();
+                            let from = piece.add(cut[block_of(q, n)]).cast_mut();
                             let out = (&parts[q][..], &mut walks[q]);
                             copy_spans(out, range, from, Way::Out { streaming });
                         }

@@ -302,6 +302,17 @@ mod tests {
         }
     }
 
+    /// `bytes` in 8-byte words (the tail zero).
+    fn words(bytes: &[u8]) -> Vec<u64> {
+        (bytes.chunks(8))
+            .map(|c| {
+                let mut w = [0u8; 8];
+                w[..c.len()].copy_from_slice(c);
+                u64::from_ne_bytes(w)
+            })
+            .collect()
+    }
+
     /// `sum_in_order` gives the ring's bytes: each source staged into MPI's type, summed
     /// after the first with the ring's `add_into`, staged out with its division; at lengths
     /// around its chunk, with the output one of the sources (as the in-place sum writes).
@@ -313,21 +324,23 @@ mod tests {
                 for sources in 2..=4 {
                     for avg in [None, Some(3)] {
                         // Values whose sums round, small enough for every dtype.
-                        let raw: Vec<Vec<u8>> = (0..sources)
+                        // Each source in words, so that every dtype's elements are aligned.
+                        let raw: Vec<Vec<u64>> = (0..sources)
                             .map(|r| {
-                                (0..len)
+                                let bytes: Vec<u8> = (0..len)
                                     .flat_map(|i| {
                                         let v = (i % 13) as f64 * 0.37 + r as f64 * 1.3 - 2.0;
                                         encode(dtype, v)
                                     })
-                                    .collect()
+                                    .collect();
+                                words(&bytes)
                             })
                             .collect();
                         // The ring: widened, summed in order, staged out.
                         let wide = mpi_type(dtype).1;
                         let mut acc = vec![0u64; (len * wide).div_ceil(8)];
                         let mut term = vec![0u64; (len * wide).div_ceil(8)];
-                        let mut want = vec![0u8; len * size];
+                        let mut want = vec![0u64; (len * size).div_ceil(8)];
                         // SAFETY: every buffer holds `len` elements of its type.
                         unsafe {
                             for (r, src) in raw.iter().enumerate() {
@@ -352,8 +365,8 @@ mod tests {
                         }
                         // One pass, written over source 1.
                         let mut got = raw.clone();
-                        let from: Vec<*const u8> = got.iter().map(|v| v.as_ptr()).collect();
-                        let out = got[1].as_mut_ptr();
+                        let from: Vec<*const u8> = got.iter().map(|v| v.as_ptr().cast()).collect();
+                        let out = got[1].as_mut_ptr().cast();
                         // SAFETY: as above; the output is a source, read before written.
                         unsafe { sum_in_order(dtype, out, &from, len, avg) };
                         let what = format!("{dtype:?} len {len} sources {sources} avg {avg:?}");
