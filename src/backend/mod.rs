@@ -555,9 +555,8 @@ pub(crate) trait Ranks: Send {
     /// Nothing else of the segments is written. The engine may read and write less than an
     /// allreduce does (through shared memory it copies out the owned elements alone). `false`
     /// (nothing moved) only with `reproducible`, where [`Ranks::allreduce_reproducible`] would
-    /// be `false`, alike on every rank. `every_rank`, given where every rank has one
-    /// contribution: rank `r`'s `(first, count)` of segment `s`, which lets an engine sum each
-    /// rank's elements at that rank (the same bytes: in the allreduce's order).
+    /// be `false`, alike on every rank. `every_rank`: every rank's elements, which lets an
+    /// engine sum each rank's at that rank ([`EveryRank`]).
     ///
     /// # Safety
     /// As for [`Ranks::allreduce`].
@@ -567,7 +566,7 @@ pub(crate) trait Ranks: Send {
         data: (DType, &[Segment<'_>], &[(usize, usize)]),
         avg: Option<usize>,
         reproducible: bool,
-        every_rank: Option<&dyn Fn(usize, usize) -> (usize, usize)>,
+        every_rank: Option<EveryRank<'_>>,
     ) -> Result<bool>;
 
     /// An allgather of owned ranges: every span `s` (`(ptr, bytes)`, alike in size on every
@@ -658,6 +657,15 @@ pub(crate) trait Ranks: Send {
         }
         self.allgather(&mine)
     }
+}
+
+/// Every rank's elements of a [`Ranks::reduce_scatter`], alike on every rank.
+#[derive(Clone, Copy)]
+pub(crate) struct EveryRank<'a> {
+    /// Rank `r`'s `(first, count)` of segment `s`: its contributions' pieces end to end.
+    pub(crate) owned: &'a dyn Fn(usize, usize) -> (usize, usize),
+    /// Whether every rank has one contribution.
+    pub(crate) one_each: bool,
 }
 
 /// [`Ranks::allgather_owned`] as one [`Ranks::allgather_spans`] of every rank's owned bytes,

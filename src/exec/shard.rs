@@ -35,7 +35,7 @@
 
 use super::dense::{self, contributions};
 use super::{buckets_for, view, Executor, Site};
-use crate::backend::{Allocation, Backend, Channel, Ranks};
+use crate::backend::{Allocation, Backend, Channel, EveryRank, Ranks};
 use crate::error::Result;
 use crate::plan::{Bucket, Levels, Route};
 use crate::registry::TensorView;
@@ -95,6 +95,20 @@ pub(super) fn pieces_of(
         .flat_map(|s| replicas.iter().map(move |&r| (s, r)))
         .map(|(s, r)| owned(s, r))
         .collect()
+}
+
+/// A rank's elements `(first, count)` of a tensor of `count` elements: the pieces of its world
+/// replicas `(w, n)` (`w..w + n`) end to end, contiguous by the rule.
+fn rank_piece(count: usize, (w, n): (usize, usize), total: usize) -> (usize, usize) {
+    let first = piece(count, w, total).0;
+    let end = match n {
+        0 => first,
+        _ => {
+            let (f, c) = piece(count, w + n - 1, total);
+            f + c
+        }
+    };
+    (first, end - first)
 }
 
 /// Local replica `r`'s owned piece `(first, count)` of segment `s` of a bucket of `members`:
@@ -165,10 +179,17 @@ impl Executor {
             let _span = self.bucket_span("reduce-scatter bucket", 0, bucket, tensors);
             let local = &site.levels.groups[0];
             let owned = pieces_of(&members, local, place);
-            // Every rank's pieces, where every rank has one replica.
-            let each =
-                |segment: usize, rank: usize| piece(members[segment].count, rank, place.total);
-            let every_rank = one_each.then_some(&each as &dyn Fn(usize, usize) -> (usize, usize));
+            // Every rank's elements: the pieces of its world replicas.
+            let ranks_at: Vec<(usize, usize)> = (site.levels.ranks.iter())
+                .scan(0, |w, &n| Some((std::mem::replace(w, *w + n), n)))
+                .collect();
+            let of_rank = |segment: usize, rank: usize| {
+                rank_piece(members[segment].count, ranks_at[rank], place.total)
+            };
+            let every_rank = Some(EveryRank {
+                owned: &of_rank,
+                one_each,
+            });
             // Every local replica a contribution, summed in the engine's stage in their order
             // (as the local sum of an allreduce), each getting its own pieces.
             let done = contributions(&view(bucket, tensors), local, |segments| {
@@ -330,17 +351,8 @@ impl Executor {
             .map(|t| (t.ptrs[leader], t.count * size))
             .collect();
         let owned = |s: usize, rank: usize| {
-            let (w, n) = ranks_at[rank];
-            let count = members[s].count;
-            let first = piece(count, w, place.total).0;
-            let end = match n {
-                0 => first,
-                _ => {
-                    let (f, c) = piece(count, w + n - 1, place.total);
-                    f + c
-                }
-            };
-            (first * size, (end - first) * size)
+            let (first, count) = rank_piece(members[s].count, ranks_at[rank], place.total);
+            (first * size, count * size)
         };
         ranks.allgather_owned(&spans, &owned)?;
         if local.len() > 1 {

@@ -52,17 +52,19 @@ fn slot_of(owned: &Owned, size: usize) -> (usize, usize) {
 }
 
 impl Engine {
-    /// [`Ranks::reduce_scatter`](crate::backend::Ranks) round `ring` (over MPI messages) of one
-    /// contribution per rank (`segments[s].ptrs[0]`), every rank's elements `owned` (`c`: a
-    /// ring piece's worth over the ranks), in pieces numbered from `first`: this rank's owned
-    /// elements get the sum, divided by `avg`; nothing else is written.
+    /// [`Ranks::reduce_scatter`](crate::backend::Ranks) round `ring` (over MPI messages):
+    /// every rank's elements `owned` (`c`: a ring piece's worth over the ranks), in pieces
+    /// numbered from `first`; this rank's contributions summed as they are staged in (in
+    /// their order, as the allreduce's), and each contribution's own elements `pieces` (as
+    /// `Ranks::reduce_scatter` gives them) get the sum, divided by `avg`. Nothing else is
+    /// written.
     ///
     /// # Safety
     /// As for [`Ranks::reduce_scatter`](crate::backend::Ranks).
     pub(super) unsafe fn ring_reduce_scatter(
         &self,
         (ring, first): (Ring, usize),
-        (dtype, segments): (DType, &[Segment<'_>]),
+        (dtype, segments, pieces): (DType, &[Segment<'_>], &[(usize, usize)]),
         owned: &Owned,
         avg: Option<usize>,
     ) -> Result<()> {
@@ -71,10 +73,13 @@ impl Engine {
         let me = ring.me();
         debug_assert_eq!(n, ring.ranks(), "laid out for this ring");
         // Each rank's runs as segments of their own, so that staging walks them end to end.
-        let starts: Vec<Vec<[usize; 1]>> = (owned.runs.iter())
+        let starts: Vec<Vec<Vec<usize>>> = (owned.runs.iter())
             .map(|runs| {
                 (runs.iter())
-                    .map(|run| [segments[run.segment].ptrs[0] + run.first * dtype.size()])
+                    .map(|run| {
+                        let ptrs = segments[run.segment].ptrs;
+                        ptrs.iter().map(|p| p + run.first * dtype.size()).collect()
+                    })
                     .collect()
             })
             .collect();
@@ -88,7 +93,15 @@ impl Engine {
                     .collect()
             })
             .collect();
-        let outs: Vec<(usize, usize)> = runs[me].iter().map(|s| (s.ptrs[0], s.count)).collect();
+        // This rank's runs, each its contributions' pieces end to end.
+        let outs: Vec<(usize, usize)> = (owned.runs[me].iter())
+            .flat_map(|run| {
+                let ptrs = segments[run.segment].ptrs;
+                let mine = &pieces[run.segment * ptrs.len()..][..ptrs.len()];
+                debug_assert_eq!(mine.iter().map(|p| p.1).sum::<usize>(), run.len);
+                (ptrs.iter().zip(mine)).map(|(p, &(f, c))| (p + f * dtype.size(), c))
+            })
+            .collect();
         let (work, slot) = slot_of(owned, size);
         let mut walks_in: Vec<Walk> = (0..n).map(|_| Walk::default()).collect();
         let mut walk_out = Walk::default();

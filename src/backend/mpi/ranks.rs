@@ -16,7 +16,7 @@ use super::scatter;
 use super::staging::{copy_spans, mpi_type, outputs, stage_in, stage_out, Way};
 use super::steps::{Handle, Queue, Until};
 use super::MpiRanks;
-use crate::backend::{allgather_packed, Channel, Ranks, Segment, Ticket};
+use crate::backend::{allgather_packed, Channel, EveryRank, Ranks, Segment, Ticket};
 use crate::error::{Error, ErrorKind, Result};
 use crate::types::DType;
 
@@ -62,19 +62,20 @@ impl MpiRanks {
         f(queue.as_deref_mut())
     }
 
-    /// Whether a reduce-scatter of `count` elements of these segments sums each rank's
-    /// elements alone: one contribution each, a bucket the ring allreduce carries (through
-    /// shared memory [`Engine::shared_reduce_scatter`](super::Engine), whose sums follow the
-    /// allreduce's order; else [`Engine::ring_reduce_scatter`](super::Engine)). Alike on every
-    /// rank, as [`MpiRanks::sums_reproducibly`].
+    /// Whether a reduce-scatter of `count` elements sums each rank's elements at that rank: a
+    /// bucket the ring allreduce carries, through shared memory where every rank has one
+    /// contribution ([`Engine::shared_reduce_scatter`](super::Engine), whose sums follow the
+    /// allreduce's order), else without it ([`Engine::ring_reduce_scatter`](super::Engine)).
+    /// Alike on every rank, as [`MpiRanks::sums_reproducibly`].
     fn scatters_owned(
         &self,
         channel: Channel,
-        (dtype, segments, count): (DType, &[Segment<'_>], usize),
+        every: EveryRank<'_>,
+        count: usize,
+        dtype: DType,
     ) -> bool {
         let ring = self.ring(channel);
-        let one_each = segments.iter().all(|s| s.ptrs.len() == 1);
-        ring.takes(count * mpi_type(dtype).1) && one_each
+        ring.takes(count * mpi_type(dtype).1) && (every.one_each || !ring.shared())
     }
 
     /// The sum over the ranks of `segments` (`sum`: how; reproducible only where
@@ -212,29 +213,31 @@ impl Ranks for MpiRanks {
         (dtype, segments, owned): (DType, &[Segment<'_>], &[(usize, usize)]),
         avg: Option<usize>,
         reproducible: bool,
-        every_rank: Option<&dyn Fn(usize, usize) -> (usize, usize)>,
+        every_rank: Option<EveryRank<'_>>,
     ) -> Result<bool> {
         self.refuse_if_failed()?;
         let count: usize = segments.iter().map(|s| s.count).sum();
-        let alone = !reproducible && self.scatters_owned(channel, (dtype, segments, count));
-        if let Some(owners) = every_rank.filter(|_| alone) {
+        let every_rank = every_rank.filter(|_| !reproducible);
+        if let Some(every) = every_rank.filter(|e| self.scatters_owned(channel, *e, count, dtype)) {
             let ring = self.ring(channel);
             let size = mpi_type(dtype).1;
             let c = match ring.shared() {
                 true => scatter::section_of(dtype.size(), self.size),
                 false => ring.piece_of(size).div_ceil(self.size),
             };
-            let owned = scatter::Owned::new(segments.len(), owners, self.size, c);
+            let owners = scatter::Owned::new(segments.len(), every.owned, self.size, c);
             self.alone(channel, |queue| {
-                let first = self.number_ring_pieces(queue, owned.pieces, 1);
+                let first = self.number_ring_pieces(queue, owners.pieces, 1);
                 match ring.shared() {
                     true => {
                         let data = (dtype, segments, count);
                         let ring_piece = ring.piece_of(size).min(count);
-                        self.shared_reduce_scatter((ring, first), data, (&owned, ring_piece), avg)
+                        let owned = (&owners, ring_piece);
+                        self.shared_reduce_scatter((ring, first), data, owned, avg)
                     }
                     false => {
-                        self.ring_reduce_scatter((ring, first), (dtype, segments), &owned, avg)
+                        let data = (dtype, segments, owned);
+                        self.ring_reduce_scatter((ring, first), data, &owners, avg)
                     }
                 }
             })?;
