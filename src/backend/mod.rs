@@ -660,6 +660,8 @@ pub(crate) trait Ranks: Send {
 }
 
 /// Every rank's elements of a [`Ranks::reduce_scatter`], alike on every rank.
+// Read by the engine only (the MPI one is built with the `mpi` feature).
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 #[derive(Clone, Copy)]
 pub(crate) struct EveryRank<'a> {
     /// Rank `r`'s `(first, count)` of segment `s`: its contributions' pieces end to end.

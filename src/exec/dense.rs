@@ -22,7 +22,8 @@
 
 use super::Site;
 use crate::backend::{
-    Allocation, Backend, BucketView, Channel, Layout, Links, Members, Ranks, Segment, Slot, Streams,
+    Allocation, Backend, BucketView, Channel, EveryRank, Layout, Links, Members, Ranks, Segment,
+    Slot, Streams,
 };
 use crate::error::Result;
 use crate::plan::{Across, Levels, Route, Step, StepOp, Via};
@@ -396,6 +397,80 @@ unsafe fn allreduce_staged(
     }
     let _span = timeline::span(trace, "from host", || json!({}));
     stage_in(streams, site.levels, bucket, host)
+}
+
+/// A reduce-scatter over the staged route: every local replica's bucket copied into the
+/// page-locked stage (nothing summed on the devices, so no replica's other elements change),
+/// the engine's reduce-scatter of those contributions on the host (each rank's elements summed
+/// at that rank where the engine can: `every_rank`), then each local replica's own elements
+/// copied back: `owned` holds every local replica's `(first, count)` of every segment, as
+/// [`Ranks::reduce_scatter`] takes them. `false` (nothing written) where the engine cannot
+/// (reproducible sums it cannot do in one exchange) or the route is another.
+///
+/// # Safety
+/// As for [`allreduce`].
+pub(super) unsafe fn reduce_scatter_staged(
+    site: Site<'_>,
+    bucket: &BucketView<'_>,
+    (owned, every_rank): (&[(usize, usize)], Option<EveryRank<'_>>),
+    avg: Option<usize>,
+    reproducible: bool,
+) -> Result<bool> {
+    let (Route::RanksStaged, Some(ranks), Some(streams)) =
+        (&site.levels.route, site.ranks, site.backend.streams())
+    else {
+        return Ok(false);
+    };
+    if bucket.elements() == 0 {
+        return Ok(true);
+    }
+    let replicas = bucket.segments.first().map_or(0, |s| s.ptrs.len());
+    let (size, bytes) = (bucket.dtype.size(), bucket.dtype.size() * bucket.elements());
+    let host = {
+        let _span = timeline::span(site.trace, "to host", || json!({}));
+        let host = streams.host_stage(bytes * replicas)?;
+        for k in 0..replicas {
+            copy_out(streams, bucket, k, host + k * bytes)?;
+        }
+        streams.wait_all()?;
+        host
+    };
+    // Each segment's place in every contribution's stage.
+    let offsets: Vec<usize> = (bucket.segments.iter())
+        .scan(0, |at, s| Some(std::mem::replace(at, *at + s.count * size)))
+        .collect();
+    let staged: Vec<Vec<usize>> = (offsets.iter())
+        .map(|&o| (0..replicas).map(|k| host + k * bytes + o).collect())
+        .collect();
+    let segments: Vec<Segment<'_>> = (bucket.segments.iter().zip(&staged))
+        .map(|(s, ptrs)| Segment {
+            ptrs,
+            count: s.count,
+        })
+        .collect();
+    {
+        let _span = timeline::span(
+            site.trace,
+            "across ranks",
+            || json!({"ranks": ranks.ranks()}),
+        );
+        let data = (bucket.dtype, &segments[..], owned);
+        if !ranks.reduce_scatter(site.channel, data, avg, reproducible, every_rank)? {
+            return Ok(false);
+        }
+    }
+    let _span = timeline::span(site.trace, "from host", || json!({}));
+    for (s, segment) in bucket.segments.iter().enumerate() {
+        for k in 0..replicas {
+            let (first, count) = owned[s * replicas + k];
+            if count > 0 {
+                let (dst, at) = (segment.ptrs[k] + first * size, first * size);
+                streams.stage_copy(k, dst, staged[s][k] + at, count * size)?;
+            }
+        }
+    }
+    streams.wait_all()?;
+    Ok(true)
 }
 
 /// The bucket of local replica `replica`, copied into the host stage segment after segment;

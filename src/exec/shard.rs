@@ -1,7 +1,7 @@
 //! Shards (ZeRO stage 1): the gradients reduced onto the pieces their replicas own, and the
 //! owners' pieces copied back to every replica.
 //!
-//! Four routes, the first that applies:
+//! Five routes, the first that applies:
 //!
 //! - Host memory in one process, and the replicas of one GPU in one process (a kernel), have a
 //!   primitive of their own ([`Backend::reduce_owned`]: each replica's pieces summed as the
@@ -11,11 +11,14 @@
 //!   every local replica's contribution, each local replica getting its own pieces, straight
 //!   from and into the tensors; [`Ranks::allgather_owned`]: each rank's pieces, gathered into
 //!   local replica 0 first, to every other rank, then spread to the other local replicas).
+//! - CUDA replicas in a world staged through the host: every local replica's bucket a
+//!   contribution in the page-locked stage, the engine's reduce-scatter there, each
+//!   replica's own pieces copied back ([`dense::reduce_scatter_staged`]).
 //! - Several GPUs in one process, or NCCL across the ranks: the allreduce's combine of the
 //!   groups' fusion buffers, each replica's pieces copied out of its group's buffer
 //!   ([`dense::reduce_scatter_levels`]; `ncclReduceScatter` promises no common summation order
 //!   with `ncclAllReduce`, so it would break the bytes below).
-//! - Everywhere else (CUDA replicas in a world staged through the host, reproducible sums
+//! - Everywhere else (reproducible sums
 //!   the engine cannot do in one exchange) a reduce-scatter is the allreduce of a
 //!   library-owned copy of each bucket, on every route the allreduce takes, followed by each
 //!   replica's owned pieces copied out (the copy moves the bucket twice more than the
@@ -24,9 +27,11 @@
 //! An allgather outside the first two routes is one broadcast per world replica of the pieces
 //! it owns.
 //!
-//! Either way every element is summed exactly as `dpsync_allreduce_grads` sums it (same
-//! buckets, same levels), so a ZeRO-1 step gives the bytes of an allreduce step, and nothing
-//! outside a replica's pieces is written.
+//! In one process every element is summed exactly as `dpsync_allreduce_grads` sums it (same
+//! buckets, same levels), so a ZeRO-1 step gives the bytes of an allreduce step; across the
+//! ranks too, except where the engine sums each rank's elements at that rank without shared
+//! memory (3 ranks or more), or sums a staged rank's several replicas itself: there up to the
+//! order of the sums, as the contract allows. Nothing outside a replica's pieces is written.
 //!
 //! [`Backend::reduce_owned`]: crate::backend::Backend::reduce_owned
 //! [`Backend::spread_owned`]: crate::backend::Backend::spread_owned
@@ -174,22 +179,22 @@ impl Executor {
         // The plan's layout, alike on every rank: the engine's reproducible sum and its
         // in-place reduce-scatter serve one replica per rank, and every rank must choose alike.
         let one_each = site.levels.ranks.iter().all(|&r| r == 1);
+        // Every rank's elements: the pieces of its world replicas.
+        let ranks_at: Vec<(usize, usize)> = (site.levels.ranks.iter())
+            .scan(0, |w, &n| Some((std::mem::replace(w, *w + n), n)))
+            .collect();
+        let of_rank = |segment: usize, rank: usize| {
+            rank_piece(members[segment].count, ranks_at[rank], place.total)
+        };
+        let every_rank = Some(EveryRank {
+            owned: &of_rank,
+            one_each,
+        });
         let world = host_world(&site, bucket.memory).filter(|_| one_each || !reproducible);
         if let Some(ranks) = world {
             let _span = self.bucket_span("reduce-scatter bucket", 0, bucket, tensors);
             let local = &site.levels.groups[0];
             let owned = pieces_of(&members, local, place);
-            // Every rank's elements: the pieces of its world replicas.
-            let ranks_at: Vec<(usize, usize)> = (site.levels.ranks.iter())
-                .scan(0, |w, &n| Some((std::mem::replace(w, *w + n), n)))
-                .collect();
-            let of_rank = |segment: usize, rank: usize| {
-                rank_piece(members[segment].count, ranks_at[rank], place.total)
-            };
-            let every_rank = Some(EveryRank {
-                owned: &of_rank,
-                one_each,
-            });
             // Every local replica a contribution, summed in the engine's stage in their order
             // (as the local sum of an allreduce), each getting its own pieces.
             let done = contributions(&view(bucket, tensors), local, |segments| {
@@ -197,6 +202,21 @@ impl Executor {
                 ranks.reduce_scatter(Channel::Steps, data, avg, reproducible, every_rank)
             })?;
             if done {
+                return Ok(());
+            }
+        }
+        if site.levels.route == Route::RanksStaged && (one_each || !reproducible) {
+            // CUDA replicas across the ranks through the host: every local replica's bucket
+            // a contribution to the engine's reduce-scatter in the stage, each replica's own
+            // pieces copied back.
+            let _span = self.bucket_span("reduce-scatter bucket", 0, bucket, tensors);
+            let owned = pieces_of(&members, &(0..replicas).collect::<Vec<_>>(), place);
+            let site = Site {
+                channel: Channel::Steps,
+                ..site
+            };
+            let (view, mine) = (view(bucket, tensors), (&owned[..], every_rank));
+            if dense::reduce_scatter_staged(site, &view, mine, avg, reproducible)? {
                 return Ok(());
             }
         }
