@@ -268,6 +268,11 @@ run() {
       timed "$dir/mpi/$t" --test-threads=1 || failures=$((failures + 1))
       endsection
     done
+    # Without shared memory between the ranks: the ring's halves for shards (scripts/test.sh
+    # runs it so too).
+    section "test binary world_random, DPSYNC_MPI_SHM=0"
+    DPSYNC_MPI_SHM=0 timed "$dir/mpi/world_random" --test-threads=1 || failures=$((failures + 1))
+    endsection
     section "world benchmark"
     # PyTorch's Gloo for comparison: the Python that has torch here.
     (cd "$dir" && DPSYNC_BENCH_PYTHON=$(command -v python3) timed ./mpi/world_allreduce --bench) ||
@@ -275,8 +280,9 @@ run() {
     echo "-- overlap, mpirun --bind-to none" >>"$report"
     (cd "$dir" && timed $m --bind-to none -n 2 ./mpi/world_allreduce --part overlap) || failures=$((failures + 1))
     # The ranks share this host, so the above went through shared memory: MPI's ring alongside.
-    echo "-- large and overlap over MPI's ring (DPSYNC_MPI_SHM=0)" >>"$report"
+    echo "-- large, shards and overlap over MPI's ring (DPSYNC_MPI_SHM=0)" >>"$report"
     (cd "$dir" && DPSYNC_MPI_SHM=0 timed $m -x DPSYNC_MPI_SHM -n 2 ./mpi/world_allreduce --part large &&
+      DPSYNC_MPI_SHM=0 timed $m -x DPSYNC_MPI_SHM -n 2 ./mpi/world_allreduce --part shards &&
       DPSYNC_MPI_SHM=0 timed $m -x DPSYNC_MPI_SHM --bind-to none -n 2 ./mpi/world_allreduce \
         --part overlap) || failures=$((failures + 1))
     endsection
