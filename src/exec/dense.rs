@@ -340,7 +340,16 @@ pub(super) fn contributions<R>(
     let ptrs: Vec<Vec<usize>> = (bucket.segments.iter())
         .map(|s| replicas.iter().map(|&r| s.ptrs[r]).collect())
         .collect();
-    let segments: Vec<Segment<'_>> = (bucket.segments.iter().zip(&ptrs))
+    with_ptrs(bucket, &ptrs, f)
+}
+
+/// `f` of the bucket's segments with `ptrs[s]` as segment `s`'s contributions.
+fn with_ptrs<R>(
+    bucket: &BucketView<'_>,
+    ptrs: &[Vec<usize>],
+    f: impl FnOnce(&[Segment<'_>]) -> R,
+) -> R {
+    let segments: Vec<Segment<'_>> = (bucket.segments.iter().zip(ptrs))
         .map(|(s, ptrs)| Segment {
             ptrs,
             count: s.count,
@@ -442,22 +451,19 @@ pub(super) unsafe fn reduce_scatter_staged(
     let staged: Vec<Vec<usize>> = (offsets.iter())
         .map(|&o| (0..replicas).map(|k| host + k * bytes + o).collect())
         .collect();
-    let segments: Vec<Segment<'_>> = (bucket.segments.iter().zip(&staged))
-        .map(|(s, ptrs)| Segment {
-            ptrs,
-            count: s.count,
-        })
-        .collect();
-    {
+    let done = {
         let _span = timeline::span(
             site.trace,
             "across ranks",
             || json!({"ranks": ranks.ranks()}),
         );
-        let data = (bucket.dtype, &segments[..], owned);
-        if !ranks.reduce_scatter(site.channel, data, avg, reproducible, every_rank)? {
-            return Ok(false);
-        }
+        with_ptrs(bucket, &staged, |segments| {
+            let data = (bucket.dtype, segments, owned);
+            ranks.reduce_scatter(site.channel, data, avg, reproducible, every_rank)
+        })?
+    };
+    if !done {
+        return Ok(false);
     }
     let _span = timeline::span(site.trace, "from host", || json!({}));
     for (s, segment) in bucket.segments.iter().enumerate() {
