@@ -49,11 +49,11 @@ bash scripts/check-install.sh
 step "GPU tests and cuda_train on the fake CUDA driver (CPU emulation; scripts/fake-cuda.sh)"
 bash scripts/fake-cuda.sh
 
-step "worlds over MPI (--features mpi, own target dir): clippy, tests/world_mpi.rs (mpirun -n 2, 3, 4), world_agreement.rs (bad input on one rank, shards), world_comm.rs (a split communicator, shared memory and TCP), repro.rs and shard.rs (worlds of 1-8 ranks)"
+step "worlds over MPI (--features mpi, own target dir): clippy, tests/world_mpi.rs (mpirun -n 2, 3, 4), world_agreement.rs (bad input on one rank, shards), world_comm.rs (a split communicator, shared memory and TCP), world_leave.rs (ranks that leave, elastic creation), repro.rs and shard.rs (worlds of 1-8 ranks)"
 ensure_mpi
 # A separate target directory: target/release keeps the default library, which links no MPI.
 cargo clippy --release --all-targets --features mpi --target-dir target/mpi -- -D warnings
-cargo test --release --features mpi --target-dir target/mpi --lib --test world --test world_mpi --test world_comm --test world_agreement --test repro --test shard
+cargo test --release --features mpi --target-dir target/mpi --lib --test world --test world_mpi --test world_comm --test world_agreement --test world_leave --test repro --test shard
 step "randomized cross-rank test: tests/world_random.rs (mpirun -n 2 and -n 3, default seeds; more: scripts/world-random.sh)"
 cargo test --release --features mpi --target-dir target/mpi --test world_random
 step "the same without shared memory between the ranks (DPSYNC_MPI_SHM=0: every piece over MPI messages, the ring's halves for reduce-scatter and allgather)"

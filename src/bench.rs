@@ -80,6 +80,7 @@ impl HostBmufUpdate {
             block_lr,
             block_momentum,
             nesterov,
+            default_momentum: false,
         };
         for (bucket, spans) in self.buckets.iter().zip(&self.spans) {
             for (r, s) in spans.iter().enumerate() {

@@ -2,6 +2,7 @@
 //! executor. This is the whole library seen from Rust; `ffi` only translates C calls into it.
 
 mod create;
+mod elastic;
 mod overlap;
 mod shard;
 mod sparse;
@@ -41,6 +42,8 @@ pub struct Context {
     overlap: overlap::Overlap,
     /// The timeline (`DPSYNC_TIMELINE`), or `None`.
     trace: Option<Tracer>,
+    /// Who the world is made of now (context/elastic.rs).
+    membership: elastic::Membership,
 }
 
 impl Drop for Context {
@@ -89,6 +92,7 @@ impl Context {
         create::log_creation(options, &topology, &executor.levels().route);
         executor.set_tracer(trace.clone());
         Ok(Context {
+            membership: elastic::Membership::new(topology.rank, topology.world_size),
             options: options.clone(),
             registry: Registry::new(topology.replicas()),
             sparse: SparseRegistry::new(topology.replicas()),
@@ -232,6 +236,7 @@ impl Context {
             world["ranks"] = self.topology.world_size.into();
             world["replicas_per_rank"] = self.topology.replicas_per_rank.clone().into();
             world["cross_rank"] = levels.route.name().into();
+            self.describe_membership(&mut world);
             json["world"] = world;
         }
         json.to_string()
@@ -275,15 +280,24 @@ impl Context {
                 Err(error) => Err(world::Refused {
                     error,
                     same_call: false,
+                    left: Vec::new(),
                 }),
             };
         };
+
         let _span = timeline::span(
             self.trace.as_ref(),
             "agree",
             || json!({"tensors": tensors.len(), "inline": inline.is_some()}),
         );
         let call = call();
+        if let Err(error) = self.check_member(&call) {
+            return Err(world::Refused {
+                error,
+                same_call: false,
+                left: Vec::new(),
+            });
+        }
         let verdict = verdict.and_then(|()| self.check_nothing_in_flight(&call));
         let mut lines: Vec<&str> = Vec::with_capacity(1 + tensors.len() + more.len());
         lines.push(&call);
@@ -291,6 +305,8 @@ impl Context {
         lines.extend(more.iter().map(String::as_str));
         let agreed = world::agree(ranks, verdict, &lines, inline.as_deref());
         if let Err(refused) = &agreed {
+            // Taken out after the call (Context::world_call), once its own clean-up is done.
+            self.membership.pending.lock().clone_from(&refused.left);
             if refused.error.kind == ErrorKind::Inconsistent {
                 log::warn(|| {
                     format!(

@@ -51,6 +51,8 @@ error_kinds! {
     Timeout = 8 "DPSYNC_STATUS_TIMEOUT",
     /// An internal defect caught at the boundary.
     Panic = 9 "DPSYNC_STATUS_PANIC",
+    /// Ranks of an elastic world were lost; this rank's world goes on without them.
+    RankLost = 10 "DPSYNC_STATUS_RANK_LOST",
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -59,6 +61,8 @@ pub struct Error {
     pub message: String,
     /// Set where the error is made ([`Error::out_of_memory`]), never read from the message.
     out_of_memory: bool,
+    /// Made by [`Error::world_changed`]: never reaches the caller.
+    world_changed: bool,
 }
 
 impl ErrorKind {
@@ -84,6 +88,7 @@ impl Error {
             kind,
             message: message.into(),
             out_of_memory: false,
+            world_changed: false,
         }
     }
 
@@ -94,6 +99,20 @@ impl Error {
             out_of_memory: true,
             ..Error::new(ErrorKind::Backend, message)
         }
+    }
+
+    /// Ranks left the world at a collective's agreement, which every remaining rank passed:
+    /// the call is made again over the remaining ranks, so this never reaches the caller.
+    pub(crate) fn world_changed(message: impl Into<String>) -> Error {
+        Error {
+            world_changed: true,
+            ..Error::new(ErrorKind::InvalidState, message)
+        }
+    }
+
+    /// Made by [`Error::world_changed`].
+    pub(crate) fn is_world_changed(&self) -> bool {
+        self.world_changed
     }
 
     pub(crate) fn invalid(message: impl Into<String>) -> Error {

@@ -39,6 +39,9 @@ pub struct Options {
     pub nccl_rank_per_replica: bool,
     /// A world of processes (`dpsync_options_set_world_mpi`); `None`: this process alone.
     pub world: Option<World>,
+    /// The fewest ranks an elastic world goes on with (`dpsync_options_set_elastic`); 0: the
+    /// world is not elastic.
+    pub elastic: usize,
 }
 
 /// The communicator a world spans.
@@ -68,6 +71,7 @@ impl Default for Options {
             peer_access: None,
             sparse_coalesce: false,
             reproducible: false,
+            elastic: 0,
             nccl_rank_per_replica: std::env::var("DPSYNC_NCCL_RANK_PER_REPLICA")
                 .is_ok_and(|v| matches!(v.trim(), "1" | "true" | "yes")),
             world: None,

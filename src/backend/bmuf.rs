@@ -27,6 +27,8 @@ pub struct BmufFilter {
     /// `mu`.
     pub block_momentum: f64,
     pub nesterov: bool,
+    /// `mu` is the default `1 - 1/N`: recounted when the world's replicas change.
+    pub default_momentum: bool,
 }
 
 /// The element type of the global model `W` and the block momentum `D` kept for PARAMs of

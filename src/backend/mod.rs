@@ -640,6 +640,10 @@ pub(crate) trait Ranks: Send {
     /// Every rank's `bytes` (of any length), in rank order.
     fn allgather(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>>;
 
+    /// The engine of the ranks that remain when `left` leave (called by every remaining rank
+    /// alone), renumbered in their order.
+    fn without(&self, left: &[usize]) -> Result<Box<dyn Ranks>>;
+
     /// Every rank's `words`, as many on every rank, concatenated in rank order: one exchange
     /// where [`Ranks::allgather`] needs two (the lengths first). Words keep records aligned for
     /// any dtype.

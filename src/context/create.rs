@@ -5,7 +5,7 @@
 
 use crate::backend::select::{self, Opened};
 use crate::backend::{Backend, Ranks};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::exec::world;
 use crate::log;
 use crate::options::Options;
@@ -34,11 +34,17 @@ pub(super) fn create(options: &Options) -> Result<Created> {
     // rank whose own options or devices failed fails every rank at once, not by the others'
     // timeout), agree on the options and learn the replica counts.
     let ranks = select::join(w, options.timeout())?;
-    let local = (opened.as_ref())
-        .map_err(Clone::clone)
-        .and_then(|o| world_part(o, ranks.rank() == 0, options.transport));
+    let local = (opened.as_ref()).map_err(Clone::clone).and_then(|o| {
+        world_part(
+            &o.topology,
+            &*o.backend,
+            ranks.rank() == 0,
+            options.transport,
+        )
+    });
     let settled = world::settle(&*ranks, options, local)?;
     let Opened { topology, backend } = opened?;
+    check_elastic(options, ranks.ranks())?;
     // CUDA replicas: NCCL across the ranks where every rank can join it.
     let mut nccl = None;
     if let (Some(joint), Some(c)) = (&settled.collective, backend.world_collective()) {
@@ -61,9 +67,13 @@ pub(super) fn create(options: &Options) -> Result<Created> {
 
 /// What this rank brings to its world: its replicas and, where its backend can join a
 /// collective across the ranks, its replicas' device groups (and on rank 0 the clique's id).
-fn world_part(opened: &Opened, first: bool, transport: Transport) -> Result<world::Local> {
-    let topology = &opened.topology;
-    let collective = match opened.backend.world_collective() {
+pub(super) fn world_part(
+    topology: &Topology,
+    backend: &dyn Backend,
+    first: bool,
+    transport: Transport,
+) -> Result<world::Local> {
+    let collective = match backend.world_collective() {
         None => None,
         Some(c) => {
             let groups = crate::plan::device_groups(topology);
@@ -84,6 +94,23 @@ fn world_part(opened: &Opened, first: bool, transport: Transport) -> Result<worl
         replicas: topology.replicas(),
         collective,
     })
+}
+
+/// An elastic world (the ranks agreed on its `min_ranks`): no more ranks needed than there
+/// are, and an MPI that can survive a lost rank (ULFM). Alike on every rank, so every rank
+/// fails alike.
+fn check_elastic(options: &Options, ranks: usize) -> Result<()> {
+    let min_ranks = options.elastic;
+    if min_ranks == 0 {
+        return Ok(());
+    }
+    if min_ranks > ranks {
+        return Err(Error::invalid(format!(
+            "dpsync_options_set_elastic: min_ranks is {min_ranks}, more than the world's {ranks} \
+             ranks"
+        )));
+    }
+    Err(select::elastic_unavailable())
 }
 
 /// What context creation logs: the replicas, the transport and why, the world (info); the

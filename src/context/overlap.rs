@@ -153,6 +153,7 @@ impl Context {
 
     pub fn grad_ready(&mut self, name: &str, replica: usize) -> Result<()> {
         self.check_replica_of("tensor", name, replica)?;
+        self.check_member("dpsync_grad_ready")?;
         if let Some(t) = &self.trace {
             t.instant("grad_ready", json!({"tensor": name, "replica": replica}));
         }

@@ -58,7 +58,7 @@ pub fn filter(
     let default = 1.0 - 1.0 / world_replicas as f64;
     // The contract's "block_momentum < 0 selects the default" holds for -inf too; NaN is
     // neither negative nor in range.
-    let block_momentum = if block_momentum < 0.0 {
+    let momentum = if block_momentum < 0.0 {
         default
     } else if (0.0..1.0).contains(&block_momentum) {
         block_momentum
@@ -70,8 +70,9 @@ pub fn filter(
     };
     Ok(BmufFilter {
         block_lr,
-        block_momentum,
+        block_momentum: momentum,
         nesterov,
+        default_momentum: block_momentum < 0.0,
     })
 }
 
@@ -140,6 +141,14 @@ impl BmufState {
         }
         self.checked_generation = snapshot.generation;
         Ok(())
+    }
+
+    /// The world's replicas changed (ranks left): a default block momentum `1 - 1/N` counts
+    /// the replicas that remain.
+    pub fn recount(&mut self, world_replicas: usize) {
+        if self.filter.default_momentum {
+            self.filter.block_momentum = 1.0 - 1.0 / world_replicas as f64;
+        }
     }
 
     /// What `dpsync_describe` shows under "bmuf".

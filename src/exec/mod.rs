@@ -160,6 +160,29 @@ impl Executor {
         self.ranks.as_deref()
     }
 
+    /// The replicas' backend (what a world is joined with).
+    pub(crate) fn backend(&self) -> &dyn Backend {
+        &*self.backend
+    }
+
+    /// The backend's part of a collective across the ranks, where it has one.
+    pub(crate) fn world_collective(&self) -> Option<&dyn crate::backend::WorldCollective> {
+        self.backend.world_collective()
+    }
+
+    /// Gives up the collective across the ranks (NCCL), if one was joined: the world changed.
+    pub(crate) fn leave_collective(&self) {
+        if let Some(c) = self.backend.world_collective() {
+            c.leave();
+        }
+    }
+
+    /// The world changed: its new engine and this rank's place in it.
+    pub(crate) fn rejoin(&mut self, topology: &Topology, ranks: Box<dyn Ranks>) {
+        self.levels = Levels::new(topology);
+        self.ranks = Some(ranks);
+    }
+
     pub fn describe_backend(&self) -> serde_json::Value {
         let mut json = self.backend.describe();
         if let Some((host, _)) = &self.host {

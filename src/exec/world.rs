@@ -20,11 +20,12 @@ fn shared_options(options: &Options) -> Value {
         ["timeout_ms", options.timeout()],
         ["sparse_coalesce", options.sparse_coalesce],
         ["reproducible", options.reproducible],
+        ["elastic", options.elastic],
     ])
 }
 
 /// "ranks 0, 2" / "rank 1".
-fn ranks_text(ranks: &[usize]) -> String {
+pub(crate) fn ranks_text(ranks: &[usize]) -> String {
     let list: Vec<String> = ranks.iter().map(usize::to_string).collect();
     match ranks.len() {
         1 => format!("rank {}", list[0]),
@@ -228,11 +229,75 @@ impl Records {
 /// Why a collective failed on every rank ([`agree`]).
 #[derive(Debug)]
 pub struct Refused {
-    /// This rank's error: its own where its own input failed, else INCONSISTENT.
+    /// This rank's error: its own where its own input failed, INCONSISTENT where another
+    /// rank's did or the calls differ, else (ranks left, the others agreed) one that
+    /// [`Error::is_world_changed`]: the call is to be made again over the remaining ranks.
     pub error: Error,
     /// Whether every rank made this same call (its first line): a failed `allreduce_grads`
-    /// needs it, since only then does every rank drain its early buckets.
+    /// needs it, since only then does every rank drain its early buckets. Ranks that left at
+    /// this exchange do not count.
     pub same_call: bool,
+    /// The ranks that left at this exchange (`dpsync_leave`), ascending.
+    pub left: Vec<usize>,
+}
+
+/// The status word of a rank that leaves at this exchange (`dpsync_leave`); no failure
+/// status has it.
+const LEAVING: u32 = 0x4c45_4156;
+
+/// The first line a leaving rank shows in the second exchange.
+const LEAVE_CALL: &str = "dpsync_leave()";
+
+/// What a rank that left learned of its departure ([`leave`]).
+pub struct Departure {
+    /// Every rank that left at that exchange, this one included.
+    pub left: Vec<usize>,
+    /// The others were making a gradient step together, whose buckets some started early:
+    /// this rank drains them with them (stand-ins) before it goes.
+    pub step: bool,
+}
+
+/// `dpsync_leave`: this rank's part in the others' next agreement ([`agree`]), as a rank that
+/// leaves. Its record and its line say so; the others finish their call without it.
+pub fn leave(ranks: &dyn Ranks) -> Result<Departure> {
+    ranks.begin(LEAVE_CALL);
+    let mut record = [0u64; RECORD / 8];
+    record[0] = u64::from(LEAVING).to_le();
+    ranks.allgather_fixed(&record)?;
+    // Not every rank agreed (this one leaves): every rank takes the second exchange.
+    let mine = json!({"error": null, "status": LEAVING, "lines": [LEAVE_CALL]});
+    let all = second_exchange(ranks, &mine)?;
+    let left = leavers(&all);
+    let stay: Vec<&Value> = (all.iter().enumerate())
+        .filter(|(r, _)| !left.contains(r))
+        .map(|(_, v)| v)
+        .collect();
+    let call = |v: &Value| v["lines"][0].as_str().unwrap_or("").to_owned();
+    let step = stay.first().is_some_and(|first| {
+        let first = call(first);
+        stay.iter().all(|v| call(v) == first)
+            && ["dpsync_allreduce_grads", "dpsync_reduce_scatter_grads"]
+                .iter()
+                .any(|s| first.starts_with(s))
+    });
+    Ok(Departure { left, step })
+}
+
+/// Every rank's verdict, status and lines (the second exchange of [`agree`]).
+fn second_exchange(ranks: &dyn Ranks, mine: &Value) -> Result<Vec<Value>> {
+    Ok(ranks
+        .allgather(mine.to_string().as_bytes())?
+        .iter()
+        .map(|b| serde_json::from_slice(b).unwrap_or(Value::Null))
+        .collect())
+}
+
+/// The ranks whose status in the second exchange says they leave.
+fn leavers(all: &[Value]) -> Vec<usize> {
+    (all.iter().enumerate())
+        .filter(|(_, v)| v["status"] == LEAVING)
+        .map(|(r, _)| r)
+        .collect()
 }
 
 impl From<Refused> for Error {
@@ -260,6 +325,7 @@ pub fn agree(
     let refused = |error: Error| Refused {
         error,
         same_call: false,
+        left: Vec::new(),
     };
     if let Some(call) = lines.first() {
         ranks.begin(call);
@@ -287,18 +353,31 @@ pub fn agree(
         "status": status,
         "lines": lines,
     });
-    let all: Vec<Value> = ranks
-        .allgather(mine.to_string().as_bytes())
-        .map_err(refused)?
-        .iter()
-        .map(|b| serde_json::from_slice(b).unwrap_or(Value::Null))
-        .collect();
+    let mut all = second_exchange(ranks, &mine).map_err(refused)?;
+    let left = leavers(&all);
+    // The ranks that leave stand for none of the call: in the stayers' stead their entries
+    // repeat this rank's, so that the disagreement found names stayers by their ranks.
+    for &r in &left {
+        all[r] = mine.clone();
+    }
     let same_call = all.iter().all(|v| v["lines"][0] == lines[0]);
+    let stayers_agree = (records.chunks(RECORD / 8).enumerate())
+        .all(|(r, rec)| left.contains(&r) || rec[..2] == record[..2]);
     let error = match verdict {
         Err(own) => own,
+        Ok(()) if !left.is_empty() && stayers_agree => Error::world_changed(format!(
+            "{}: {} left the world; the call is made again without {}",
+            lines.first().copied().unwrap_or("a collective"),
+            ranks_text(&left),
+            if left.len() == 1 { "it" } else { "them" }
+        )),
         Ok(()) => Error::inconsistent(disagreement(&all)),
     };
-    Err(Refused { error, same_call })
+    Err(Refused {
+        error,
+        same_call,
+        left,
+    })
 }
 
 /// What the first disagreeing rank does differently, in words.

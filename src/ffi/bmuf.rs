@@ -3,6 +3,7 @@
 
 use super::boundary::{dpsync_context, try_finite, with_collective, with_context};
 use super::status::dpsync_status;
+use crate::context::Context;
 
 /// Starts blockwise model-update filtering (BMUF; Chen & Huo, ICASSP 2016) over all PARAM
 /// tensors, or restarts it (e.g. at the end of a warm-up phase).
@@ -39,5 +40,5 @@ pub unsafe extern "C" fn dpsync_bmuf_init(
 /// tensors were registered or unregistered since (call dpsync_bmuf_init again).
 #[no_mangle]
 pub unsafe extern "C" fn dpsync_bmuf_step(context: *mut dpsync_context) -> dpsync_status {
-    with_context(context, |ctx| ctx.bmuf_step())
+    with_context(context, |ctx| ctx.world_call(Context::bmuf_step))
 }

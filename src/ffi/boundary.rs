@@ -120,16 +120,17 @@ pub(super) fn with_context(
 /// A collective on the context behind `context`: `args` translates its C arguments, `body`
 /// runs it. Arguments refused here still go through the context ([`Context::refuse`]): in a
 /// world every rank must take part in a collective's agreement, so the others fail at once
-/// with INCONSISTENT naming this rank instead of waiting for it until their timeout.
-pub(super) fn with_collective<A>(
+/// with INCONSISTENT naming this rank instead of waiting for it until their timeout. Where
+/// ranks leave at its agreement it is made again over the others ([`Context::world_call`]).
+pub(super) fn with_collective<A: Clone>(
     context: *const dpsync_context,
     call: &str,
     args: impl FnOnce() -> Result<A>,
-    body: impl FnOnce(&mut Context, A) -> Result<()>,
+    mut body: impl FnMut(&mut Context, A) -> Result<()>,
 ) -> dpsync_status {
     with_context(context, |ctx| match args() {
-        Ok(args) => body(ctx, args),
-        Err(e) => ctx.refuse(call, e),
+        Ok(args) => ctx.world_call(|ctx| body(ctx, args.clone())),
+        Err(e) => ctx.world_call(|ctx| ctx.refuse(call, e.clone())),
     })
 }
 

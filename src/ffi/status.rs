@@ -36,6 +36,11 @@ pub enum dpsync_status {
     DPSYNC_STATUS_TIMEOUT = 8,
     /// Internal defect caught at the boundary; the context refuses further work.
     DPSYNC_STATUS_PANIC = 9,
+    /// Ranks of an elastic world were lost (dpsync_options_set_elastic): the message names
+    /// them. This rank's world goes on without them, renumbered; compute the step's gradients
+    /// again and repeat the call. Below the world's min_ranks the context refuses further
+    /// collectives instead.
+    DPSYNC_STATUS_RANK_LOST = 10,
     // A new failure status also needs its line in `error_kinds!` (src/error.rs), which gives
     // it its `ErrorKind`, and its arm in `From<ErrorKind>` below.
 }
@@ -60,6 +65,7 @@ impl From<ErrorKind> for dpsync_status {
             ErrorKind::Backend => DPSYNC_STATUS_BACKEND_ERROR,
             ErrorKind::Timeout => DPSYNC_STATUS_TIMEOUT,
             ErrorKind::Panic => DPSYNC_STATUS_PANIC,
+            ErrorKind::RankLost => DPSYNC_STATUS_RANK_LOST,
         }
     }
 }
@@ -170,7 +176,7 @@ mod tests {
         }
         assert_eq!(
             ErrorKind::ALL.len(),
-            dpsync_status::DPSYNC_STATUS_PANIC as usize
+            dpsync_status::DPSYNC_STATUS_RANK_LOST as usize
         );
     }
 }

@@ -56,3 +56,61 @@ pub unsafe extern "C" fn dpsync_world_replicas(
         Ok(())
     })
 }
+
+/// Leaves this rank's world (uneven inputs: its data ran out before the others'): instead of
+/// its next collective, this rank stands for its part in the next collective the other ranks
+/// make, whatever that call is (buckets they started early with dpsync_grad_ready included).
+/// The ranks agree there that it leaves; the call completes on the others without this rank's
+/// replicas, its results over the remaining replicas only, and from then on the remaining
+/// ranks are renumbered 0..n-1 in their previous order, AVG, dpsync_loss_scale, BMUF's mean and
+/// default momentum and the shards' cut count the remaining replicas, and dpsync_world_epoch
+/// has grown by one. Several ranks may leave at the same call; when every rank leaves, the
+/// world ends and every dpsync_leave returns OK. Returns when that call is agreed (TIMEOUT
+/// within the context's timeout if the others never call). Afterwards this context refuses
+/// collectives (DPSYNC_STATUS_INVALID_STATE), still answers queries, and is destroyed as
+/// usual. Works in every world, elastic or not; DPSYNC_STATUS_INVALID_STATE on a context
+/// without a world.
+#[no_mangle]
+pub unsafe extern "C" fn dpsync_leave(context: *mut dpsync_context) -> dpsync_status {
+    with_context(context, |ctx| ctx.leave())
+}
+
+/// Makes a world elastic: with `min_ranks` >= 1 it goes on without lost ranks while at least
+/// `min_ranks` ranks remain (each survivor gets DPSYNC_STATUS_RANK_LOST from the collective the
+/// loss interrupted, naming the lost ranks); 0 turns it off (the default). Every rank must give
+/// the same value (otherwise dpsync_context_create is DPSYNC_STATUS_INCONSISTENT naming the
+/// option and the ranks); on a context with no world it changes nothing. Elastic worlds need an
+/// MPI with User-Level Failure Mitigation (Open MPI 5 started with `mpirun --with-ft ulfm`):
+/// where the MPI lacks it, dpsync_context_create of an elastic world is
+/// DPSYNC_STATUS_UNAVAILABLE, its message saying what is missing and how to get it; so is
+/// every elastic world in this version, which does not yet recover lost ranks (docs/API.md).
+/// DPSYNC_STATUS_INVALID_ARGUMENT for NULL options.
+#[no_mangle]
+pub unsafe extern "C" fn dpsync_options_set_elastic(
+    options: *mut dpsync_options,
+    min_ranks: usize,
+) -> dpsync_status {
+    entry(|| {
+        try_mut(options, "options")?.inner.elastic = min_ranks;
+        Ok(())
+    })
+}
+
+/// `epoch`: how many times this rank's world has changed since dpsync_context_create (0 at
+/// first; one more for every collective at which ranks left or were lost). `first_rank`: this
+/// rank's number at creation, which never changes (e.g. to keep its part of the data set). A
+/// context without a world has epoch 0 and first_rank 0. DPSYNC_STATUS_INVALID_ARGUMENT for
+/// NULL pointers.
+#[no_mangle]
+pub unsafe extern "C" fn dpsync_world_epoch(
+    context: *const dpsync_context,
+    epoch: *mut u64,
+    first_rank: *mut usize,
+) -> dpsync_status {
+    with_context(context, |ctx| {
+        let (e, f) = ctx.world_epoch();
+        let (epoch, first_rank) = (try_mut(epoch, "epoch")?, try_mut(first_rank, "first_rank")?);
+        (*epoch, *first_rank) = (e, f);
+        Ok(())
+    })
+}

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Check that the generated include/dpsync.h provides the C contract (shared/api/dpsync.h and its
-addenda shared/api/dpsync_world.h, dpsync_shard.h and dpsync_repro.h).
+addenda shared/api/dpsync_world.h, dpsync_shard.h, dpsync_repro.h and dpsync_elastic.h).
 
 The contract header is parsed for function prototypes, enum constants and typedefs. A C file is
 generated that includes the project's header and, for each of them,
@@ -213,9 +213,11 @@ def main():
     api = os.path.join(REPO_ROOT, "..", "shared", "api")
     ap.add_argument("contract", nargs="*",
                     default=[os.path.join(api, h) for h in ("dpsync.h", "dpsync_world.h",
-                                                             "dpsync_shard.h", "dpsync_repro.h")],
+                                                             "dpsync_shard.h", "dpsync_repro.h",
+                                                             "dpsync_elastic.h")],
                     help="contract headers (default: ../shared/api/dpsync.h, dpsync_world.h, "
-                         "dpsync_shard.h and dpsync_repro.h next to the repository)")
+                         "dpsync_shard.h, dpsync_repro.h and dpsync_elastic.h next to the "
+                         "repository)")
     ap.add_argument("--header", default=os.path.join(REPO_ROOT, "include", "dpsync.h"),
                     help="the generated header (default: include/dpsync.h)")
     ap.add_argument("--cc", default=os.environ.get("CC", "cc"), help="C compiler (default: $CC or cc)")

@@ -447,6 +447,7 @@ fn bmuf_kernel_gives_the_host_bytes() {
                 block_lr: 0.9,
                 block_momentum: 0.7,
                 nesterov,
+                default_momentum: false,
             };
             // params, W, D per segment, for the host and the kernel.
             let make = || -> Vec<[Vec<u64>; 3]> {

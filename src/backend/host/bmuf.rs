@@ -281,6 +281,7 @@ mod tests {
                 block_lr: 1.0,
                 block_momentum: 0.5,
                 nesterov,
+                default_momentum: false,
             };
             unsafe { backend.bmuf_update(1, DType::F32, &spans, &filter).unwrap() };
             for i in 0..n {
@@ -318,6 +319,7 @@ mod tests {
             block_lr: 0.25,
             block_momentum: 0.0,
             nesterov: false,
+            default_momentum: false,
         };
         unsafe {
             backend
@@ -346,6 +348,7 @@ mod tests {
                 block_lr: 0.9,
                 block_momentum: 0.7,
                 nesterov: true,
+                default_momentum: false,
             };
             unsafe { backend.bmuf_update(0, DType::F32, &spans, &filter).unwrap() };
             (params, w, d)

@@ -137,6 +137,28 @@ fn ensure_initialized() -> Result<()> {
     Ok(())
 }
 
+/// The first of ULFM's calls dpsync needs that this process's MPI lacks (looked up at run
+/// time: Open MPI 5 has them, Open MPI 4 and most MPICH builds do not), or `None`.
+pub(crate) fn ulfm_missing() -> Option<&'static str> {
+    ["MPIX_Comm_revoke", "MPIX_Comm_shrink", "MPIX_Comm_agree"]
+        .into_iter()
+        .find(|name| {
+            let symbol = std::ffi::CString::new(*name).expect("no NUL");
+            // SAFETY: a NUL-terminated name looked up in the loaded objects.
+            unsafe { libc::dlsym(libc::RTLD_DEFAULT, symbol.as_ptr()) }.is_null()
+        })
+}
+
+/// The MPI library's name and version, on one line.
+pub(crate) fn library_name() -> String {
+    library_version()
+        .lines()
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_owned()
+}
+
 fn library_version() -> String {
     // MPI_MAX_LIBRARY_VERSION_STRING is 256 in Open MPI and 8192 in MPICH.
     let mut buf = vec![0u8; 8192];
@@ -188,6 +210,56 @@ impl MpiRanks {
             }
         };
         let timeout = (timeout_ms > 0).then(|| Duration::from_millis(timeout_ms));
+        // SAFETY: `parent` is a valid communicator of this MPI.
+        unsafe { Self::join_comm(parent, timeout) }
+    }
+
+    /// The engine of the ranks that remain when `left` (ranks of this engine) leave: a
+    /// communicator of the others made from this one's group (only they take part), joined as
+    /// at creation.
+    pub(crate) fn remaining(&self, left: &[usize]) -> Result<MpiRanks> {
+        let excluded: Vec<std::ffi::c_int> = left.iter().map(|&r| r as std::ffi::c_int).collect();
+        // SAFETY: this engine's valid communicator; the groups and the new communicator are
+        // freed here once joined (the engine keeps its own duplicates).
+        unsafe {
+            let mut group = MaybeUninit::<ffi::MPI_Group>::uninit();
+            check(
+                "MPI_Comm_group",
+                ffi::MPI_Comm_group(self.comm.0, group.as_mut_ptr()),
+            )?;
+            let mut group = group.assume_init();
+            let mut rest = MaybeUninit::<ffi::MPI_Group>::uninit();
+            let made = check(
+                "MPI_Group_excl",
+                ffi::MPI_Group_excl(
+                    group,
+                    excluded.len() as _,
+                    excluded.as_ptr(),
+                    rest.as_mut_ptr(),
+                ),
+            );
+            ffi::MPI_Group_free(&mut group);
+            made?;
+            let mut rest = rest.assume_init();
+            let mut comm = MaybeUninit::<ffi::MPI_Comm>::uninit();
+            let made = check(
+                "MPI_Comm_create_group",
+                ffi::MPI_Comm_create_group(self.comm.0, rest, 0x6470, comm.as_mut_ptr()),
+            );
+            ffi::MPI_Group_free(&mut rest);
+            made?;
+            let mut comm = comm.assume_init();
+            let joined = Self::join_comm(comm, self.timeout);
+            ffi::MPI_Comm_free(&mut comm);
+            joined
+        }
+    }
+
+    /// Joins the ranks of `parent` (collective over them).
+    ///
+    /// # Safety
+    /// `parent` is a valid communicator of this MPI.
+    unsafe fn join_comm(parent: ffi::MPI_Comm, timeout: Option<Duration>) -> Result<MpiRanks> {
         // SAFETY: `parent` is a valid communicator of this MPI; so is the first duplicate.
         let comm = unsafe { duplicate(parent, timeout)? };
         let steps = unsafe { duplicate(comm, timeout)? };

@@ -42,7 +42,7 @@ mod shm;
 mod staging;
 mod steps;
 
-pub(crate) use init::world_of;
+pub(crate) use init::{library_name, ulfm_missing, world_of};
 
 /// The duplicated communicator, freed when the context goes.
 struct Comm(ffi::MPI_Comm);

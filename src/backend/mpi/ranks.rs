@@ -521,6 +521,11 @@ impl Ranks for MpiRanks {
         Ok(held)
     }
 
+    fn without(&self, left: &[usize]) -> Result<Box<dyn Ranks>> {
+        self.refuse_if_failed()?;
+        Ok(Box::new(self.remaining(left)?))
+    }
+
     fn allgather(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
         self.refuse_if_failed()?;
         // The lengths first (a fixed-size exchange), then the bytes at their offsets.

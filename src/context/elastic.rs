@@ -1,0 +1,193 @@
+//! A world whose membership shrinks: ranks that leave (`dpsync_leave`, uneven inputs) and what
+//! the others do when they learn of it at a collective's agreement: the world made again over
+//! the remaining ranks (renumbered, recounted), then the call made again over it.
+
+use serde_json::{json, Value};
+
+use super::{create, Context};
+use crate::error::{Error, ErrorKind, Result};
+use crate::exec::world::{self, ranks_text};
+use crate::log;
+use crate::plan::WorldPlace;
+
+/// Who this rank's world is made of now, against its creation.
+#[derive(Default)]
+pub(super) struct Membership {
+    /// How many times the world changed since creation (`dpsync_world_epoch`).
+    pub epoch: u64,
+    /// This rank's number at creation.
+    pub first_rank: usize,
+    /// The creation rank of every present rank, in present rank order.
+    pub creation: Vec<usize>,
+    /// Ranks that left (`dpsync_leave`), by their rank at creation, ascending.
+    pub left: Vec<usize>,
+    /// Why this context refuses collectives: it left its world, or the world could not be
+    /// made again after others left.
+    pub departed: Option<String>,
+    /// Ranks (present numbers) that left at the last agreement, not yet taken out (set where
+    /// the context is borrowed shared).
+    pub pending: parking_lot::Mutex<Vec<usize>>,
+}
+
+impl Membership {
+    pub fn new(rank: usize, ranks: usize) -> Membership {
+        Membership {
+            first_rank: rank,
+            creation: (0..ranks).collect(),
+            ..Membership::default()
+        }
+    }
+}
+
+impl Context {
+    /// A collective call (`body`), made again when ranks left at its agreement and every
+    /// remaining rank had passed it: then the world is first made over the remaining ranks.
+    pub fn world_call(&mut self, mut body: impl FnMut(&mut Context) -> Result<()>) -> Result<()> {
+        loop {
+            let outcome = body(self);
+            let left = std::mem::take(&mut *self.membership.pending.lock());
+            if !left.is_empty() {
+                if let Err(e) = self.without(&left) {
+                    self.membership.departed = Some(format!(
+                        "the world could not be made again after {} left: {}",
+                        ranks_text(&left),
+                        e.message
+                    ));
+                    return Err(e);
+                }
+            }
+            match outcome {
+                Err(e) if e.is_world_changed() => continue,
+                outcome => return outcome,
+            }
+        }
+    }
+
+    /// Refuses a collective on a context that left its world.
+    pub(super) fn check_member(&self, call: &str) -> Result<()> {
+        match &self.membership.departed {
+            None => Ok(()),
+            Some(why) => Err(Error::new(
+                ErrorKind::InvalidState,
+                format!("{call}: {why}: this context refuses collectives (queries still work)"),
+            )),
+        }
+    }
+
+    /// `dpsync_leave`: this rank's part in the others' next collective, as a rank that leaves;
+    /// returns once they agreed on it. The context then refuses collectives.
+    pub fn leave(&mut self) -> Result<()> {
+        self.check_member("dpsync_leave")?;
+        let Some(ranks) = self.executor.ranks() else {
+            return Err(Error::new(
+                ErrorKind::InvalidState,
+                "dpsync_leave: this context has no world (dpsync_options_set_world_mpi): there \
+                 is no other rank to leave",
+            ));
+        };
+        let departure = world::leave(ranks)?;
+        if departure.step {
+            // The others' gradient step drains the buckets some of them started early; this
+            // rank's stand-ins complete them.
+            let (_, plan) = self.prepare();
+            if let Err(e) = self.drain_world_buckets(&plan) {
+                log::warn(|| format!("dpsync_leave: draining the early buckets: {}", e.message));
+            }
+        }
+        self.overlap.forget();
+        self.executor.leave_collective();
+        let left: Vec<usize> = departure.left.iter().map(|&r| self.creation(r)).collect();
+        let me = self.membership.first_rank;
+        self.note_change("left", &left);
+        self.membership.departed = Some(format!("rank {me} (at creation) left its world"));
+        Ok(())
+    }
+
+    /// `dpsync_world_epoch`: how often the world changed, and this rank's number at creation.
+    pub fn world_epoch(&self) -> (u64, usize) {
+        (self.membership.epoch, self.membership.first_rank)
+    }
+
+    /// What `dpsync_describe`'s "world" object adds: "elastic", "epoch", "lost", "left".
+    pub(super) fn describe_membership(&self, world: &mut Value) {
+        world["elastic"] = self.options.elastic.into();
+        world["epoch"] = self.membership.epoch.into();
+        world["first_rank"] = self.membership.first_rank.into();
+        world["lost"] = json!([]);
+        world["left"] = self.membership.left.clone().into();
+        if let Some(why) = &self.membership.departed {
+            world["departed"] = why.clone().into();
+        }
+    }
+
+    /// The creation rank of present rank `r`.
+    fn creation(&self, r: usize) -> usize {
+        self.membership.creation.get(r).copied().unwrap_or(r)
+    }
+
+    /// The epoch grows, the change is logged and traced.
+    fn note_change(&mut self, what: &str, ranks: &[usize]) {
+        let m = &mut self.membership;
+        m.epoch += 1;
+        if what == "left" {
+            m.left.extend_from_slice(ranks);
+            m.left.sort_unstable();
+        }
+        let (epoch, me) = (m.epoch, m.first_rank);
+        log::info(|| {
+            format!(
+                "rank {me} (at creation): world epoch {epoch}: {} (at creation) {what}; {} \
+                 ranks remain",
+                ranks_text(ranks),
+                self.topology.world_size
+            )
+        });
+        if let Some(t) = &self.trace {
+            t.instant("world_changed", json!({"epoch": epoch, what: ranks}));
+        }
+    }
+
+    /// The remaining ranks make their world again without `left` (present numbers): a new
+    /// engine over them, their replicas settled anew (and the NCCL clique rebuilt where there
+    /// was one), the topology renumbered and recounted; what was planned or started for the
+    /// old world is forgotten.
+    fn without(&mut self, left: &[usize]) -> Result<()> {
+        let ranks = (self.executor.ranks()).expect("ranks leave only a world");
+        let engine = ranks.without(left)?;
+        let local = create::world_part(
+            &self.topology,
+            self.executor.backend(),
+            engine.rank() == 0,
+            self.options.transport,
+        );
+        let settled = world::settle(&*engine, &self.options, local)?;
+        self.executor.leave_collective();
+        let mut nccl = None;
+        if let (Some(joint), Some(c)) = (&settled.collective, self.executor.world_collective()) {
+            if world::join_collective(&*engine, c, joint, self.options.transport)? {
+                nccl = Some(joint.0.clone());
+            }
+        }
+        let creation: Vec<usize> = (0..self.membership.creation.len())
+            .filter(|r| !left.contains(r))
+            .map(|r| self.creation(r))
+            .collect();
+        let gone: Vec<usize> = left.iter().map(|&r| self.creation(r)).collect();
+        self.topology = self.topology.clone().in_world(WorldPlace {
+            rank: engine.rank(),
+            size: engine.ranks(),
+            replicas_per_rank: settled.per_rank,
+            nccl,
+        });
+        self.executor.rejoin(&self.topology, engine);
+        self.membership.creation = creation;
+        self.prepared = None;
+        self.overlap.forget();
+        let replicas = self.topology.world_replicas();
+        if let Some(state) = self.bmuf.as_mut() {
+            state.recount(replicas);
+        }
+        self.note_change("left", &gone);
+        Ok(())
+    }
+}
