@@ -58,11 +58,14 @@ step "randomized cross-rank test: tests/world_random.rs (mpirun -n 2 and -n 3, d
 cargo test --release --features mpi --target-dir target/mpi --test world_random
 step "the same without shared memory between the ranks (DPSYNC_MPI_SHM=0: every piece over MPI messages, the ring's halves for reduce-scatter and allgather)"
 DPSYNC_MPI_SHM=0 cargo test --release --features mpi --target-dir target/mpi --test world_random
-step "CUDA replicas across ranks on the fake CUDA driver and NCCL (two fake GPUs per rank; tests/world_cuda.rs: NCCL across the ranks and the staged path; tests/world_random_cuda.rs: the randomized cross-rank test on CUDA replicas, 10 seeds x 150 calls per layout and transport): synchronous, then asynchronous streams"
+step "CUDA replicas across ranks on the fake CUDA driver and NCCL (two fake GPUs per rank; tests/world_cuda.rs: NCCL across the ranks and the staged path; tests/world_random_cuda.rs: the randomized cross-rank test on CUDA replicas, 10 seeds x 150 calls per layout and transport; tests/world_leave.rs: a rank leaves, the others' clique is made again): synchronous, then asynchronous streams"
 for async in "" 1; do
   DPSYNC_FAKE_CUDA=1 DPSYNC_REQUIRE_GPU=1 FAKE_CUDA_DEVICES=2 FAKE_CUDA_ASYNC=$async \
     LD_LIBRARY_PATH="$PWD/target/fakecuda:${LD_LIBRARY_PATH:-}" \
     cargo test --release --features mpi --target-dir target/mpi --test world_cuda --test world_random_cuda --test repro
+  DPSYNC_FAKE_CUDA=1 DPSYNC_REQUIRE_GPU=1 FAKE_CUDA_DEVICES=2 FAKE_CUDA_ASYNC=$async \
+    LD_LIBRARY_PATH="$PWD/target/fakecuda:${LD_LIBRARY_PATH:-}" \
+    cargo test --release --features mpi --target-dir target/mpi --test world_leave cuda_ranks_leave
 done
 step "world benchmark smoke run (figures: cargo bench --features mpi --bench world_allreduce)"
 cargo bench --features mpi --target-dir target/mpi --bench world_allreduce -- --quick

@@ -7,6 +7,8 @@
 //!   with a broadcast; the leaver refuses collectives and still answers queries;
 //! - rank 0 leaves while the others' buckets were started early by `dpsync_grad_ready`;
 //! - several ranks leave at once; every rank leaves;
+//! - CUDA replicas (on the fake driver and NCCL, or a GPU): the last rank leaves; the others'
+//!   NCCL clique is made again over them (or they stage through MPI, with PEER_COPY);
 //! - elastic worlds: options that differ between ranks are INCONSISTENT naming "elastic",
 //!   more min_ranks than ranks INVALID_ARGUMENT, and on an MPI without ULFM UNAVAILABLE.
 #![cfg(feature = "mpi")]
@@ -14,8 +16,13 @@
 
 mod common {
     pub mod abi;
+    pub mod buf;
     pub mod context;
+    pub mod cuda_context;
+    pub mod float16;
+    pub mod lcg;
     pub mod mpi;
+    pub mod place;
     pub mod skip;
 }
 
@@ -23,7 +30,8 @@ use std::path::Path;
 use std::ptr;
 
 use common::mpi::{as_rank, launch, under_mpirun};
-use common::{abi::*, context::*};
+use common::place::{synchronize, Place};
+use common::{abi::*, context::*, cuda_context::*};
 
 use dpsync::*;
 
@@ -369,5 +377,117 @@ fn elastic_creation(rank: usize, ranks: usize, local: usize) {
     assert!(
         msg.contains("User-Level Failure Mitigation"),
         "rank {rank}: {msg}"
+    );
+}
+
+#[test]
+fn cuda_ranks_leave() {
+    if under_mpirun() {
+        return; // a rank runs cuda_leave_body only
+    }
+    // Each launch compiles the kernels on every rank: two layouts keep it short.
+    for (n, transport) in [(3, "nccl"), (2, "peer_copy")] {
+        let env = Some(("DPSYNC_TEST_TRANSPORT", Path::new(transport)));
+        launch("cuda_leave_body", n, 300, env);
+    }
+}
+
+/// Rank r's CUDA replicas: r + 1 of them over the fake driver's two GPUs (all on GPU 0 where
+/// there is one).
+fn cuda_layout(rank: usize) -> Vec<i32> {
+    let gpus = common::place::device_count().clamp(1, 2) as i32;
+    (0..=rank as i32).map(|k| k % gpus).collect()
+}
+
+#[test]
+fn cuda_leave_body() {
+    let Some((rank, ranks)) = as_rank("cuda_leave_body") else {
+        return;
+    };
+    let Some(place) = Place::gpus("cuda_leave_body", 1) else {
+        return;
+    };
+    let nccl = std::env::var("DPSYNC_TEST_TRANSPORT").as_deref() == Ok("nccl");
+    let shared_gpu = ranks > 1 && common::place::device_count() == 1;
+    if nccl && shared_gpu && std::env::var_os("NCCL_MULTI_RANK_GPU_ENABLE").is_none() {
+        eprintln!(
+            "cuda_leave_body: skipped: NCCL across ranks sharing one GPU needs \
+             NCCL_MULTI_RANK_GPU_ENABLE=1"
+        );
+        return;
+    }
+    let ordinals = cuda_layout(rank);
+    let local = ordinals.len();
+    let offset: usize = (0..rank).map(|r| cuda_layout(r).len()).sum();
+    let Some(ctx) = cuda_context("cuda_leave_body", &ordinals, |o| {
+        o.set_timeout_ms(120_000);
+        o.set_transport(if nccl { T_NCCL } else { T_PEER_COPY });
+        // SAFETY: valid options; NULL is MPI_COMM_WORLD.
+        check(
+            unsafe { dpsync_options_set_world_mpi(o.0, ptr::null()) },
+            "set_world_mpi",
+        );
+    }) else {
+        return;
+    };
+    let tag = |what: &str| format!("rank {rank}/{ranks}: {what}");
+    let n = 300;
+    let init = |w: usize| -> Vec<u8> {
+        (0..n)
+            .flat_map(|i| (((w + 1) * (i + 1)) as f32).to_ne_bytes())
+            .collect()
+    };
+    let mut g: Vec<_> = (0..local)
+        .map(|k| place.mem_on(ordinals[k], &init(offset + k)))
+        .collect();
+    for k in 0..local {
+        let st = register_raw(ctx.0, "g", GRAD, k, g[k].ptr() as *mut _, n, F32);
+        check(st, &tag("register"));
+    }
+    let last = ranks - 1;
+    if rank == last {
+        assert_eq!(leave(&ctx), OK, "{}: {}", tag("leave"), last_error());
+        assert_eq!(
+            ctx.allreduce_grads(SUM),
+            INVALID_STATE,
+            "{}",
+            tag("after leaving")
+        );
+        return;
+    }
+    let staying: usize = (0..last).map(|r| cuda_layout(r).len()).sum();
+    for round in 0..2 {
+        assert_eq!(
+            ctx.allreduce_grads(SUM),
+            OK,
+            "{}: {}",
+            tag("step"),
+            last_error()
+        );
+        assert_eq!(
+            synchronize(&ctx),
+            OK,
+            "{}: {}",
+            tag("synchronize"),
+            last_error()
+        );
+        let sum = |i: usize| ((i + 1) * staying * (staying + 1) / 2) as f32;
+        for k in 0..local {
+            let bytes = g[k].read();
+            for i in 0..n {
+                let x = f32::from_ne_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap());
+                assert_eq!(x, sum(i), "{}", tag(&format!("round {round}: g[{k}][{i}]")));
+            }
+            g[k].write(&init(offset + k));
+        }
+    }
+    let d = ctx.describe_json();
+    assert_eq!(d["world"]["ranks"], last, "{}", tag("ranks"));
+    let cross = if nccl { "nccl" } else { "mpi_staged" };
+    assert_eq!(
+        d["world"]["cross_rank"],
+        cross,
+        "{}: {d}",
+        tag("across the ranks")
     );
 }
