@@ -47,7 +47,7 @@ fn role_and_dtype_swapped_are_named() {
 #[test]
 fn overlap_from_a_wrong_dtype_names_the_dtype() {
     let ctx = Context::host(2, None);
-    let mut both = vec![0f32; 8];
+    let mut both = [0f32; 8];
     let (a, b) = both.split_at_mut(4);
     ctx.reg("w", GRAD, 0, a, F64);
     ctx.reg("w", GRAD, 1, b, F64);
