@@ -1,6 +1,11 @@
 """Build step of the dpsync wheel: `cargo build --release` of the repository's crate, and
 libdpsync.so copied into the package (metadata: pyproject.toml; why: docs/ARCHITECTURE.md,
-"Python package")."""
+"Python package").
+
+Everything is built outside the source tree, so that `pip install ./python` leaves the checkout
+as it was: cargo's output goes to $CARGO_TARGET_DIR when set, else to a cache directory
+($XDG_CACHE_HOME/dpsync/target, by default ~/.cache/dpsync/target, kept so that a reinstall
+compiles nothing), and setuptools' build and egg-info directories go under it too."""
 
 import json
 import os
@@ -20,6 +25,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MANIFEST = os.path.join(os.path.dirname(HERE), "Cargo.toml")
 
 
+def target_dir():
+    """Cargo's target directory: the caller's CARGO_TARGET_DIR, else a per-user cache."""
+    given = os.environ.get("CARGO_TARGET_DIR")
+    if given:
+        return os.path.abspath(given)
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "dpsync", "target")
+
+
+TARGET = target_dir()
+# setuptools' own scratch (build/, dpsync.egg-info) beside cargo's, not in python/.
+BUILD = os.path.join(TARGET, "python-build")
+
+
 def build_library():
     """Runs cargo and returns the path of the cdylib it built (cargo's own report, so that
     CARGO_TARGET_DIR and other cargo settings are respected)."""
@@ -29,8 +48,10 @@ def build_library():
     if shutil.which(cargo) is None:
         sys.exit("dpsync: cargo not found: install a Rust toolchain (https://rustup.rs) to build libdpsync.so")
     cmd = [cargo, "build", "--release", "--lib", "--manifest-path", MANIFEST, "--message-format=json-render-diagnostics"]
-    print("dpsync: " + " ".join(cmd), flush=True)
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, universal_newlines=True)
+    # pip shows this (and cargo's progress) only with -v; a first build takes minutes.
+    print("dpsync: CARGO_TARGET_DIR=%s %s" % (TARGET, " ".join(cmd)), flush=True)
+    env = dict(os.environ, CARGO_TARGET_DIR=TARGET)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, universal_newlines=True, env=env)
     if proc.returncode != 0:
         sys.exit("dpsync: cargo build failed (exit %d)" % proc.returncode)
     for line in proc.stdout.splitlines():
@@ -67,4 +88,8 @@ class BdistWheel(bdist_wheel):
         return "py3", "none", platform
 
 
-setup(cmdclass={"build_py": BuildPy, "bdist_wheel": BdistWheel})
+os.makedirs(BUILD, exist_ok=True)
+setup(
+    cmdclass={"build_py": BuildPy, "bdist_wheel": BdistWheel},
+    options={"build": {"build_base": BUILD}, "egg_info": {"egg_base": BUILD}},
+)

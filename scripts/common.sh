@@ -76,7 +76,7 @@ PY
     rm -rf "$dir/wheels"
   fi
   if [ -f "$lib" ]; then
-    # Only the variable, as the README tells users: dpsync finds NVRTC's builtins beside it.
+    # Only the variable, as docs/API.md tells users: dpsync finds NVRTC's builtins beside it.
     export DPSYNC_NVRTC_LIBRARY="$PWD/$lib"
   fi
   if [ -x "$ptxas" ]; then export DPSYNC_PTXAS="$PWD/$ptxas"; fi

@@ -14,7 +14,7 @@
 #
 # Without arguments both halves run on this machine (a GPU machine with Rust).
 # NCCL and NVRTC from pip wheels are found under /opt and /usr and pointed at with
-# DPSYNC_NCCL_LIBRARY / DPSYNC_NVRTC_LIBRARY / LD_LIBRARY_PATH, as the README tells users.
+# DPSYNC_NCCL_LIBRARY / DPSYNC_NVRTC_LIBRARY / LD_LIBRARY_PATH, as docs/API.md tells users.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUNDLE=gpu-bundle

@@ -35,7 +35,8 @@ venv() {
 run_suite() {
   local py=$1/bin/python
   step "$($py --version): pip install ./python (cargo build --release inside)"
-  $py -m pip install -q --force-reinstall --no-deps ./python
+  # The library scripts/test.sh built already (the default would compile again in ~/.cache).
+  CARGO_TARGET_DIR="$PWD/target" $py -m pip install -q --force-reinstall --no-deps ./python
   $py -m dpsync | sed -n '1,2p'  # sed reads everything: no broken pipe
   step "$($py --version): pytest python/tests"
   $py -m pytest -q python/tests

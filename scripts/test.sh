@@ -18,6 +18,9 @@ cargo test --release
 step "Python ctypes smoke test"
 python3 tests/python/smoke_test.py target/release/libdpsync.so
 
+step "README.md's quickstart compiled and run exactly as printed (scripts/quickstart-check.sh)"
+bash scripts/quickstart-check.sh
+
 step "Python package: pip install ./python into two venvs, pytest, examples (scripts/python-test.sh)"
 bash scripts/python-test.sh
 

@@ -375,6 +375,17 @@ impl Context {
             .and_then(|()| split.as_ref().map(drop).map_err(Clone::clone))
             .and_then(|()| self.check_shape(shape))
             .and_then(|()| self.sparse_step());
+        if verdict.is_ok()
+            && self.sparse.is_empty()
+            && !tensors.iter().any(|t| t.role == Role::Grad)
+        {
+            log::warn(|| {
+                format!(
+                    "{call}: no GRAD tensor is registered, so there is nothing to reduce \
+                 (gradients are registered with DPSYNC_ROLE_GRAD)"
+                )
+            });
+        }
         let mut lines: Vec<&TensorView> = Vec::new();
         if self.in_world() {
             lines.extend(snapshot.tensors.iter().filter(|t| t.role == Role::Grad));

@@ -53,8 +53,14 @@ pub struct Registry {
 /// The one range check of a replica index (`argument` names it in the message).
 pub(crate) fn check_replica(replica: usize, replicas: usize, argument: &str) -> Result<()> {
     if replica >= replicas {
+        // -1 passed as size_t arrives near SIZE_MAX.
+        let negative = if replica > usize::MAX / 2 {
+            " (a negative index passed as size_t?)"
+        } else {
+            ""
+        };
         return Err(Error::invalid(format!(
-            "{argument} {replica} is out of range: the context has {replicas} replicas"
+            "{argument} {replica} is out of range{negative}: the context has {replicas} replicas"
         )));
     }
     Ok(())
@@ -299,8 +305,23 @@ fn check_entry(entry: &Entry) -> Result<TensorView> {
         let ((lo, a), (hi, b)) = (pair[0], pair[1]);
         if hi < lo.saturating_add(bytes) {
             let (a, b) = (a.min(b), a.max(b));
+            // Distinct addresses closer than the tensor's size usually mean a dtype wider than
+            // the caller's elements (F64 over a float buffer): name it.
+            let dtype = reference.dtype;
+            let why = if hi > lo {
+                format!(
+                    ": {} elements of {dtype} take {bytes} bytes, but the two replicas' \
+                     addresses are {} bytes apart (is {dtype}, {} bytes per element, the \
+                     buffers' dtype?)",
+                    reference.count,
+                    hi - lo,
+                    dtype.size()
+                )
+            } else {
+                String::from(": both registered the same address")
+            };
             return Err(Error::inconsistent(format!(
-                "tensor '{name}': the memory of replica {b} overlaps the memory of replica {a}"
+                "tensor '{name}': the memory of replica {b} overlaps the memory of replica {a}{why}"
             )));
         }
     }

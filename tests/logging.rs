@@ -30,6 +30,7 @@ fn taken() -> Vec<(u32, String, usize)> {
 
 const INFO: u32 = dpsync_log_level::DPSYNC_LOG_INFO as u32;
 const DEBUG: u32 = dpsync_log_level::DPSYNC_LOG_DEBUG as u32;
+const WARN: u32 = dpsync_log_level::DPSYNC_LOG_WARN as u32;
 
 /// One test: the callback is process-wide.
 #[test]
@@ -77,6 +78,23 @@ fn a_callback_gets_the_lines_at_its_level() {
         lines
             .iter()
             .any(|(_, t, _)| t.contains("plan rebuilt") && t.contains("1 gradient buckets")),
+        "{lines:?}"
+    );
+    assert!(
+        !lines.iter().any(|(_, t, _)| t.contains("no GRAD tensor")),
+        "{lines:?}"
+    );
+    // A gradient step with nothing registered as GRAD succeeds, with a warning.
+    let params_only = Context::host(2, None);
+    let mut p = [vec![0f32; 4], vec![0f32; 4]];
+    for (r, p) in p.iter_mut().enumerate() {
+        params_only.reg("w", PARAM, r, p, F32);
+    }
+    check(params_only.allreduce_grads(SUM), "allreduce_grads, no GRAD");
+    let lines = taken();
+    assert!(
+        lines.iter().any(|(l, t, _)| *l == WARN
+            && t.starts_with("dpsync_allreduce_grads: no GRAD tensor is registered")),
         "{lines:?}"
     );
     // NULL: back to the default (no DPSYNC_LOG in this test's environment: silence).

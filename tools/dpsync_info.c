@@ -11,7 +11,7 @@
  *               [--peer-access 1,0,0/0,1,1/0,1,1] [--fusion-bytes N] [--check] [--json]
  *
  * Uses only dpsync's public API; the run-time libraries are opened here by the names dpsync uses
- * (README, "CUDA replicas and the run-time libraries"). Exit codes: 0, 1 (--check failed),
+ * (docs/API.md, "CUDA libraries"). Exit codes: 0, 1 (--check failed),
  * 2 (bad arguments, usage on stderr).
  */
 #define _GNU_SOURCE
@@ -997,7 +997,7 @@ int main(int argc, char **argv) {
     printf("  header       %s%s\n", header_version,
            strcmp(header_version, dpsync_version()) == 0 ? "" : " (differs from the library)");
     printf("  MPI worlds   %s\n", mpi_built_in ? "built in" : "not built in");
-    printf("\nrun-time libraries (found as dpsync finds them; README)\n");
+    printf("\nrun-time libraries (found as dpsync finds them; docs/API.md, \"CUDA libraries\")\n");
     print_probe("CUDA driver", &driver);
     print_probe("NVRTC", &nvrtc);
     print_probe("NCCL", &nccl);

@@ -15,7 +15,7 @@ registration keeps the registered tensors alive (the library never sees freed me
 them back: before every ``ctx.allreduce_grads`` (and, with ``overlap=True``, as each gradient is
 accumulated) a gradient that is None is replaced by the registered tensor zeroed, and a new
 gradient tensor is copied into the registered one, which becomes ``p.grad`` again.
-``zero_grad(set_to_none=False)`` avoids that copy. See docs/API.md, "Python".
+``zero_grad(set_to_none=False)`` avoids that copy. See python/README.md, "dpsync.torch".
 
 Sharded optimizer state (ZeRO stage 1): ``ShardedOptimizer`` gives each replica's optimizer
 only the pieces of the parameters that the replica owns (``ctx.shard``), so that its state

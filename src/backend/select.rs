@@ -24,7 +24,7 @@ pub(crate) unsafe fn world_of(mpi_comm: *const std::ffi::c_void) -> Result<World
             crate::error::ErrorKind::Unavailable,
             "dpsync_options_set_world_mpi: this build of dpsync has no MPI support, so a context \
              cannot span several processes (build the library with `cargo build --release \
-             --features mpi`: see the README, \"Worlds\")",
+             --features mpi --target-dir target/mpi`: docs/API.md, \"Worlds\")",
         ))
     }
 }

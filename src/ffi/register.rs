@@ -8,6 +8,7 @@ use crate::error::Error;
 use crate::types::{DType, Role};
 
 const DTYPES: &str = "DPSYNC_DTYPE_F32/F64/F16/BF16/I32/I64 (0..5)";
+const ROLES: &str = "DPSYNC_ROLE_PARAM/GRAD/COMPUTED/STATE (1, 2, 4, 8; one role, not a mask)";
 
 /// Register `count` elements at `data` as tensor `name` of `role` (exactly one DPSYNC_ROLE_*
 /// value) on `replica`.
@@ -31,12 +32,17 @@ pub unsafe extern "C" fn dpsync_register(
 ) -> dpsync_status {
     with_context(context, |ctx| {
         let name = try_name(name, "name")?;
-        let role = try_enum(
-            role,
-            Role::from_code,
-            "role",
-            "exactly one of DPSYNC_ROLE_PARAM/GRAD/COMPUTED/STATE (1, 2, 4, 8)",
-        )?;
+        // A role that is a dtype's code beside a dtype that is a role's: the two swapped.
+        let swapped = |mut e: Error| {
+            if DType::from_code(role).is_some() && Role::from_code(dtype).is_some() {
+                e.message.push_str(
+                    "; role and dtype look swapped: the arguments are (context, name, role, \
+                     replica, data, count, dtype)",
+                );
+            }
+            e
+        };
+        let role = try_enum(role, Role::from_code, "role", ROLES).map_err(swapped)?;
         if data.is_null() {
             return Err(Error::invalid(format!(
                 "data is NULL (tensor '{name}', replica {replica})"
@@ -47,7 +53,7 @@ pub unsafe extern "C" fn dpsync_register(
                 "count is 0 (tensor '{name}', replica {replica})"
             )));
         }
-        let dtype = try_enum(dtype, DType::from_code, "dtype", DTYPES)?;
+        let dtype = try_enum(dtype, DType::from_code, "dtype", DTYPES).map_err(swapped)?;
         ctx.register(name, role, replica, data as usize, count, dtype)
     })
 }

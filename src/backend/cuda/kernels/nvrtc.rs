@@ -47,7 +47,7 @@ pub(crate) fn compile(major: i32, minor: i32, image: Image) -> Result<Vec<u8>> {
             ErrorKind::Unavailable,
             "NVRTC (libnvrtc.so.13) was not found: dpsync compiles its CUDA kernels with it \
              at run time; put its directory on LD_LIBRARY_PATH or name the file in \
-             DPSYNC_NVRTC_LIBRARY (see README)",
+             DPSYNC_NVRTC_LIBRARY (docs/API.md, \"CUDA libraries\")",
         ));
     }
     let arch = match image {

@@ -70,7 +70,7 @@ fn load_api() -> Result<Api, String> {
     }
     Err(format!(
         "NCCL was not found (tried {}; last error: {last}); set DPSYNC_NCCL_LIBRARY to the \
-         path of libnccl.so.2 (see README)",
+         path of libnccl.so.2 (docs/API.md, \"CUDA libraries\")",
         names.join(", ")
     ))
 }
