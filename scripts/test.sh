@@ -77,8 +77,8 @@ step "examples_c/world_train on the MPI-enabled library: one rank, mpirun -n 2 (
 cargo build --release --features mpi --target-dir target/mpi
 cmake -S examples_c -B build/world -DCMAKE_BUILD_TYPE=Release -DDPSYNC_WORLD_TESTS=ON \
   -DDPSYNC_LIB_DIR="$PWD/target/mpi/release" >/dev/null
-cmake --build build/world -j "$(nproc)" --target train_dense world_train
-(cd build/world && ctest --output-on-failure -R "^(train_dense_4|world_train_.*)$")
+cmake --build build/world -j "$(nproc)" --target train_dense world_train uneven_inputs
+(cd build/world && ctest --output-on-failure -R "^(train_dense_4|world_train_.*|uneven_inputs_.*)$")
 
 step "two simulated hosts: MPI across two network namespaces joined by a veth pair (scripts/two-hosts.sh)"
 bash scripts/two-hosts.sh --self-test

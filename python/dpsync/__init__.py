@@ -9,7 +9,7 @@ The library is the one bundled in the package, or the file named by the DPSYNC_L
 environment variable (e.g. the MPI build, target/mpi/release/libdpsync.so).
 """
 
-from ._context import Context, HookHandle, library, library_path, plan_describe, version
+from ._context import Context, HookHandle, library, library_path, version
 from ._errors import (
     BackendError,
     Conflict,
@@ -19,14 +19,16 @@ from ._errors import (
     InvalidState,
     NotFound,
     Panic,
+    RankLost,
     Timeout,
     Unavailable,
 )
+from ._options import plan_describe
 
 __version__ = "0.1.0"
 
 for _cls in (Context, HookHandle, Error, InvalidArgument, NotFound, Conflict, Inconsistent, InvalidState, Unavailable,
-             BackendError, Timeout, Panic):
+             BackendError, Timeout, Panic, RankLost):
     _cls.__module__ = "dpsync"  # shown in tracebacks and reprs as dpsync.NotFound, not dpsync._errors.NotFound
 del _cls
 
@@ -41,6 +43,7 @@ __all__ = [
     "InvalidState",
     "NotFound",
     "Panic",
+    "RankLost",
     "Timeout",
     "Unavailable",
     "__version__",

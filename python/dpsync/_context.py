@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import ctypes
-import json
-import operator
 import sys
-from ctypes import byref, c_double, c_int32, c_size_t, c_uint8, c_void_p
+from ctypes import byref, c_double, c_size_t, c_uint64, c_void_p
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from . import _lib
 from ._arrays import DTYPE_NAMES, ITEMSIZE, ArrayRef, dtype_code, from_object
-from ._errors import Error, InvalidArgument, InvalidState, error_for
+from ._errors import Error, InvalidArgument, InvalidState
+from ._options import _describe, _failure, _options, _size
 
 ROLES = {"param": 1, "grad": 2, "computed": 4, "state": 8}
 OPS = {"sum": 0, "avg": 1}
-TRANSPORTS = {"auto": 0, "nccl": 1, "peer_copy": 2, "host": 3}
 
 Roles = Union[str, Iterable[str]]
 
@@ -63,105 +61,6 @@ def _roles(roles: Roles) -> int:
     return mask
 
 
-def _size(value: Any, what: str) -> int:
-    """A size_t argument: ctypes would wrap a negative int silently."""
-    try:
-        n = operator.index(value)
-    except TypeError:
-        raise InvalidArgument("%s is %r: expected an integer" % (what, value)) from None
-    if n < 0 or n >= 1 << 64:
-        raise InvalidArgument("%s is %d: expected 0 <= %s < 2**64" % (what, n, what))
-    return n
-
-
-def _failure(lib: ctypes.CDLL, code: int, function: str) -> Error:
-    message = lib.dpsync_last_error()
-    return error_for(code, message.decode("utf-8", "replace") if message else "", function)
-
-
-def _describe(fn: Any, handle: Any, lib: ctypes.CDLL, function: str) -> Dict[str, Any]:
-    length = c_size_t(0)
-    st = fn(handle, None, 0, byref(length))
-    while True:
-        if st:
-            raise _failure(lib, st, function)
-        buf = ctypes.create_string_buffer(length.value + 1)
-        st = fn(handle, buf, len(buf), byref(length))
-        if st == 0 and length.value < len(buf):  # else it grew in between (another thread)
-            return json.loads(buf.value.decode("utf-8"))
-
-
-def _options(
-    lib: ctypes.CDLL,
-    host_replicas: Optional[int],
-    cuda_replicas: Optional[Sequence[int]],
-    transport: str,
-    fusion_bytes: Optional[int],
-    timeout_ms: Optional[int],
-    sparse_coalesce: Optional[bool],
-    peer_access: Optional[Sequence[Sequence[Any]]],
-    world_mpi: Any,
-    reproducible: Optional[bool] = None,
-) -> c_void_p:
-    """A dpsync_options handle with every given setting; the caller frees it."""
-    handle = c_void_p()
-    st = lib.dpsync_options_new(byref(handle))
-    if st:
-        raise _failure(lib, st, "dpsync_options_new")
-    try:
-
-        def call(function: str, *args: Any) -> None:
-            st = getattr(lib, function)(handle, *args)
-            if st:
-                raise _failure(lib, st, function)
-
-        if host_replicas is not None and cuda_replicas is not None:
-            raise InvalidArgument("give host_replicas or cuda_replicas, not both")
-        if cuda_replicas is not None:
-            ordinals = [operator.index(o) for o in cuda_replicas]
-            if any(not -(1 << 31) <= o < 1 << 31 for o in ordinals):
-                raise InvalidArgument("cuda_replicas %r: ordinals must fit an int32" % (ordinals,))
-            call("dpsync_options_set_cuda_replicas", (c_int32 * max(len(ordinals), 1))(*ordinals), len(ordinals))
-        elif host_replicas is not None:
-            call("dpsync_options_set_host_replicas", _size(host_replicas, "host_replicas"))
-        code = TRANSPORTS.get(transport.lower()) if isinstance(transport, str) else None
-        if code is None:
-            raise InvalidArgument("transport is %r: use one of %s" % (transport, ", ".join(map(repr, TRANSPORTS))))
-        call("dpsync_options_set_transport", code)
-        if fusion_bytes is not None:
-            call("dpsync_options_set_fusion_bytes", _size(fusion_bytes, "fusion_bytes"))
-        if timeout_ms is not None:
-            call("dpsync_options_set_timeout_ms", _size(timeout_ms, "timeout_ms"))
-        if sparse_coalesce is not None:
-            call("dpsync_options_set_sparse_coalesce", bool(sparse_coalesce))
-        if reproducible is not None:
-            call("dpsync_options_set_reproducible", bool(reproducible))
-        if peer_access is not None:
-            rows = [list(row) for row in peer_access]
-            n = len(rows)
-            if any(len(row) != n for row in rows):
-                raise InvalidArgument("peer_access must be a square matrix (n lists of n entries)")
-            flat = [1 if x else 0 for row in rows for x in row]
-            call("dpsync_options_set_peer_access", (c_uint8 * max(len(flat), 1))(*flat), n)
-        if world_mpi is True:
-            call("dpsync_options_set_world_mpi", None)  # NULL: MPI_COMM_WORLD
-        elif world_mpi is not None and world_mpi is not False:
-            call("dpsync_options_set_world_mpi", _mpi_comm_address(world_mpi))
-    except BaseException:
-        lib.dpsync_options_free(handle)
-        raise
-    return handle
-
-
-def _mpi_comm_address(comm: Any) -> int:
-    """The address of an mpi4py communicator's MPI_Comm handle (the C call copies its value)."""
-    if not type(comm).__module__.startswith("mpi4py"):
-        raise InvalidArgument("world_mpi is a %s: pass True (MPI_COMM_WORLD) or an mpi4py communicator" % type(comm).__name__)
-    from mpi4py import MPI
-
-    return int(MPI._addressof(comm))
-
-
 class HookHandle:
     """Returned by Context.add_pre_allreduce_grads_hook; remove() takes the hook away."""
 
@@ -199,12 +98,13 @@ class Context:
         peer_access: Optional[Sequence[Sequence[Any]]] = None,
         world_mpi: Any = None,
         reproducible: Optional[bool] = None,
+        elastic: Optional[int] = None,
     ) -> None:
         self._closed = True  # until created, so that __del__ of a failed __init__ does nothing
         lib, _ = _lib.load()
         self._lib = lib
         options = _options(
-            lib, host_replicas, cuda_replicas, transport, fusion_bytes, timeout_ms, sparse_coalesce, peer_access, world_mpi, reproducible
+            lib, host_replicas, cuda_replicas, transport, fusion_bytes, timeout_ms, sparse_coalesce, peer_access, world_mpi, reproducible, elastic
         )
         handle = c_void_p()
         try:
@@ -309,6 +209,15 @@ class Context:
         self._check(self._lib.dpsync_world_replicas(self._h, byref(total), byref(offset)), "dpsync_world_replicas")
         return total.value, offset.value
 
+    @property
+    def world_epoch(self) -> Tuple[int, int]:
+        """dpsync_world_epoch: (epoch, first_rank). epoch counts the collectives at which
+        ranks left or were lost (0 at first, and outside a world); first_rank is this
+        process's rank at creation, which never changes (keep its part of the data set by it)."""
+        epoch, first = c_uint64(0), c_size_t(0)
+        self._check(self._lib.dpsync_world_epoch(self._h, byref(epoch), byref(first)), "dpsync_world_epoch")
+        return epoch.value, first.value
+
     def describe(self) -> Dict[str, Any]:
         """dpsync_describe as a dict (docs/API.md, "Describing the plan")."""
         if self._closed:
@@ -395,6 +304,16 @@ class Context:
         st = self._lib.dpsync_average(self._h, _roles(roles))
         if st:
             raise self._error(st, "dpsync_average")
+
+    def leave(self) -> None:
+        """dpsync_leave: this rank's data ran out. Call it instead of the next collective; it
+        stands for this rank's part in the next collective the other ranks make, which
+        completes on them over the remaining replicas (renumbered and recounted). Afterwards
+        this context refuses collectives (InvalidState) but answers queries; close it as usual.
+        InvalidState on a context without a world."""
+        st = self._lib.dpsync_leave(self._h)
+        if st:
+            raise self._error(st, "dpsync_leave")
 
     def grad_ready(self, name: str, replica: int) -> None:
         """dpsync_grad_ready: GRAD `name` is final on `replica` for this step (overlap)."""
@@ -608,30 +527,6 @@ def _cuda_copy(ptr: Optional[int], shape: Tuple[int, ...], code: int, device: st
         return torch.empty(shape, dtype=dtype, device=device)
     raw = torch.as_tensor(_DeviceBytes(ptr, nbytes), device=device)
     return raw.clone().view(dtype).reshape(shape)
-
-
-def plan_describe(
-    host_replicas: Optional[int] = None,
-    cuda_replicas: Optional[Sequence[int]] = None,
-    *,
-    transport: str = "auto",
-    fusion_bytes: Optional[int] = None,
-    timeout_ms: Optional[int] = None,
-    sparse_coalesce: Optional[bool] = None,
-    peer_access: Optional[Sequence[Sequence[Any]]] = None,
-    world_mpi: Any = None,
-    reproducible: Optional[bool] = None,
-) -> Dict[str, Any]:
-    """dpsync_plan_describe: the plan for these options (Context's keywords) as a dict,
-    touching no device."""
-    lib, _ = _lib.load()
-    options = _options(
-        lib, host_replicas, cuda_replicas, transport, fusion_bytes, timeout_ms, sparse_coalesce, peer_access, world_mpi, reproducible
-    )
-    try:
-        return _describe(lib.dpsync_plan_describe, options, lib, "dpsync_plan_describe")
-    finally:
-        lib.dpsync_options_free(options)
 
 
 def version() -> str:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Type
+import re
+from typing import Dict, List, Optional, Tuple, Type
 
 
 class Error(Exception):
@@ -81,9 +82,45 @@ class Panic(Error):
     status, code = "PANIC", 9
 
 
+# "rank 3", "ranks 1, 2", "ranks 1 and 2", "ranks 1, 2 and 4" (the numbers, with any commas
+# and "and" between them).
+_RANKS = re.compile(r"\branks?\s+(\d+(?:\s*(?:,\s*(?:and\s+)?|and\s+)\d+)*)")
+_LOST = re.compile(r"\blost\b")
+
+
+def lost_ranks(message: str) -> Tuple[int, ...]:
+    """The ranks a RANK_LOST message names: the numbers of its first "rank N" or "ranks N, M"
+    (also "ranks N and M") next to the word "lost" (in the same clause, before or after),
+    or else of its first "rank(s) ..." at all; () when it names none."""
+    found: List[Tuple[int, ...]] = []
+    for m in _RANKS.finditer(message):
+        numbers = tuple(int(n) for n in re.findall(r"\d+", m.group(1)))
+        before = re.split(r"[;:.]", message[: m.start()])[-1]
+        after = re.split(r"[;:.(]", message[m.end() :])[0]
+        if _LOST.search(before) or _LOST.search(after):
+            return numbers
+        found.append(numbers)
+    return found[0] if found else ()
+
+
+class RankLost(Error):
+    """DPSYNC_STATUS_RANK_LOST: ranks of an elastic world were lost; this rank's world goes on
+    without them, renumbered (docs/API.md, "Elastic worlds"). The GRAD tensors of the call
+    that raised it hold unspecified values: compute the step's gradients again and make the
+    call again. ``ranks`` is the tuple of lost ranks, by their numbers before the loss, parsed
+    from the library's message (``lost_ranks``: its "rank N" or "ranks N, M" text next to the
+    word "lost"); () when the message names none."""
+
+    status, code = "RANK_LOST", 10
+
+    def __init__(self, message: str, function: Optional[str] = None, code: Optional[int] = None) -> None:
+        super().__init__(message, function, code)
+        self.ranks = lost_ranks(message)
+
+
 BY_CODE: Dict[int, Type[Error]] = {
     cls.code: cls
-    for cls in (InvalidArgument, NotFound, Conflict, Inconsistent, InvalidState, Unavailable, BackendError, Timeout, Panic)
+    for cls in (InvalidArgument, NotFound, Conflict, Inconsistent, InvalidState, Unavailable, BackendError, Timeout, Panic, RankLost)
 }
 
 

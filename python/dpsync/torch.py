@@ -22,6 +22,45 @@ only the pieces of the parameters that the replica owns (``ctx.shard``), so that
 (Adam's moments, SGD's momentum) takes about 1 / (replicas in the world) of the memory; its
 ``step()`` is ``ctx.reduce_scatter_grads``, each replica's optimizer step on its pieces, then
 ``ctx.allgather("param")``.
+
+Ranks that are lost or leave (``Context(..., world_mpi=..., elastic=min_ranks)``, docs/API.md,
+"Elastic worlds"): in an elastic world, the collective that a lost rank interrupts raises
+``dpsync.RankLost`` on every survivor (``e.ranks``: the lost ranks, by their numbers before the
+loss). The world goes on without them, renumbered and recounted (``ctx.rank``, ``ctx.ranks``,
+``ctx.loss_scale``, ``ctx.world_epoch``); the gradients of that call hold unspecified values,
+and parameters, buffers and optimizer state keep their bytes. So a step that raised it is
+done again: zero the gradients, compute them again, and call again::
+
+    for batch in batches:
+        while True:
+            opt.zero_grad()
+            try:
+                # With overlap=True, backward's grad_ready calls may raise it too.
+                loss_fn(model(batch)).backward()
+                ctx.allreduce_grads("avg")
+                break
+            except dpsync.RankLost as e:
+                print("lost ranks %s; now %d ranks" % (e.ranks, ctx.ranks))
+        opt.step()
+
+With ``ShardedOptimizer`` the pieces are cut anew for the new number of replicas: make the
+optimizer again (its state for pieces a replica did not own before is yours to restore or
+restart). Below ``min_ranks`` the context is failed instead (InvalidState afterwards).
+
+Uneven inputs: a rank whose data ran out calls ``ctx.leave()`` where it would have made its
+next collective (instead of ``allreduce_grads``), and stops training; the other ranks' next
+collective completes over the remaining replicas, and they go on renumbered. This works in
+every world, elastic or not::
+
+    for step in range(max_steps):
+        batch = next(my_batches, None)
+        if batch is None:
+            ctx.leave()  # this rank's data ran out
+            break
+        opt.zero_grad()
+        loss_fn(model(batch)).backward()
+        ctx.allreduce_grads("avg")
+        opt.step()
 """
 
 from __future__ import annotations
