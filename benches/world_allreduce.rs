@@ -18,6 +18,9 @@
 //!    vs raw `MPI_Reduce_scatter_block` of the gradient + `MPI_Allgather` of the parameter's
 //!    pieces (rsmpi's `reduce_scatter_block_into` and `all_gather_into`, separate send and
 //!    receive buffers). Alone: `--part shards`.
+//! 6. Overlap: a ResNet-50 step whose backward sleeps 250 µs per tensor (a GPU's backward
+//!    leaves the CPU free), 2 ranks x 1 and x 2 replicas: backward alone, allreduce alone, the
+//!    step without and with `dpsync_grad_ready`. Alone: `--part overlap`.
 
 #[path = "common/mod.rs"]
 mod common;
@@ -33,6 +36,7 @@ use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
 const SUM: u32 = dpsync_reduce_op::DPSYNC_REDUCE_SUM as u32;
+const AVG: u32 = dpsync_reduce_op::DPSYNC_REDUCE_AVG as u32;
 const GRAD: u32 = dpsync_role::DPSYNC_ROLE_GRAD as u32;
 const F32: u32 = dpsync_dtype::DPSYNC_DTYPE_F32 as u32;
 
@@ -142,53 +146,76 @@ fn resnet(world: &SimpleCommunicator, rank0: bool, quick: bool) {
     }
 }
 
-/// A ResNet-50 step with a simulated backward (a busy wait per tensor, in reverse order) on 2
-/// ranks × 1 replica: `dpsync_allreduce_grads` after it, with and without `dpsync_grad_ready`
-/// after each tensor (buckets then cross the ranks during backward).
-fn overlap(world: &SimpleCommunicator, rank0: bool, quick: bool) {
+/// Part 6: overlap. A ResNet-50 step whose backward leaves the CPU free, as a GPU's does (a
+/// 250 µs sleep per tensor, in reverse order), on 2 ranks × `replicas` replicas: the backward
+/// alone, `dpsync_allreduce_grads` alone, the step without marks (backward, then
+/// `allreduce_grads`) and with `dpsync_grad_ready` on every replica as each tensor is final
+/// (buckets then cross the ranks during backward); the four alternate, every one started by a
+/// barrier. Target: marked <= 1.25x the longer of backward and allreduce alone, and <= unmarked.
+fn overlap(world: &SimpleCommunicator, rank0: bool, quick: bool, replicas: usize) {
     let reps = if quick { 2 } else { 7 };
     let per_tensor = Duration::from_micros(if quick { 20 } else { 250 });
     let params = load_param_set("resnet50_params.tsv");
-    let ctx = world_context(1);
-    let mut grads: Vec<Vec<f32>> = params.iter().map(|(_, n)| filled(*n, 3, 0.0)).collect();
-    for ((name, _), g) in params.iter().zip(grads.iter_mut()) {
-        ctx.reg(name, GRAD, 0, g, F32);
+    let ctx = world_context(replicas);
+    let mut grads: Vec<Vec<Vec<f32>>> = (0..replicas)
+        .map(|r| params.iter().map(|(_, n)| filled(*n, 3 + r, 0.0)).collect())
+        .collect();
+    for (r, set) in grads.iter_mut().enumerate() {
+        for ((name, _), g) in params.iter().zip(set.iter_mut()) {
+            ctx.reg(name, GRAD, r, g, F32);
+        }
     }
     let backward = |marks: bool| {
         for (name, _) in params.iter().rev() {
-            let until = Instant::now() + per_tensor;
-            while Instant::now() < until {
-                std::hint::spin_loop();
-            }
+            std::thread::sleep(per_tensor);
             if marks {
-                check(ctx.grad_ready(name, 0));
+                (0..replicas).for_each(|r| check(ctx.grad_ready(name, r)));
             }
         }
     };
-    // The first step agrees on the registrations: buckets start early from the second on.
-    check(ctx.allreduce_grads(SUM));
-    let (t_plain, t_marked) = timed(
-        world,
-        reps,
-        || {
+    // AVG keeps the values bounded however many steps run; the first step agrees on the
+    // registrations (buckets start early from the second on).
+    let step = || check(ctx.allreduce_grads(AVG));
+    step();
+    // In the order printed: backward alone, allreduce alone, the step without marks, with.
+    let runs: [&dyn Fn(); 4] = [
+        &|| backward(false),
+        &step,
+        &|| {
             backward(false);
-            check(ctx.allreduce_grads(SUM));
+            step();
         },
-        || {
+        &|| {
             backward(true);
-            check(ctx.allreduce_grads(SUM));
+            step();
         },
-    );
-    let (t_backward, _) = timed(world, reps, || backward(false), || {});
+    ];
+    let mut times = vec![Vec::new(); runs.len()];
+    for rep in 0..=reps {
+        for (i, run) in runs.iter().enumerate() {
+            world.barrier();
+            let t = Instant::now();
+            run();
+            if rep > 0 {
+                times[i].push(t.elapsed());
+            }
+        }
+    }
+    let t: Vec<f64> = times.into_iter().map(|v| ms(median(v))).collect();
     if rank0 {
+        let longer = t[0].max(t[1]);
         println!(
-            "ResNet-50 step, 2 ranks, simulated backward ({} tensors x {} us = {:.1} ms): allreduce_grads after it {:.2} ms | with grad_ready during it {:.2} ms | backward alone {:.2} ms",
+            "overlap, ResNet-50 step ({} tensors x {} us sleep), 2 ranks x {replicas} replica(s){}: backward alone {:.2} ms | allreduce_grads alone {:.2} ms | step without marks {:.2} ms | step with marks {:.2} ms | marked/unmarked {:.2} (target <= 1) | marked/longer {:.2} (target <= 1.25) | unmarked/longer {:.2}",
             params.len(),
             per_tensor.as_micros(),
-            ms(t_backward),
-            ms(t_plain),
-            ms(t_marked),
-            ms(t_backward),
+            if std::env::var_os("DPSYNC_MPI_SHM").is_some_and(|v| v == "0") { ", no shared memory" } else { "" },
+            t[0],
+            t[1],
+            t[2],
+            t[3],
+            t[3] / t[2],
+            t[3] / longer,
+            t[2] / longer,
         );
     }
 }
@@ -369,7 +396,8 @@ fn main() {
         "two" => {
             big_gradient(&world, rank0, quick);
             resnet(&world, rank0, quick);
-            overlap(&world, rank0, quick);
+            overlap(&world, rank0, quick, 1);
+            overlap(&world, rank0, quick, 2);
             one_float(&world, rank0, quick);
             two_by_two(&world, rank0, quick);
             shards(&world, rank0, quick);
@@ -382,7 +410,11 @@ fn main() {
             big_gradient(&world, rank0, quick);
             resnet(&world, rank0, quick);
         }
-        "overlap" => overlap(&world, rank0, quick),
+        // Part 6 alone, 1 then 2 replicas per rank (DPSYNC_MPI_SHM=0: over MPI's messages).
+        "overlap" => {
+            overlap(&world, rank0, quick, 1);
+            overlap(&world, rank0, quick, 2);
+        }
         // Shards alone (part 5): mpirun -n 2 <bench binary> --part shards
         "shards" => shards(&world, rank0, quick),
         other => panic!("unknown part {other:?}"),

@@ -593,8 +593,8 @@ pub(crate) trait Ranks: Send {
     /// Starts a gradient step's bucket transfer on [`Channel::Steps`] without waiting for it
     /// (`dpsync_grad_ready` in a world), after the buckets started before it: every segment's
     /// contributions (its `ptrs`) are read and summed as its pieces are issued (now, at later
-    /// pokes, or in `finish`), and [`Ranks::finish`] writes the result into every segment's
-    /// `ptrs[0]`. `count` elements in all; no segments: zeros of that size (a stand-in for a
+    /// pokes, or in `finish`), and [`Ranks::finish`] writes the result into every one of
+    /// them. `count` elements in all; no segments: zeros of that size (a stand-in for a
     /// bucket another rank started, when a failed step is drained). A ticket dropped
     /// unfinished sends zeros for what is left.
     ///

@@ -49,8 +49,8 @@ impl Executor {
         })
     }
 
-    /// Finishes a bucket [`Executor::start_early`] started: its result into local replica 0
-    /// (the engine writes it), then copied to the other local replicas; with `scatter` (a
+    /// Finishes a bucket [`Executor::start_early`] started: its result into every local replica
+    /// (the engine writes each from one read of it); with `scatter` (a
     /// reduce-scatter step), into each local replica's owned pieces alone (host replicas: as
     /// [`Executor::release_early`] said; over NCCL: copied out of the bucket's buffers).
     ///
@@ -80,14 +80,9 @@ impl Executor {
             Err(other) => Ticket(other),
         };
         let ranks = site.ranks.expect("early transfers only in a world");
-        ranks.finish(ticket, true)?;
-        let members = &site.levels.groups[0];
-        // A reduce-scatter's release wrote every local replica's own pieces; an allreduce's
-        // wrote local replica 0, whose result the others copy.
-        if members.len() > 1 && scatter.is_none() {
-            site.backend.spread(0, &view(bucket, tensors), members[0])?;
-        }
-        Ok(())
+        // Writes every local replica: a reduce-scatter's release their own pieces, an
+        // allreduce's the whole result into each.
+        ranks.finish(ticket, true)
     }
 
     /// The step agreed: a transfer [`Executor::start_early`] started may write its result as its

@@ -30,24 +30,21 @@ impl Progress {
 }
 
 impl MpiRanks {
-    /// Wakes the progress thread for a bucket just queued, starting it the first time. None
-    /// where this process may run on one CPU only (`mpirun` binds each of 2 ranks to a core by
-    /// default): there it would only take turns with the caller's backward pass, so marks and
-    /// the step move the queue, as they do where no thread can be made.
+    /// Wakes the progress thread for a bucket just queued, starting it the first time. It
+    /// runs even where this process may use one CPU only (`mpirun` binds each of 2 ranks to a
+    /// core by default): a GPU's backward, or any caller waiting for its data, leaves that CPU
+    /// free, and only a thread of dpsync's own then moves the buckets while the caller is
+    /// outside dpsync. Where the caller computes on that CPU, the thread yields to it as soon
+    /// as a test finds nothing to do ([`Idle`]).
     pub(super) fn wake_progress(&self) {
         let mut progress = self.progress.lock();
         if let Progress::NotYet = *progress {
-            let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
             let engine = Arc::clone(&self.engine);
-            *progress = if cpus < 2 {
-                Progress::Off("off: this process may run on one CPU only")
-            } else {
-                match (std::thread::Builder::new().name("dpsync-mpi".into()))
-                    .spawn(move || engine.progress())
-                {
-                    Ok(thread) => Progress::Running(thread),
-                    Err(_) => Progress::Off("off: the thread could not be made"),
-                }
+            *progress = match (std::thread::Builder::new().name("dpsync-mpi".into()))
+                .spawn(move || engine.progress())
+            {
+                Ok(thread) => Progress::Running(thread),
+                Err(_) => Progress::Off("off: the thread could not be made"),
             };
         }
         self.wake.notify_one();
@@ -63,7 +60,7 @@ impl Engine {
         loop {
             let mut queue = self.queue.lock();
             while !self.stop.load(Ordering::Relaxed)
-                && (!queue.busy() || self.failed.lock().is_some())
+                && (!queue.moving() || self.failed.lock().is_some())
             {
                 idle.reset();
                 self.wake.wait(&mut queue);

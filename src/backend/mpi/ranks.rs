@@ -47,6 +47,27 @@ impl MpiRanks {
         ring.shared() && ring.takes(count * dtype.size()) && one_each && wide_enough
     }
 
+    /// Whether [`Ranks::allreduce`] goes as the in-place reduce-scatter then the allgather
+    /// through shared memory ([`Engine::shared_allreduce`](super::Engine)): a bucket the ring
+    /// carries there, one contribution per rank. Alike on every rank: the shared memory was
+    /// agreed at join, and exec hands the engine a non-half bucket's local sum alone (half
+    /// types come with every local replica, so their count may differ between ranks).
+    fn scatters_then_gathers(
+        &self,
+        channel: Channel,
+        dtype: DType,
+        segments: &[Segment<'_>],
+    ) -> bool {
+        let count: usize = segments.iter().map(|s| s.count).sum();
+        let ring = self.ring(channel);
+        let one_each = segments.iter().all(|s| s.ptrs.len() == 1);
+        debug_assert!(
+            dtype.is_half() || one_each,
+            "one contribution of a non-half bucket"
+        );
+        ring.shared() && ring.takes(count * mpi_type(dtype).1) && !dtype.is_half() && one_each
+    }
+
     /// `f` with the channel to itself: on the steps' channel under the queue's lock (handed
     /// to `f`, which numbers its ring pieces there), after every bucket started ahead has
     /// finished on every rank.
@@ -186,6 +207,12 @@ impl Ranks for MpiRanks {
         segments: &[Segment<'_>],
         avg: Option<usize>,
     ) -> Result<()> {
+        if self.scatters_then_gathers(channel, dtype, segments) {
+            self.refuse_if_failed()?;
+            return self.alone(channel, |queue| {
+                self.shared_allreduce(channel, queue, dtype, segments, avg)
+            });
+        }
         let outs = outputs(dtype, segments, None);
         self.reduce_into(channel, (dtype, segments, &outs), (Sum::Plain, avg))
     }
@@ -277,17 +304,7 @@ impl Ranks for MpiRanks {
             let first = self.number_ring_pieces(None, owned.pieces, 1);
             return self.ring_allgather((ring, first), spans, &owned);
         }
-        // Each rank's owned bytes, the rest null: what it stages, and what the others copy out.
-        let parts: Vec<Vec<(usize, usize)>> = (0..self.size)
-            .map(|r| {
-                let mut part = Vec::with_capacity(3 * spans.len());
-                for (s, &(ptr, len)) in spans.iter().enumerate() {
-                    let (offset, n) = owned(s, r);
-                    part.extend([(0, offset), (ptr + offset, n), (0, len - offset - n)]);
-                }
-                part
-            })
-            .collect();
+        let parts = scatter::parts_of(spans, owned, self.size);
         let first = self.number_ring_pieces(None, bytes, ring.piece_of(1));
         self.shared_allgather((ring, first), bytes, &parts)
     }
@@ -398,8 +415,10 @@ impl Ranks for MpiRanks {
         if write {
             // The pieces that completed before the step agreed (the others are written).
             let recv = item.held.as_ptr().cast::<u8>();
-            let outs = (&item.outs[..], &mut Walk::default());
-            stage_out(item.dtype, recv, outs, (0, item.held_count()), item.avg);
+            for out in &item.outs {
+                let outs = (&out[..], &mut Walk::default());
+                stage_out(item.dtype, recv, outs, (0, item.held_count()), item.avg);
+            }
         }
         self.spare.lock().push(item.held);
         Ok(())

@@ -13,13 +13,17 @@
 //! exactly), divided and rounded once as the ring stages it out. Only which rank does the
 //! adding differs.
 
-use super::pieces::Walk;
+use std::sync::atomic::Ordering;
+
 use half::{bf16, f16};
 
+use super::pieces::Walk;
+use super::steps::Queue;
+
 use super::ring::{block, Ring};
-use super::staging::Summed;
+use super::staging::{mpi_type, Summed};
 use super::Engine;
-use crate::backend::Segment;
+use crate::backend::{Channel, Segment};
 use crate::error::Result;
 use crate::types::DType;
 
@@ -151,6 +155,75 @@ impl Engine {
         let what = "the reduce-scatter through shared memory";
         self.through_slots((slots, first, owned.pieces), what, stage, read)
     }
+}
+
+impl Engine {
+    /// [`Ranks::allreduce`](crate::backend::Ranks) through shared memory of one contribution
+    /// per rank: [`Engine::shared_reduce_scatter`] in place, each segment cut evenly among the
+    /// ranks, then [`Engine::shared_allgather`] of those cuts. The ring allreduce through shared
+    /// memory stages every element into a slot, sums a block there and copies every block out
+    /// again; this stages only what other ranks own and sums straight into the tensors, so
+    /// each rank reads and writes less (docs/PERFORMANCE.md). The bytes are the ring's: the
+    /// reduce-scatter sums each element in the ring's order and arithmetic (whatever the
+    /// owners), and the allgather copies them. `queue`: the steps' queue when `channel` is
+    /// theirs (numbering the pieces there), held by the caller.
+    ///
+    /// # Safety
+    /// As for [`Ranks::allreduce`](crate::backend::Ranks); the channel's ring is shared.
+    pub(super) unsafe fn shared_allreduce(
+        &self,
+        channel: Channel,
+        mut queue: Option<&mut Queue>,
+        dtype: DType,
+        segments: &[Segment<'_>],
+        avg: Option<usize>,
+    ) -> Result<()> {
+        let ring = self.ring(channel);
+        let n = ring.ranks();
+        let count: usize = segments.iter().map(|s| s.count).sum();
+        let cut = |s: usize, r: usize| block(segments[s].count, n, r);
+        let owners = Owned::new(segments.len(), &cut, n, section_of(dtype.size(), n));
+        let mut number = |pieces: usize| match queue.as_deref_mut() {
+            Some(q) => q.ring_pieces(pieces),
+            None => self.calls_pieces.fetch_add(pieces, Ordering::Relaxed),
+        };
+        let first = number(owners.pieces);
+        let ring_piece = ring.piece_of(mpi_type(dtype).1).min(count);
+        let data = (dtype, segments, count);
+        self.shared_reduce_scatter((ring, first), data, (&owners, ring_piece), avg)?;
+        let size = dtype.size();
+        let spans: Vec<(usize, usize)> = (segments.iter())
+            .map(|s| (s.ptrs[0], s.count * size))
+            .collect();
+        let bytes = |s: usize, r: usize| {
+            let (first, len) = cut(s, r);
+            (first * size, len * size)
+        };
+        let parts = parts_of(&spans, &bytes, n);
+        let total = count * size;
+        let first = number(total.div_ceil(ring.piece_of(1)));
+        self.shared_allgather((ring, first), total, &parts)
+    }
+}
+
+/// Each rank's owned bytes of `spans` (`owned(s, r)` = `(offset, bytes)` of span `s`), the
+/// rest null: what rank `r` stages for an allgather, and what the others copy out
+/// ([`copy_spans`](super::staging::copy_spans)).
+pub(super) fn parts_of(
+    spans: &[(usize, usize)],
+    owned: &dyn Fn(usize, usize) -> (usize, usize),
+    ranks: usize,
+) -> Vec<Vec<(usize, usize)>> {
+    (0..ranks)
+        .map(|r| {
+            let mut part = Vec::with_capacity(3 * spans.len());
+            for (s, &(ptr, len)) in spans.iter().enumerate() {
+                let (offset, n) = owned(s, r);
+                part.extend([(0, offset), (ptr + offset, n), (0, len - offset - n)]);
+            }
+            part
+        })
+        .collect()
 }
 
 /// Elements of one rank's section of a slot for `ranks` ranks: a slot holds one section per

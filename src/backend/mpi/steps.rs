@@ -31,8 +31,11 @@ pub(super) struct Item {
     /// Per segment: every local contribution's pointer, and the count. Read as the pieces
     /// are issued (the caller declared them final); none: a stand-in of zeros.
     inputs: Vec<(Vec<usize>, usize)>,
-    /// Per segment `(ptr, count)`: this rank's output, written by `finish`.
-    pub(super) outs: Vec<(usize, usize)>,
+    /// Output lists, each `(ptr, count)` per segment laid end to end and written whole: an
+    /// allreduce step's, every local replica's segments (written from one read of the result,
+    /// no copy from replica 0 afterwards); a reduce-scatter's, one list of every local
+    /// replica's owned elements ([`Queue::release`]).
+    pub(super) outs: Vec<Vec<(usize, usize)>>,
     pub(super) count: usize,
     pub(super) avg: Option<usize>,
     /// The results, in MPI's type, pieces landing in place until the step agrees.
@@ -46,7 +49,7 @@ pub(super) struct Item {
     /// through a small receive stage straight into the outputs, as a waited transfer's do.
     /// The first piece issued so.
     direct_from: Option<usize>,
-    walk_out: Walk,
+    walk_out: Vec<Walk>,
     /// Its ticket was dropped unfinished: the pieces not yet issued go as zeros (the ranks'
     /// order stays the same, and the caller's memory is not read any more).
     abandoned: Arc<AtomicBool>,
@@ -150,7 +153,9 @@ impl Queue {
                 .iter()
                 .map(|s| (s.ptrs.to_vec(), s.count))
                 .collect(),
-            outs: segments.iter().map(|s| (s.ptrs[0], s.count)).collect(),
+            outs: (0..segments.first().map_or(0, |s| s.ptrs.len()))
+                .map(|k| segments.iter().map(|s| (s.ptrs[k], s.count)).collect())
+                .collect(),
             count,
             avg,
             held,
@@ -160,7 +165,7 @@ impl Queue {
             done: 0,
             walk: Walk::default(),
             direct_from: None,
-            walk_out: Walk::default(),
+            walk_out: Vec::new(),
             abandoned: abandoned.clone(),
         });
         Handle { seq, abandoned }
@@ -317,12 +322,18 @@ impl Queue {
             let direct = item.direct_from.is_some_and(|d| piece >= d);
             let (dtype, avg, size) = (item.dtype, item.avg, mpi_type(item.dtype).1);
             let held = item.held.as_mut_ptr().cast::<u8>();
-            let outs = (&item.outs[..], &mut item.walk_out);
+            item.walk_out.resize_with(item.outs.len(), Walk::default);
+            let (outs, walks) = (&item.outs, &mut item.walk_out);
+            let mut write = |part: *const u8, range: (usize, usize)| {
+                for (out, walk) in outs.iter().zip(walks.iter_mut()) {
+                    stage_out(dtype, part, (out, walk), range, avg);
+                }
+            };
             match transfer {
-                Transfer::Collective(_) if direct => stage_out(dtype, recv, outs, (start, n), avg),
+                Transfer::Collective(_) if direct => write(recv, (start, n)),
                 Transfer::Collective(_) => {}
                 Transfer::Ring(flight) => flight.finish(ring, |part, at, len| match direct {
-                    true => stage_out(dtype, part, (outs.0, &mut *outs.1), (start + at, len), avg),
+                    true => write(part, (start + at, len)),
                     false => {
                         let into = held.add((start + at) * size);
                         std::ptr::copy_nonoverlapping(part, into, len * size);
@@ -359,7 +370,7 @@ impl Queue {
             if let (None, Some(owned)) = (item.direct_from, owned) {
                 // Nothing was written yet: the outputs change before the first piece goes out.
                 let inputs = item.inputs.iter().map(|(ptrs, count)| (&ptrs[..], *count));
-                item.outs = only_owned(item.dtype, inputs, owned);
+                item.outs = vec![only_owned(item.dtype, inputs, owned)];
             }
             item.direct_from.get_or_insert(item.issued);
         }
@@ -393,5 +404,11 @@ impl Queue {
 
     pub(super) fn busy(&self) -> bool {
         !self.items.is_empty() || !self.inflight.is_empty()
+    }
+
+    /// Whether a piece is in flight or waits to be issued: what the progress thread moves
+    /// (finished items only wait for the step to take them).
+    pub(super) fn moving(&self) -> bool {
+        !self.inflight.is_empty() || self.items.iter().any(|i| i.issued < i.pieces)
     }
 }
