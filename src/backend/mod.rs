@@ -5,6 +5,7 @@
 //! ([`Backend`], and where they apply [`Streams`], [`Links`] and [`Collective`]).
 
 mod bmuf;
+mod collective;
 mod cuda;
 pub(crate) mod host;
 #[cfg(feature = "mpi")]
@@ -14,6 +15,8 @@ pub(crate) mod spares;
 mod sparse;
 
 pub use bmuf::{bmuf_state_dtype, BmufFilter, BmufSpan};
+pub(crate) use collective::Collective;
+pub use collective::Move;
 
 use crate::error::{Error, Result};
 use crate::types::{DType, Memory};
@@ -113,17 +116,6 @@ pub struct Layout {
     pub(crate) table: u64,
     /// How many replicas it lists per segment.
     pub(crate) replicas: usize,
-}
-
-/// One move of a [`Collective::send_recv`] group: `bytes` at `src` on group `src_group` to `dst`
-/// on group `dst_group`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Move {
-    pub src_group: usize,
-    pub src: u64,
-    pub dst_group: usize,
-    pub dst: u64,
-    pub bytes: usize,
 }
 
 /// The primitives of one kind of memory. The replicas are split into groups (the plan's
@@ -484,19 +476,6 @@ pub(crate) trait Links {
 
     /// The grouped collective transport (NCCL), when the backend has one.
     fn collective(&self) -> Option<&dyn Collective>;
-}
-
-/// One grouped call over every group at once (NCCL: a rank per group, launched in one group).
-/// A failure may leave part of it queued: the backend fails the context before returning it.
-pub(crate) trait Collective {
-    /// `buffers[g] := Σ buffers` for `count` elements of `dtype`, on every group.
-    fn allreduce(&self, dtype: DType, count: usize, buffers: &[u64]) -> Result<()>;
-
-    /// `buffers[g] := buffers[root]` for `count` elements of `dtype`.
-    fn broadcast(&self, dtype: DType, count: usize, root: usize, buffers: &[u64]) -> Result<()>;
-
-    /// Every move as a send and a receive, all in one group.
-    fn send_recv(&self, moves: &[Move]) -> Result<()>;
 }
 
 /// Level 3: the ranks (processes) of a world. Every rank makes the same calls in the same order

@@ -9,6 +9,7 @@
 //! host memory (CPU ops in a GPU model).
 
 pub mod bmuf;
+mod clique;
 mod dense;
 mod early;
 mod repro;

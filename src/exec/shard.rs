@@ -1,7 +1,7 @@
 //! Shards (ZeRO stage 1): the gradients reduced onto the pieces their replicas own, and the
 //! owners' pieces copied back to every replica.
 //!
-//! Five routes, the first that applies:
+//! Six routes, the first that applies:
 //!
 //! - Host memory in one process, and the replicas of one GPU in one process (a kernel), have a
 //!   primitive of their own ([`Backend::reduce_owned`]: each replica's pieces summed as the
@@ -14,30 +14,36 @@
 //! - CUDA replicas in a world staged through the host: every local replica's bucket a
 //!   contribution in the page-locked stage, the engine's reduce-scatter there, each
 //!   replica's own pieces copied back ([`dense::reduce_scatter_staged`]).
-//! - Several GPUs in one process, or NCCL across the ranks: the allreduce's combine of the
-//!   groups' fusion buffers, each replica's pieces copied out of its group's buffer
-//!   ([`dense::reduce_scatter_levels`]; `ncclReduceScatter` promises no common summation order
-//!   with `ncclAllReduce`, so it would break the bytes below).
+//! - An NCCL clique (several GPUs in one process, or NCCL across the ranks) where another
+//!   summation order keeps the bytes below: `ncclReduceScatter` and `ncclAllGather` over
+//!   owner-packed blocks ([`clique`] says where).
+//! - Other NCCL cliques and several GPUs over peer or staged copies: the allreduce's combine
+//!   of the groups' fusion buffers, each replica's pieces copied out of its group's buffer
+//!   ([`dense::reduce_scatter_levels`]; with three GPUs or more in one process NCCL promises
+//!   no common summation order between `ncclReduceScatter` and `ncclAllReduce`).
 //! - Everywhere else (reproducible sums
 //!   the engine cannot do in one exchange) a reduce-scatter is the allreduce of a
 //!   library-owned copy of each bucket, on every route the allreduce takes, followed by each
 //!   replica's owned pieces copied out (the copy moves the bucket twice more than the
 //!   allreduce does, docs/PERFORMANCE.md).
 //!
-//! An allgather outside the first two routes is one broadcast per world replica of the pieces
-//! it owns.
+//! An allgather outside the first two routes and NCCL cliques is one broadcast per world
+//! replica of the pieces it owns.
 //!
-//! In one process every element is summed exactly as `dpsync_allreduce_grads` sums it (same
-//! buckets, same levels), so a ZeRO-1 step gives the bytes of an allreduce step; across the
+//! In one process every element gets the bytes `dpsync_allreduce_grads` gives it (same buckets,
+//! same levels, the same sums or sums that commute), so a ZeRO-1 step gives the bytes of an
+//! allreduce step; across the
 //! ranks too, except where the engine sums each rank's elements at that rank without shared
-//! memory (3 ranks or more), or sums a staged rank's several replicas itself: there up to the
-//! order of the sums, as the contract allows. Nothing outside a replica's pieces is written.
+//! memory (3 ranks or more), sums a staged rank's several replicas itself, or reduce-scatters
+//! over an NCCL clique of 3 GPUs or more: there up to the order of the sums, as the contract
+//! allows. Nothing outside a replica's pieces is written.
 //!
 //! [`Backend::reduce_owned`]: crate::backend::Backend::reduce_owned
 //! [`Backend::spread_owned`]: crate::backend::Backend::spread_owned
 //! [`Ranks::reduce_scatter`]: crate::backend::Ranks::reduce_scatter
 //! [`Ranks::allgather_owned`]: crate::backend::Ranks::allgather_owned
 
+use super::clique;
 use super::dense::{self, contributions};
 use super::{buckets_for, view, Executor, Site};
 use crate::backend::{Allocation, Backend, Channel, EveryRank, Ranks};
@@ -220,6 +226,20 @@ impl Executor {
                 return Ok(());
             }
         }
+        if !reproducible {
+            // An NCCL clique where another summation order keeps the contract: each GPU's
+            // owners' pieces packed into its block, `ncclReduceScatter`, each owner's sums
+            // unpacked into it alone.
+            let span = self.bucket_span("reduce-scatter bucket", 0, bucket, tensors);
+            let site = Site {
+                channel: Channel::Steps,
+                ..site
+            };
+            if clique::reduce_scatter(site, &view(bucket, tensors), avg, place)? {
+                return Ok(());
+            }
+            drop(span);
+        }
         if !site.levels.reproducible {
             // Several GPUs, or NCCL across the ranks: the allreduce's combine of the groups'
             // fusion buffers, the owned pieces copied out of them.
@@ -303,6 +323,11 @@ impl Executor {
                     continue;
                 }
                 if !one_pass(site.levels, bucket.memory, site.backend) {
+                    let _span = self.bucket_span("allgather bucket", b, bucket, tensors);
+                    // An NCCL clique: every owner's pieces in its GPU's block, `ncclAllGather`.
+                    if clique::allgather(site, &view(bucket, tensors), place)? {
+                        continue;
+                    }
                     rest.extend(bucket.tensors.iter().map(|&t| tensors[t]));
                     continue;
                 }

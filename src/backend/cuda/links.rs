@@ -234,4 +234,18 @@ impl Collective for CudaBackend {
             .and_then(|c| c.send_recv(moves, &self.launch(issued)))
             .map_err(|e| self.nccl_failed(e))
     }
+
+    fn reduce_scatter(&self, dtype: DType, count: usize, buffers: &[u64]) -> Result<()> {
+        let issued = Instant::now();
+        (self.comms(issued))
+            .and_then(|c| c.reduce_scatter(dtype, count, buffers, &self.launch(issued)))
+            .map_err(|e| self.nccl_failed(e))
+    }
+
+    fn allgather(&self, bytes: usize, buffers: &[u64]) -> Result<()> {
+        let issued = Instant::now();
+        (self.comms(issued))
+            .and_then(|c| c.allgather(bytes, buffers, &self.launch(issued)))
+            .map_err(|e| self.nccl_failed(e))
+    }
 }

@@ -379,6 +379,37 @@ impl CommSet {
         })
     }
 
+    /// One in-place reduce-scatter (sum) per rank in one group: `bufs[rank]` holds a block of
+    /// `count` elements per clique rank; the block of this rank's clique rank gets the sum
+    /// (NCCL's in-place form: the receive buffer is the send buffer's own block).
+    pub fn reduce_scatter(
+        &self,
+        dtype: DType,
+        count: usize,
+        bufs: &[u64],
+        launch: &Launch<'_>,
+    ) -> Result<()> {
+        let block = (count * dtype.size()) as u64;
+        self.per_rank("ncclReduceScatter", launch, |api, rank, comm, stream| {
+            let send = bufs[rank] as *const c_void;
+            let recv = (bufs[rank] + (self.first + rank) as u64 * block) as *mut c_void;
+            // SAFETY: a live communicator; the buffer holds a block per clique rank.
+            unsafe { (api.reduce_scatter)(send, recv, count, nccl_type(dtype), SUM, comm, stream) }
+        })
+    }
+
+    /// One in-place allgather per rank in one group: `bufs[rank]` holds a block of `bytes` per
+    /// clique rank; every block gets its clique rank's own (NCCL's in-place form: the send
+    /// buffer is the receive buffer's own block).
+    pub fn allgather(&self, bytes: usize, bufs: &[u64], launch: &Launch<'_>) -> Result<()> {
+        self.per_rank("ncclAllGather", launch, |api, rank, comm, stream| {
+            let recv = bufs[rank] as *mut c_void;
+            let send = (bufs[rank] + ((self.first + rank) * bytes) as u64) as *const c_void;
+            // SAFETY: as for reduce_scatter.
+            unsafe { (api.all_gather)(send, recv, bytes, BYTES, comm, stream) }
+        })
+    }
+
     /// Point-to-point byte transfers in one group: for each move, this process's rank
     /// `src_group` sends `bytes`
     /// at `src` (queued on its stream) and rank `dst_group` receives them at `dst` (on its

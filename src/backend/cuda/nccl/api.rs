@@ -33,6 +33,12 @@ pub(super) struct Api {
         unsafe extern "C" fn(*const c_void, *mut c_void, usize, u32, u32, Comm, CUstream) -> u32,
     pub(super) broadcast:
         unsafe extern "C" fn(*const c_void, *mut c_void, usize, u32, c_int, Comm, CUstream) -> u32,
+    /// `ncclReduceScatter(send, recv, recvcount, type, op, comm, stream)`.
+    pub(super) reduce_scatter:
+        unsafe extern "C" fn(*const c_void, *mut c_void, usize, u32, u32, Comm, CUstream) -> u32,
+    /// `ncclAllGather(send, recv, sendcount, type, comm, stream)`.
+    pub(super) all_gather:
+        unsafe extern "C" fn(*const c_void, *mut c_void, usize, u32, Comm, CUstream) -> u32,
     pub(super) send: unsafe extern "C" fn(*const c_void, usize, u32, c_int, Comm, CUstream) -> u32,
     pub(super) recv: unsafe extern "C" fn(*mut c_void, usize, u32, c_int, Comm, CUstream) -> u32,
     pub(super) group_start: unsafe extern "C" fn() -> u32,
@@ -97,6 +103,8 @@ fn bind(lib: Library, path: String) -> Result<Api, String> {
         comm_abort: sym!("ncclCommAbort"),
         all_reduce: sym!("ncclAllReduce"),
         broadcast: sym!("ncclBroadcast"),
+        reduce_scatter: sym!("ncclReduceScatter"),
+        all_gather: sym!("ncclAllGather"),
         send: sym!("ncclSend"),
         recv: sym!("ncclRecv"),
         group_start: sym!("ncclGroupStart"),

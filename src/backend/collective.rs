@@ -1,0 +1,43 @@
+//! The grouped collective transport of a backend whose groups are separate devices (NCCL: one
+//! rank per group, every call of one collective launched in one group).
+
+use crate::error::Result;
+use crate::types::DType;
+
+/// One move of a [`Collective::send_recv`] group: `bytes` at `src` on group `src_group` to `dst`
+/// on group `dst_group`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Move {
+    pub src_group: usize,
+    pub src: u64,
+    pub dst_group: usize,
+    pub dst: u64,
+    pub bytes: usize,
+}
+
+/// One grouped call over every group at once (NCCL: a rank per group, launched in one group).
+/// A failure may leave part of it queued: the backend fails the context before returning it.
+///
+/// The clique may span the ranks of a world ([`crate::backend::WorldCollective`]): its ranks
+/// are then every process's groups in rank order (the plan's [`crate::plan::WorldGroups`]).
+pub(crate) trait Collective {
+    /// `buffers[g] := Σ buffers` for `count` elements of `dtype`, on every group.
+    fn allreduce(&self, dtype: DType, count: usize, buffers: &[u64]) -> Result<()>;
+
+    /// `buffers[g] := buffers[root]` for `count` elements of `dtype`.
+    fn broadcast(&self, dtype: DType, count: usize, root: usize, buffers: &[u64]) -> Result<()>;
+
+    /// Every move as a send and a receive, all in one group.
+    fn send_recv(&self, moves: &[Move]) -> Result<()>;
+
+    /// In place: every `buffers[g]` holds one block of `count` elements of `dtype` per clique
+    /// rank, in clique rank order; group g's own block (that of its clique rank) := the sum of
+    /// that block over the clique (`ncclReduceScatter`, which sends a ring allreduce's first
+    /// half). The other blocks are left undefined.
+    fn reduce_scatter(&self, dtype: DType, count: usize, buffers: &[u64]) -> Result<()>;
+
+    /// In place: every `buffers[g]` holds one block of `bytes` per clique rank; every block of
+    /// every buffer := its clique rank's own block (`ncclAllGather`, a ring allreduce's second
+    /// half).
+    fn allgather(&self, bytes: usize, buffers: &[u64]) -> Result<()>;
+}
