@@ -26,6 +26,7 @@ pub struct Spin {
 /// keep that stream busy until the test releases it: the timeout tests' setup. The stream stays
 /// busy however slow the machine, so the timeout cannot be missed.
 // The timeout tests' setup (tests/cuda.rs, tests/cuda_sparse.rs).
+#[allow(dead_code)]
 pub struct StuckCaller {
     pub ctx: Context,
     pub caller: Arc<CudaStream>,
