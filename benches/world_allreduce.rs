@@ -437,7 +437,7 @@ fn gloo(quick: bool) {
         );
         return;
     }
-    let script = common::data_file("../gloo_allreduce.py");
+    let script = common::bench_file("gloo_allreduce.py");
     let mut cmd = Command::new("mpirun");
     cmd.args([
         "--allow-run-as-root",

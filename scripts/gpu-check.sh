@@ -6,9 +6,15 @@
 #   bash scripts/gpu-check.sh --bundle        # here: build everything into gpu-bundle/
 #   bash scripts/gpu-check.sh --run [DIR [PART...]]   # there: run the bundle, report to
 #                                             # $OUT/REPORT.md (else DIR/REPORT.md)
+#   bash scripts/gpu-check.sh --run [DIR [PART...]] --nccl PATH   # the same on real NCCL
+#                                             # between ranks sharing the GPU (NCCL >= 2.30)
 #
-# PARTs run in the order given (default: bench examples python tests ranks world) — to split the check
-# over several device calls, each under the tool's 10-minute limit. Every binary runs under a
+# PARTs run in the order given (default: bench examples python tests ranks world repro; with
+# --nccl: nccl) — to split the check over several device calls, each under the tool's 10-minute
+# limit. --nccl PATH: PATH is a libnccl.so.2 of NCCL 2.30 or later, or a folder holding the pieces
+# p0, p1, ... of ../shared/tools/nccl-pieces.sh (put back together there, checked against
+# libnccl.so.2.sha256 when the folder has it); every part then runs with DPSYNC_NCCL_LIBRARY=it
+# and NCCL_MULTI_RANK_GPU_ENABLE=1, so ranks sharing the one GPU cross over NCCL. Every binary runs under a
 # timeout (GPU_CHECK_TIMEOUT, 240 s), cut to what is left of the whole run's budget
 # (GPU_CHECK_BUDGET, 560 s); a step the budget no longer allows is reported as NOT RUN.
 #
@@ -48,7 +54,9 @@ bundle() (
   build_examples
   cp target/release/libdpsync.so "$BUNDLE/"
   cp build/examples/{cuda_train,bmuf_train,train_dense,checkpoint_sync} "$BUNDLE/"
+  # The benchmarks find these beside them (benches/common/mod.rs `bench_file`).
   cp -r benches/data "$BUNDLE/data"
+  cp benches/gloo_allreduce.py "$BUNDLE/"
   # What was built: .git does not travel to the GPU machine.
   { git rev-parse HEAD 2>/dev/null || echo unknown; git status --porcelain 2>/dev/null | grep -q . && echo "(with uncommitted changes)"; } >"$BUNDLE/VERSION"
   cp -r tests/python "$BUNDLE/python"
@@ -104,10 +112,36 @@ STEP_TIMEOUT=${GPU_CHECK_TIMEOUT:-240}
 # nothing about the steps it never reached.
 BUDGET=${GPU_CHECK_BUDGET:-560}
 
+# The library `--nccl` names: a file, or a folder of nccl-pieces.sh's pieces p0, p1, ... put back
+# together into FOLDER/libnccl.so.2 (checked against FOLDER/libnccl.so.2.sha256 when present).
+# Prints its path; fails saying why.
+nccl_library() {
+  local path=$1
+  if [ -d "$path" ]; then
+    local pieces=("$path"/p[0-9])
+    [ -f "${pieces[0]}" ] || { echo "--nccl $path: a folder without pieces p0, p1, ..." >&2; return 1; }
+    cat "${pieces[@]}" >"$path/libnccl.so.2" || return 1
+    if [ -f "$path/libnccl.so.2.sha256" ] &&
+      [ "$(sha256sum "$path/libnccl.so.2" | cut -d' ' -f1)" != "$(cat "$path/libnccl.so.2.sha256")" ]; then
+      echo "--nccl $path: ${#pieces[@]} pieces do not give libnccl.so.2.sha256 (a piece missing or cut?)" >&2
+      return 1
+    fi
+    path=$path/libnccl.so.2
+  fi
+  [ -f "$path" ] || { echo "--nccl $path: no such file" >&2; return 1; }
+  (cd "$(dirname "$path")" && echo "$PWD/$(basename "$path")")
+}
+
 run() {
   local dir=${1:-$BUNDLE}
   shift || true
   local parts=("$@")
+  if [ -n "$NCCL" ]; then
+    local lib
+    lib=$(nccl_library "$NCCL") || return 2
+    export DPSYNC_NCCL_LIBRARY=$lib NCCL_MULTI_RANK_GPU_ENABLE=1
+    [ ${#parts[@]} -gt 0 ] || parts=(nccl)
+  fi
   [ ${#parts[@]} -gt 0 ] || parts=(bench examples python tests ranks world repro)
   local deadline=$((SECONDS + BUDGET))
   # The report grows in $OUT when the device tool runs this: a command killed at its limit
@@ -135,6 +169,7 @@ run() {
     echo "NCCL library: ${DPSYNC_NCCL_LIBRARY:-none}"
     echo "NVRTC library: ${DPSYNC_NVRTC_LIBRARY:-none}"
     echo "NCCL version code: ${nccl_code:-unknown}"
+    [ -z "$NCCL" ] || echo "--nccl $NCCL: NCCL_MULTI_RANK_GPU_ENABLE=1 (ranks share the GPU over NCCL)"
     ldd --version 2>&1 | head -1
     grep -h '^PRETTY_NAME' /etc/os-release 2>/dev/null
     echo '```'
@@ -205,6 +240,44 @@ run() {
           timed "$t" two_nccl_ranks --test-threads=1 --nocapture || echo "FAILED (informative)" >>"$report"
       done
     fi
+    endsection
+  }
+  # Real NCCL between ranks sharing the one GPU (--nccl: NCCL >= 2.30 with
+  # NCCL_MULTI_RANK_GPU_ENABLE=1): the two_nccl_ranks tests of the three GPU test binaries, a
+  # world's CUDA replicas crossing 2 and 3 ranks over NCCL (world_cuda cuda_rank_body, AUTO, which
+  # then picks NCCL, and NCCL asked for), and the randomized cross-rank test's NCCL part
+  # (world_random_cuda, 2 and 3 ranks). Failures count here.
+  part_nccl() {
+    local mpi=(mpirun --allow-run-as-root --oversubscribe) spec ranks transport t
+    section "real NCCL between ranks: the library"
+    if [ "${nccl_code:-0}" -lt 23000 ] || [ -z "${NCCL_MULTI_RANK_GPU_ENABLE:-}" ]; then
+      echo "NCCL ${nccl_code:-not found} (${DPSYNC_NCCL_LIBRARY:-none}): needs NCCL >= 2.30 and" \
+        "NCCL_MULTI_RANK_GPU_ENABLE=1 (gpu-check.sh --nccl PATH)" >>"$report"
+      echo "FAILED" >>"$report"; failures=$((failures + 1)); endsection; return
+    fi
+    echo "NCCL ${nccl_code}: ${DPSYNC_NCCL_LIBRARY}" >>"$report"
+    endsection
+    for t in "$dir"/tests/cuda-* "$dir"/tests/cuda_bmuf-* "$dir"/tests/cuda_sparse-*; do
+      section "two NCCL ranks on one GPU: $(basename "$t") two_nccl_ranks"
+      DPSYNC_NCCL_RANK_PER_REPLICA=1 timed "$t" two_nccl_ranks --test-threads=1 --nocapture ||
+        failures=$((failures + 1))
+      endsection
+    done
+    if ! command -v mpirun >/dev/null; then
+      section "worlds over NCCL"; echo "FAILED: no mpirun on this machine" >>"$report"
+      failures=$((failures + 1)); endsection; return
+    fi
+    for spec in "2 auto" "3 auto" "2 nccl" "3 nccl"; do
+      read -r ranks transport <<<"$spec"
+      section "world_cuda cuda_rank_body, $ranks ranks on the one GPU, transport $transport (NCCL across the ranks)"
+      DPSYNC_TEST_RANKS=$ranks DPSYNC_TEST_TRANSPORT=$transport timed "${mpi[@]}" -n "$ranks" \
+        "$dir/mpi/world_cuda" cuda_rank_body --exact --nocapture --test-threads=1 ||
+        failures=$((failures + 1))
+      endsection
+    done
+    section "test binary world_random_cuda, NCCL part (DPSYNC_RANDOM_TRANSPORTS=nccl)"
+    DPSYNC_RANDOM_TRANSPORTS=nccl timed "$dir/mpi/world_random_cuda" --test-threads=1 --nocapture ||
+      failures=$((failures + 1))
     endsection
   }
   part_examples() {
@@ -299,7 +372,7 @@ run() {
     section "test binary shard (worlds)"
     timed "$dir/mpi/shard" world:: --test-threads=1 || failures=$((failures + 1))
     endsection
-    # From the working tree's root, where benches/data is.
+    # They find benches/data beside them in the bundle (data/).
     for b in "$dir"/mpi/repro_bench "$dir"/benches/shard-*; do
       section "benchmark $(basename "$b")"
       timed "$b" --bench || failures=$((failures + 1))
@@ -309,8 +382,8 @@ run() {
   local part
   for part in "${parts[@]}"; do
     case $part in
-      tests|ranks|examples|python|bench|world|repro) "part_$part" ;;
-      *) echo "unknown part '$part' (tests ranks examples python bench world repro)" >>"$report"; failures=$((failures + 1)) ;;
+      tests|ranks|examples|python|bench|world|repro|nccl) "part_$part" ;;
+      *) echo "unknown part '$part' (tests ranks examples python bench world repro nccl)" >>"$report"; failures=$((failures + 1)) ;;
     esac
   done
   section "targets (the benchmarks' TARGET lines)"
@@ -324,9 +397,26 @@ run() {
   [ "$failures" = 0 ]
 }
 
+usage() {
+  echo "usage: $0 [--bundle | --run [DIR [PART...]]] [--nccl PATH]" \
+    "(PART: tests ranks examples python bench world repro nccl)" >&2
+  exit 2
+}
+# --nccl PATH, wherever it stands among the arguments.
+NCCL="" args=()
+while [ $# -gt 0 ]; do
+  case $1 in
+    --nccl)
+      if [ $# -lt 2 ] || [ -z "$2" ]; then usage; fi
+      NCCL=$2
+      shift 2 ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
+set -- ${args[@]+"${args[@]}"}
 case "${1:-}" in
-  --bundle) bundle ;;
+  --bundle) [ -z "$NCCL" ] || usage; bundle ;;
   --run) shift; run "${1:-$BUNDLE}" "${@:2}" ;;
   "") bundle && run "$BUNDLE" ;;
-  *) echo "usage: $0 [--bundle | --run [DIR [PART...]]]  (PART: tests ranks examples python bench world)" >&2; exit 2 ;;
+  *) usage ;;
 esac

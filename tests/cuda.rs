@@ -431,10 +431,15 @@ fn a_stuck_collective_times_out_and_poisons_only_its_context() {
     register_device(ctx, "g", GRAD, 1, dptr(caller, &g1), n, F32);
     set_stream(ctx, 0, caller);
     set_stream(ctx, 1, caller);
-    stuck.spin_a_second_then_fill(&g0, 1.0);
+    stuck.spin_until_released_then_fill(&g0, 1.0);
     check(ctx.allreduce_grads(SUM), "allreduce_grads (queued)");
     expect_err(synchronize(ctx), TIMEOUT, &["timeout"]);
     expect_err(ctx.allreduce_grads(SUM), INVALID_STATE, &["destroy"]);
+    assert!(
+        stuck.still_busy(),
+        "the caller stream is stuck until released"
+    );
+    stuck.release();
     caller.synchronize().unwrap();
     // Another context is unaffected.
     let other = cuda_context("timeout", &[0], |_| {}).unwrap();
@@ -457,7 +462,8 @@ fn a_device_fault_fails_the_context_and_destroy_still_returns() {
 /// The fault on `ordinals`; false when it could not run here (no GPU, or a real driver).
 fn device_fault_on(ordinals: &[i32]) -> bool {
     let test = "a_device_fault_fails_the_context";
-    let Some(ctx) = cuda_context(test, ordinals, |o| o.set_timeout_ms(2000)) else {
+    // The timeout only bounds a wait that would otherwise hang: the fault shows as an error.
+    let Some(ctx) = cuda_context(test, ordinals, |o| o.set_timeout_ms(60_000)) else {
         return false;
     };
     // SAFETY: the fake's `void fake_cuda_fault(int)`.
@@ -527,17 +533,22 @@ fn a_stuck_caller_stream_times_out_the_host_tensors_wait_and_fails_the_context()
         ctx.reg("cpu_grad", GRAD, r, h, F32);
         set_stream(ctx, r, caller);
     }
-    stuck.spin_a_second_then_fill(&scratch, 1.0);
+    stuck.spin_until_released_then_fill(&scratch, 1.0);
     expect_err(
         ctx.allreduce_grads(SUM),
         TIMEOUT,
         &["replica 0", "callers' streams", "50 ms"],
     );
     assert!(
+        stuck.still_busy(),
+        "returned while the caller stream was stuck"
+    );
+    assert!(
         host[0].iter().all(|&x| x == 1.0) && host[1].iter().all(|&x| x == 2.0),
         "the host tensors were touched"
     );
     expect_err(ctx.allreduce_grads(SUM), INVALID_STATE, &["destroy"]);
+    stuck.release();
     caller.synchronize().unwrap();
     drop(stuck);
 }
@@ -701,12 +712,19 @@ fn slow_nccl_setup_is_not_a_collective_timeout() {
     }
 }
 
-/// Registers 1000 ones on GPUs 0 and 1 and checks that two SUM steps give 2, then 4.
+/// Registers 1000 ones on GPUs 0 and 1 and checks that two SUM steps give 2, then 4. Each step
+/// has run on the GPUs (waited for without a timeout) before dpsync looks for its completion, so
+/// a short collective timeout (slow_nccl_setup_is_not_a_collective_timeout's) cannot expire on
+/// steady-state work that a busy machine merely delays.
 fn two_sums_of_ones(ctx: &Context, what: &str) {
     let n = 1000;
     let keep = ones_on_gpus_0_and_1(ctx, n);
     for step in 1..=2 {
         check(ctx.allreduce_grads(SUM), "allreduce_grads");
+        for ordinal in 0..2 {
+            let gpu = cudarc::driver::CudaContext::new(ordinal).unwrap();
+            gpu.synchronize().expect("cuCtxSynchronize");
+        }
         check(synchronize(ctx), "synchronize");
         for (r, (d, stream)) in keep.iter().enumerate() {
             let got = stream.clone_dtoh(d).unwrap();
@@ -836,29 +854,59 @@ fn a_failing_nccl_collective_poisons_the_context() {
         Place::gpus("a_failing_nccl_collective", 2).is_some(),
         "the fake has 2+ GPUs"
     );
+    // The healthy part (creating the communicators, a first collective without the fault: the
+    // fake reads it per group) runs in a context with a generous timeout, so that a busy machine
+    // cannot time it out. The fault hits a second context over the same GPUs, which shares those
+    // communicators (made, so nothing of its own waits on setup) and has a short timeout: a hang
+    // is reported after the longer of it and nccl::setup_time(), which scripts/fake-cuda.sh
+    // shortens for this test (DPSYNC_NCCL_SETUP_TIMEOUT_MS; its default is a minute).
+    std::env::remove_var("FAKE_NCCL_FAULT");
+    let healthy = cuda_context("nccl before the fault", &[0, 1], |o| {
+        o.set_transport(T_NCCL);
+        o.set_timeout_ms(60_000);
+    })
+    .expect("the fake CUDA driver and NCCL are loaded");
+    let n = 1000;
+    let mut keep: Vec<_> = (ones_on_gpus_0_and_1(&healthy, n).into_iter())
+        .map(|(d, _)| d)
+        .collect();
+    check(
+        healthy.allreduce_grads(SUM),
+        "allreduce_grads before the fault",
+    );
+    check(synchronize(&healthy), "synchronize before the fault");
     let ctx = cuda_context("nccl fault", &[0, 1], |o| {
         o.set_transport(T_NCCL);
         o.set_timeout_ms(100);
     })
-    .expect("the fake CUDA driver and NCCL are loaded");
-    let n = 1000;
-    let mut keep: Vec<_> = (ones_on_gpus_0_and_1(&ctx, n).into_iter())
-        .map(|(d, _)| d)
-        .collect();
-    // A first collective without the fault (the fake reads it per group). A stuck launch is
-    // reported after nccl::setup_time(), which scripts/fake-cuda.sh shortens for this test
-    // (DPSYNC_NCCL_SETUP_TIMEOUT_MS); its default is a minute.
-    std::env::remove_var("FAKE_NCCL_FAULT");
-    check(ctx.allreduce_grads(SUM), "allreduce_grads before the fault");
-    check(synchronize(&ctx), "synchronize before the fault");
+    .unwrap();
+    for (r, d) in keep.iter().enumerate() {
+        register_device(
+            &ctx,
+            "g",
+            GRAD,
+            r,
+            dptr(&default_stream(r as i32), d),
+            n,
+            F32,
+        );
+    }
     std::env::set_var("FAKE_NCCL_FAULT", &fault);
     expect_err(ctx.allreduce_grads(SUM), want.0, &[want.1]);
     expect_err(ctx.allreduce_grads(SUM), INVALID_STATE, &["destroy"]);
     expect_err(synchronize(&ctx), INVALID_STATE, &["destroy"]);
     drop(ctx);
+    // The communicators it aborted were the healthy context's too, which now refuses to use
+    // them (this also shows the faulty context made none of its own).
+    std::env::remove_var("FAKE_NCCL_FAULT");
+    expect_err(
+        healthy.allreduce_grads(SUM),
+        dpsync_status::DPSYNC_STATUS_BACKEND_ERROR,
+        &["aborted"],
+    );
+    drop(healthy);
     // The aborted communicators are not reused: a new context builds its own (and the fake
     // aborts the process on any use of an aborted one).
-    std::env::remove_var("FAKE_NCCL_FAULT");
     let again = cuda_context("after an NCCL fault", &[0, 1], |o| o.set_transport(T_NCCL)).unwrap();
     for (r, d) in keep.iter_mut().enumerate() {
         let stream = default_stream(r as i32);

@@ -528,8 +528,8 @@ fn gathers_across_gpus_are_ordered_by_each_replicas_stream() {
 
 /// Coalescing waits on the host for the indices, which come after the work already queued on
 /// the replica's stream. That wait is bounded by the timeout like any other: a caller stream
-/// stuck for a second makes `allreduce_grads` return TIMEOUT after 50 ms (the context then
-/// refuses further collectives), rather than block until the stream is free. Needs asynchronous
+/// stuck until the test releases it makes `allreduce_grads` return TIMEOUT after 50 ms (the
+/// context then refuses further collectives), rather than block until the stream is free. Needs asynchronous
 /// streams (a GPU, or the fake driver's FAKE_CUDA_ASYNC=1).
 #[test]
 fn the_coalescing_wait_for_the_indices_times_out() {
@@ -557,14 +557,15 @@ fn the_coalescing_wait_for_the_indices_times_out() {
             "sparse_set",
         );
     }
-    stuck.spin_a_second_then_fill(&spun, 1.0);
-    let started = std::time::Instant::now();
+    stuck.spin_until_released_then_fill(&spun, 1.0);
     expect_err(ctx.allreduce_grads(SUM), TIMEOUT, &["timeout"]);
-    let waited = started.elapsed();
-    expect_err(ctx.allreduce_grads(SUM), INVALID_STATE, &["destroy"]);
-    caller.synchronize().unwrap();
+    // The stream is busy until released: had the wait not been bounded, allreduce_grads would
+    // have returned only once the kernel's safety net (about a minute) freed it.
     assert!(
-        waited < std::time::Duration::from_millis(900),
-        "allreduce_grads returned after {waited:?}, not at the 50 ms timeout"
+        stuck.still_busy(),
+        "allreduce_grads returned once the stream was free, not at the 50 ms timeout"
     );
+    expect_err(ctx.allreduce_grads(SUM), INVALID_STATE, &["destroy"]);
+    stuck.release();
+    caller.synchronize().unwrap();
 }

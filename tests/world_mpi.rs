@@ -480,17 +480,13 @@ fn stopped_body() {
     let Some((rank, _)) = as_rank("stopped_body") else {
         return;
     };
-    let o = world_options(1);
-    o.set_timeout_ms(2000);
-    let ctx = Context::new(&o);
     let n = 64 << 20;
     let mut x = vec![1.0f32; n];
-    ctx.reg("x", STATE, 0, &mut x, F32);
-    // Each rank's pid, through the world (which lines the ranks up as well).
+    // Each rank's pid, through a world that lines the ranks up as well.
     let mut pids = [0i64; 2];
     pids[rank] = i64::from(std::process::id());
-    ctx.reg("pids", STATE, 0, &mut pids, I64);
-    check(ctx.allreduce("pids", SUM), "pids");
+    let ctx = lined_up_world(&mut pids, 2000);
+    ctx.reg("x", STATE, 0, &mut x, F32);
     if rank == 1 {
         finds_the_world_failed(ctx, "stopped rank");
         return;
@@ -523,6 +519,21 @@ fn stopped_body() {
         start.elapsed().as_secs_f64() < 2.0,
         "destroy waited on the lost rank"
     );
+}
+
+/// A world of one host replica per rank with a short timeout (`timeout_ms`, for a test whose
+/// fault is a rank that does not come), created once `values` are summed across the ranks in a
+/// world with world_options' generous timeout: creating a world is a collective under its own
+/// timeout, and right after the ranks met it does not wait on a rank still starting up on a
+/// busy machine.
+fn lined_up_world(values: &mut [i64], timeout_ms: u64) -> Context {
+    let lineup = Context::new(&world_options(1));
+    lineup.reg("values", STATE, 0, values, I64);
+    check(lineup.allreduce("values", SUM), "the ranks line up");
+    drop(lineup);
+    let o = world_options(1);
+    o.set_timeout_ms(timeout_ms);
+    Context::new(&o)
 }
 
 /// Options for `replicas` host replicas in the MPI_COMM_WORLD world; a timeout, so that a rank
@@ -970,9 +981,7 @@ fn stuck_body() {
     let Some((rank, _)) = as_rank("stuck_body") else {
         return;
     };
-    let o = world_options(1);
-    o.set_timeout_ms(2000);
-    let ctx = Context::new(&o);
+    let ctx = lined_up_world(&mut [0], 2000);
     let mut x = vec![1.0f32; 8];
     ctx.reg("x", STATE, 0, &mut x, F32);
     if rank == 1 {

@@ -94,14 +94,45 @@ pub fn filled(n: usize, seed: usize, offset: f32) -> Vec<f32> {
         .collect()
 }
 
-/// A file of benches/data: from the working directory first (the GPU bundle of
-/// scripts/gpu-check.sh runs elsewhere than it was built), else from the source tree.
-pub fn data_file(name: &str) -> String {
-    let local = format!("benches/data/{name}");
-    if std::path::Path::new(&local).exists() {
-        return local;
+/// A file of the benchmarks' own tree, `rel` as under benches/ ("data/resnet50_params.tsv",
+/// "gloo_allreduce.py"), found where a benchmark may run: under `DPSYNC_BENCH_DIR` when set (a
+/// directory laid out as benches/ is); under benches/ or the bundle layout of
+/// scripts/gpu-check.sh (data/, gloo_allreduce.py at its root) in the working directory; the
+/// same beside the executable and up to four directories above it (a bundle's benches/ and
+/// mpi/, cargo's target/release/deps/); last in the source tree it was built from, which a
+/// bundle moved to another machine does not have. Panics naming every place tried.
+pub fn bench_file(rel: &str) -> String {
+    use std::path::PathBuf;
+    let mut roots: Vec<PathBuf> = Vec::new();
+    if let Some(dir) = std::env::var_os("DPSYNC_BENCH_DIR") {
+        roots.push(dir.into());
     }
-    format!("{}/benches/data/{name}", env!("CARGO_MANIFEST_DIR"))
+    roots.extend([PathBuf::from("benches"), PathBuf::from(".")]);
+    let exe = std::env::current_exe().unwrap_or_default();
+    for dir in exe.ancestors().skip(1).take(5) {
+        roots.push(dir.join("benches"));
+        roots.push(dir.to_path_buf());
+    }
+    roots.push(PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/benches"
+    )));
+    let mut tried: Vec<PathBuf> = roots.iter().map(|r| r.join(rel)).collect();
+    tried.dedup();
+    if let Some(found) = tried.iter().find(|p| p.is_file()) {
+        return found.to_string_lossy().into_owned();
+    }
+    let tried: Vec<String> = tried.iter().map(|p| p.display().to_string()).collect();
+    panic!(
+        "benches/{rel} not found; set DPSYNC_BENCH_DIR to a directory holding {rel} (the \
+         source tree's benches/, or a bundle of scripts/gpu-check.sh). Tried: {}",
+        tried.join(", ")
+    );
+}
+
+/// A file of benches/data ([`bench_file`]).
+pub fn data_file(name: &str) -> String {
+    bench_file(&format!("data/{name}"))
 }
 
 /// A parameter set (benches/data/*.tsv: name, shape, element count): (name, elements) per tensor.

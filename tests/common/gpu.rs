@@ -19,16 +19,20 @@ pub const SPIN: &str = include_str!("../fakecuda/spin.cu");
 pub struct Spin {
     pub fill: cudarc::driver::CudaFunction,
     pub copy: cudarc::driver::CudaFunction,
+    pub until: cudarc::driver::CudaFunction,
 }
 
 /// A context on [0, 0] whose replicas both use one caller stream, with the test kernels to
-/// keep that stream busy: the timeout tests' setup.
+/// keep that stream busy until the test releases it: the timeout tests' setup. The stream stays
+/// busy however slow the machine, so the timeout cannot be missed.
 // The timeout tests' setup (tests/cuda.rs, tests/cuda_sparse.rs).
 #[allow(dead_code)]
 pub struct StuckCaller {
     pub ctx: Context,
     pub caller: Arc<CudaStream>,
     spin: Spin,
+    /// One page-locked i32 that the spinning kernel polls: non-zero releases it.
+    release: *mut i32,
 }
 
 #[allow(dead_code)] // as StuckCaller
@@ -36,6 +40,7 @@ impl StuckCaller {
     /// `None`, having said why, without asynchronous streams (the synchronous fake cannot keep a
     /// stream busy) or without a GPU. The caller stream is not yet given to dpsync.
     pub fn new(test: &str, configure: impl Fn(&Options)) -> Option<StuckCaller> {
+        use cudarc::driver::sys;
         if needs_async_streams(test) {
             return None;
         }
@@ -43,19 +48,54 @@ impl StuckCaller {
         let gpu = gpu();
         let spin = spin_kernels(&gpu);
         let caller = gpu.new_stream().unwrap();
-        Some(StuckCaller { ctx, caller, spin })
+        gpu.bind_to_thread().unwrap();
+        let mut release: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: plain driver call; freed on drop.
+        let rc = unsafe { sys::cuMemAllocHost_v2(&mut release, 4) };
+        assert_eq!(rc, sys::CUresult::CUDA_SUCCESS, "cuMemAllocHost");
+        let release = release.cast::<i32>();
+        // SAFETY: 4 bytes of page-locked memory, ours.
+        unsafe { release.write_volatile(0) };
+        Some(StuckCaller {
+            ctx,
+            caller,
+            spin,
+            release,
+        })
     }
 
-    /// Queues on the caller stream a kernel that spins about a second, then fills `buf` with
-    /// `value`.
-    pub fn spin_a_second_then_fill(&self, buf: &CudaSlice<f32>, value: f32) {
+    /// Queues on the caller stream a kernel that spins until [`StuckCaller::release`] (or, as a
+    /// safety net, about a minute), then fills `buf` with `value`.
+    pub fn spin_until_released_then_fill(&self, buf: &CudaSlice<f32>, value: f32) {
         use cudarc::driver::{LaunchConfig, PushKernelArg};
         let n = buf.len();
-        let mut b = self.caller.launch_builder(&self.spin.fill);
-        let (nn, cycles) = (n as u64, 2_000_000_000i64);
-        b.arg(buf).arg(&nn).arg(&value).arg(&cycles);
-        // SAFETY: arguments match the kernel.
+        let mut b = self.caller.launch_builder(&self.spin.until);
+        let (nn, release, cycles) = (n as u64, self.release as u64, 120_000_000_000i64);
+        b.arg(buf).arg(&nn).arg(&value).arg(&release).arg(&cycles);
+        // SAFETY: arguments match the kernel (`release` is its `const int*`, page-locked).
         unsafe { b.launch(LaunchConfig::for_num_elems(n as u32)) }.unwrap();
+    }
+
+    /// Whether the caller stream still has work to do: an event recorded there now is not yet
+    /// complete.
+    pub fn still_busy(&self) -> bool {
+        let now = self.caller.record_event(None).expect("cuEventRecord");
+        !now.try_is_complete().expect("cuEventQuery")
+    }
+
+    /// Lets the spinning kernel end.
+    pub fn release(&self) {
+        // SAFETY: our page-locked i32, polled by the kernel.
+        unsafe { self.release.write_volatile(1) };
+    }
+}
+
+impl Drop for StuckCaller {
+    fn drop(&mut self) {
+        self.release();
+        let _ = self.caller.synchronize();
+        // SAFETY: ours; the kernel that read it has ended.
+        unsafe { cudarc::driver::sys::cuMemFreeHost(self.release.cast()) };
     }
 }
 
@@ -65,6 +105,9 @@ pub fn spin_kernels(ctx: &Arc<CudaContext>) -> Spin {
     Spin {
         fill: module.load_function("spin_then_fill").unwrap(),
         copy: module.load_function("copy_out").unwrap(),
+        until: module
+            .load_function("spin_until_released_then_fill")
+            .unwrap(),
     }
 }
 
