@@ -119,6 +119,7 @@ fn status_names_and_version() {
         "DPSYNC_STATUS_BACKEND_ERROR",
         "DPSYNC_STATUS_TIMEOUT",
         "DPSYNC_STATUS_PANIC",
+        "DPSYNC_STATUS_RANK_LOST",
     ];
     for (i, want) in names.iter().enumerate() {
         assert_eq!(status_name(i as u32), *want, "status {i}");
@@ -131,7 +132,7 @@ fn status_names_and_version() {
         status_name(dpsync_status::DPSYNC_STATUS_OK as u32),
         "DPSYNC_STATUS_OK"
     );
-    for unknown in [10u32, 11, 100, 0x8000_0000, 0xFFFF_FFFF] {
+    for unknown in [11u32, 12, 100, 0x8000_0000, 0xFFFF_FFFF] {
         assert_eq!(status_name(unknown), "UNKNOWN", "status {unknown}");
     }
     let v = unsafe { std::ffi::CStr::from_ptr(dpsync_version()) };

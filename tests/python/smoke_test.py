@@ -29,6 +29,7 @@ STATUS_NAMES = [
     "DPSYNC_STATUS_BACKEND_ERROR",
     "DPSYNC_STATUS_TIMEOUT",
     "DPSYNC_STATUS_PANIC",
+    "DPSYNC_STATUS_RANK_LOST",
 ]
 F32, F64, I64 = 0, 1, 5
 PARAM, GRAD, COMPUTED, STATE = 1, 2, 4, 8
@@ -166,7 +167,7 @@ class Smoke:
             assert got == name, "status %d named %r, expected %r" % (code, got, name)
         got = self.lib.dpsync_status_name(1000).decode()
         assert got == "UNKNOWN", "status 1000 named %r" % got
-        return "0..9 and UNKNOWN"
+        return "0..10 and UNKNOWN"
 
     def check_create(self):
         opts = c_void_p()

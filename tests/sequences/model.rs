@@ -10,7 +10,7 @@ use dpsync::*;
 
 /// Statuses the contract defines: 0..=9; 9 (PANIC) must never be seen.
 pub(crate) const PANIC: u32 = dpsync_status::DPSYNC_STATUS_PANIC as u32;
-pub(crate) const LAST_STATUS: u32 = dpsync_status::DPSYNC_STATUS_PANIC as u32;
+pub(crate) const LAST_STATUS: u32 = dpsync_status::DPSYNC_STATUS_RANK_LOST as u32;
 pub(crate) const ROLES: [u32; 4] = [PARAM, GRAD, COMPUTED, STATE];
 /// docs/API.md "Options": 25 MiB buckets by default.
 pub(crate) const DEFAULT_FUSION: usize = 25 << 20;
