@@ -101,8 +101,11 @@ unsafe fn pieces(
     avg: Option<usize>,
 ) -> Result<()> {
     let n = view.elements();
-    if let (Some(ranks), [member], true) = (site.ranks, members, members == write_to) {
-        if site.levels.ranks.iter().all(|&r| r == 1) && direct(site, ranks, view, *member, avg)? {
+    // Every rank with as many contributions: the engine's choice of route is alike on every
+    // rank.
+    let alike = site.levels.ranks.iter().all(|&r| r == members.len());
+    if let (Some(ranks), true, true) = (site.ranks, members == write_to, alike) {
+        if direct(site, ranks, view, members, avg)? {
             return Ok(());
         }
     }
@@ -150,9 +153,10 @@ unsafe fn pieces(
     Ok(())
 }
 
-/// A world of one replica per rank: the engine's one-exchange reproducible sum
-/// ([`Ranks::allreduce_reproducible`]), where it has one for the bucket (the same answer on
-/// every rank); the result in `member`'s memory.
+/// A world of as many replicas on every rank: the engine's reproducible sum from the ranks'
+/// raw values ([`Ranks::allreduce_reproducible`]: through shared memory, or to each element's
+/// owner and back), where it has one for the bucket (the same answer on every rank); the
+/// result in every member's memory.
 ///
 /// # Safety
 /// As for [`pieces`].
@@ -160,10 +164,12 @@ unsafe fn direct(
     site: Site<'_>,
     ranks: &dyn Ranks,
     view: &BucketView<'_>,
-    member: usize,
+    members: &[usize],
     avg: Option<usize>,
 ) -> Result<bool> {
-    let ptrs: Vec<[usize; 1]> = view.segments.iter().map(|s| [s.ptrs[member]]).collect();
+    let ptrs: Vec<Vec<usize>> = (view.segments.iter())
+        .map(|s| members.iter().map(|&m| s.ptrs[m]).collect())
+        .collect();
     let segments: Vec<Segment<'_>> = (view.segments.iter().zip(&ptrs))
         .map(|(s, p)| Segment {
             ptrs: p,

@@ -28,6 +28,7 @@ use ring::Ring;
 use shm::Shared;
 use steps::{Queue, Until};
 
+mod alltoall;
 mod calls;
 mod init;
 mod negotiate;
