@@ -511,11 +511,12 @@ pub(crate) trait Ranks: Send {
     ) -> Result<()>;
 
     /// The reproducible sum (backend/host/repro.rs) of every segment over the ranks, divided by
-    /// `avg` if given, into its `ptrs[0]`, where the engine can compute it from the ranks' raw
-    /// values in one exchange: one contribution per rank (`ptrs` of one), F32 or F64, a bucket
-    /// its ring carries through shared memory. The same bytes as the exponents' maximum then
-    /// the integers' sum (exec/repro.rs), at the traffic of a plain allreduce. `false` (and
-    /// nothing moved) where it cannot, alike on every rank.
+    /// `avg` if given, into its `ptrs` (at least `ptrs[0]`), where the engine can compute it from
+    /// the ranks' raw values: F32 or F64, as many contributions on every rank (one per rank
+    /// through shared memory: its ring; otherwise every contribution's slice sent raw to the
+    /// slice's owner rank, summed there, the sums gathered back). The same bytes as the
+    /// exponents' maximum then the integers' sum (exec/repro.rs). `false` (and nothing moved)
+    /// where it cannot, alike on every rank.
     ///
     /// # Safety
     /// As for [`Ranks::allreduce`].
@@ -533,8 +534,8 @@ pub(crate) trait Ranks: Send {
     /// segment, in `ptrs` order, ascending), and `ptrs[j]` gets the sum in its elements only.
     /// Nothing else of the segments is written. The engine may read and write less than an
     /// allreduce does (through shared memory it copies out the owned elements alone). `false`
-    /// (nothing moved) only with `reproducible`, where [`Ranks::allreduce_reproducible`] would
-    /// be `false`, alike on every rank. `every_rank`: every rank's elements, which lets an
+    /// (nothing moved) only with `reproducible`, where the engine's ring cannot sum it in one
+    /// exchange (the callers then reduce-scatter a copy), alike on every rank. `every_rank`: every rank's elements, which lets an
     /// engine sum each rank's at that rank ([`EveryRank`]).
     ///
     /// # Safety
