@@ -2,7 +2,8 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-step() { printf '\n==> %s\n' "$*"; }
+# Each step says when it started, so a slow run shows where its time went.
+step() { printf '\n==> [%s] %s\n' "$(date +%T)" "$*"; }
 
 # Installs the named Debian packages (none: nothing to do). Waits up to 5 minutes for another
 # apt or dpkg holding the lock rather than failing at once (exit 100).
