@@ -44,7 +44,7 @@ impl Executor {
             })?;
             return Ok(Ticket(Box::new(StartedInGroups { buffers, avg })));
         }
-        dense::contributions(&view(bucket, tensors), &site.levels.groups[0], |segments| {
+        super::staged::contributions(&view(bucket, tensors), &site.levels.groups[0], |segments| {
             ranks.start(bucket.dtype, segments, bucket.elements, avg)
         })
     }

@@ -15,6 +15,7 @@ mod early;
 mod repro;
 pub mod shard;
 mod sparse;
+mod staged;
 mod transfer;
 pub mod world;
 

@@ -17,7 +17,7 @@
 
 use serde_json::json;
 
-use super::dense::{copy_out, stage_in};
+use super::staged::{copy_out, stage_in};
 use super::Site;
 use crate::backend::host::{host_threads, repro};
 use crate::backend::{BucketView, Channel, Ranks, Segment};

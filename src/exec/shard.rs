@@ -44,7 +44,8 @@
 //! [`Ranks::allgather_owned`]: crate::backend::Ranks::allgather_owned
 
 use super::clique;
-use super::dense::{self, contributions};
+use super::dense;
+use super::staged::{self, contributions};
 use super::{buckets_for, view, Executor, Site};
 use crate::backend::{Allocation, Backend, Channel, EveryRank, Ranks};
 use crate::error::Result;
@@ -222,7 +223,7 @@ impl Executor {
                 ..site
             };
             let (view, mine) = (view(bucket, tensors), (&owned[..], every_rank));
-            if dense::reduce_scatter_staged(site, &view, mine, avg, reproducible)? {
+            if staged::reduce_scatter_staged(site, &view, mine, avg, reproducible)? {
                 return Ok(());
             }
         }
