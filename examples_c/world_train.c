@@ -10,7 +10,7 @@
  *
  *   mpirun -n 2 world_train --replicas-per-rank 3,1 [--steps S] [--batch B] [--lr LR]
  *                           [--save FILE] [--expect FILE --tol T] [--describe]
- *                           [--reproducible]
+ *                           [--reproducible] [--elastic MIN] [--kill R:S | --leave R:S]
  *
  * --save FILE writes rank 0's final weights (N_PARAMS raw floats); --expect FILE --tol T compares
  * every rank's against such a file. --describe prints rank 0's dpsync_describe JSON.
@@ -21,6 +21,18 @@
  * (the CTests world_train_reproducible and world_train_plain_differs check both: CMakeLists.txt,
  * world_repro.cmake).
  *
+ * Ranks that go away (the gradients are then averaged, DPSYNC_REDUCE_AVG, which counts the
+ * replicas that took part in each call; every replica keeps reading the samples it read at the
+ * start, so the lost or leaving rank's data is dropped from that step on):
+ * --elastic MIN makes the world elastic (dpsync_options_set_elastic; an MPI with ULFM, started
+ * with `mpirun --with-ft ulfm`): it goes on while MIN ranks remain. --kill R:S makes rank R kill
+ * itself (SIGKILL) in step S, after its gradients were marked ready; every other rank gets
+ * DPSYNC_STATUS_RANK_LOST from the collective that loss interrupts, computes the step's
+ * gradients again and redoes the step over the survivors. --leave R:S makes rank R call
+ * dpsync_leave instead of step S and stop (uneven inputs; any world). With --reproducible the
+ * survivors of a --kill run end byte-identical to a --leave run with the same R:S (the CTest
+ * world_train_elastic, world_elastic.cmake).
+ *
  * Exit code 77 (skipped) when the library was built without MPI.
  */
 #include <dpsync.h>
@@ -28,16 +40,20 @@
 #include "dense_model.h"
 #include "example_util.h"
 
+#include <signal.h>
+
 enum { MAX_RANKS = 64, SKIPPED = 77 };
 
 static void usage(void) {
   fprintf(stderr,
           "usage: world_train --replicas-per-rank N0,N1,... [--steps S] [--batch B] [--lr LR]\n"
           "                   [--save FILE] [--expect FILE --tol T] [--describe]\n"
-          "                   [--reproducible]\n"
+          "                   [--reproducible] [--elastic MIN] [--kill R:S | --leave R:S]\n"
           "  one count per rank; B must be a multiple of the total.\n"
           "  --reproducible: float sums give the same bytes whatever the arrangement of the\n"
-          "  replicas over the ranks (dpsync_options_set_reproducible).\n");
+          "  replicas over the ranks (dpsync_options_set_reproducible).\n"
+          "  --elastic MIN: the world goes on while MIN ranks remain (an MPI with ULFM).\n"
+          "  --kill R:S / --leave R:S: rank R is killed in / leaves at step S.\n");
   exit(2);
 }
 
@@ -54,9 +70,21 @@ static size_t parse_counts(const char *text, size_t *counts) {
   return n;
 }
 
+/* "R:S" -> rank and step; 0 on a malformed pair. */
+static int parse_rank_step(const char *text, size_t *rank, size_t *step) {
+  char buf[64];
+  char *colon;
+  if (strlen(text) >= sizeof buf) return 0;
+  strcpy(buf, text);
+  if ((colon = strchr(buf, ':')) == NULL) return 0;
+  *colon = '\0';
+  return parse_size(buf, rank) && parse_size(colon + 1, step);
+}
+
 /* A context over the world with `replicas` host replicas on this rank, reproducible sums on or
-   off (every rank must agree); 0 when the library has no MPI (the caller skips). */
-static dpsync_context *world_context(size_t replicas, bool reproducible) {
+   off (every rank must agree), elastic when `min_ranks` > 0; 0 when the library has no MPI, or
+   no ULFM for an elastic world (the caller skips). */
+static dpsync_context *world_context(size_t replicas, bool reproducible, size_t min_ranks) {
   dpsync_options *opts = NULL;
   dpsync_context *ctx = NULL;
   CHECK(dpsync_options_new(&opts));
@@ -69,8 +97,14 @@ static dpsync_context *world_context(size_t replicas, bool reproducible) {
     return NULL;
   }
   CHECK(st);
-  CHECK(dpsync_context_create(opts, &ctx));
+  if (min_ranks > 0) CHECK(dpsync_options_set_elastic(opts, min_ranks));
+  st = dpsync_context_create(opts, &ctx);
   dpsync_options_free(opts);
+  if (st == DPSYNC_STATUS_UNAVAILABLE && min_ranks > 0) {
+    printf("world_train: skipped: %s\n", dpsync_last_error());
+    return NULL;
+  }
+  CHECK(st);
   return ctx;
 }
 
@@ -80,6 +114,8 @@ int main(int argc, char **argv) {
   bool reproducible = false;
   double lr = 0.5, tol = 0.0;
   const char *save_path = NULL, *expect_path = NULL;
+  size_t min_ranks = 0, kill_rank = 0, kill_step = 0, leave_rank = 0, leave_step = 0;
+  bool kill = false, leave = false;
 
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
@@ -108,15 +144,24 @@ int main(int argc, char **argv) {
       save_path = v;
     } else if (strcmp(a, "--expect") == 0) {
       expect_path = v;
+    } else if (strcmp(a, "--elastic") == 0) {
+      if (!parse_size(v, &min_ranks) || min_ranks == 0) usage();
+    } else if (strcmp(a, "--kill") == 0) {
+      if (!(kill = parse_rank_step(v, &kill_rank, &kill_step))) usage();
+    } else if (strcmp(a, "--leave") == 0) {
+      if (!(leave = parse_rank_step(v, &leave_rank, &leave_step))) usage();
     } else {
       usage();
     }
   }
-  if (n_counts == 0) usage();
+  if (n_counts == 0 || (kill && leave) || (kill && min_ranks == 0)) usage();
+  /* Ranks that go away: the gradients are averaged over whoever took part (the loss scale of a
+     SUM would still count them). */
+  const bool shrinks = kill || leave;
 
   /* The rank decides the local replica count, and a context tells the rank: a first context
      with one replica per rank (creation is collective) asks, then the real one is made. */
-  dpsync_context *probe = world_context(1, reproducible);
+  dpsync_context *probe = world_context(1, reproducible, 0);
   if (probe == NULL) return SKIPPED;
   size_t rank = 0, ranks = 0;
   CHECK(dpsync_rank(probe, &rank, &ranks));
@@ -127,8 +172,8 @@ int main(int argc, char **argv) {
     return 1;
   }
   const size_t replicas = counts[rank];
-  dpsync_context *ctx = world_context(replicas, reproducible);
-  if (ctx == NULL) return 1; /* MPI was there a moment ago */
+  dpsync_context *ctx = world_context(replicas, reproducible, min_ranks);
+  if (ctx == NULL) return min_ranks > 0 ? SKIPPED : 1; /* MPI was there a moment ago */
 
   size_t total = 0, offset = 0;
   double loss_scale = 0.0;
@@ -162,14 +207,32 @@ int main(int argc, char **argv) {
 
   make_dataset();
   double first_loss = 0.0, last_loss = 0.0;
+  const double coef = (shrinks ? 1.0 : loss_scale) / (double)local_batch;
+  const dpsync_reduce_op op = shrinks ? DPSYNC_REDUCE_AVG : DPSYNC_REDUCE_SUM;
   for (size_t step = 0; step < steps; step++) {
-    for (size_t r = 0; r < replicas; r++) {
-      forward_backward(&reps[r], step * batch + (offset + r) * local_batch, local_batch,
-                       loss_scale / (double)local_batch);
-      for (int t = N_TENSORS - 1; t >= 0; t--) CHECK(dpsync_grad_ready(ctx, TENSORS[t].grad_name, r));
+    if (leave && rank == leave_rank && step == leave_step) {
+      CHECK(dpsync_leave(ctx));
+      printf("world_train: rank %zu left at step %zu\n", rank, step);
+      break;
     }
-    CHECK(dpsync_allreduce_grads(ctx, DPSYNC_REDUCE_SUM));
-    CHECK(dpsync_allreduce(ctx, "loss", DPSYNC_REDUCE_SUM));
+    dpsync_status st;
+    do { /* again after a lost rank: the step's gradients are computed anew */
+      for (size_t r = 0; r < replicas; r++) {
+        forward_backward(&reps[r], step * batch + (offset + r) * local_batch, local_batch, coef);
+        for (int t = N_TENSORS - 1; t >= 0; t--)
+          CHECK(dpsync_grad_ready(ctx, TENSORS[t].grad_name, r));
+      }
+      if (kill && rank == kill_rank && step == kill_step) raise(SIGKILL);
+      st = dpsync_allreduce_grads(ctx, op);
+      if (st == DPSYNC_STATUS_RANK_LOST)
+        printf("world_train: rank %zu, step %zu: %s; the step again\n", rank, step,
+               dpsync_last_error());
+    } while (st == DPSYNC_STATUS_RANK_LOST);
+    CHECK(st);
+    /* A loss here leaves the loss's bytes as they were: the same call again. */
+    while ((st = dpsync_allreduce(ctx, "loss", op)) == DPSYNC_STATUS_RANK_LOST) {
+    }
+    CHECK(st);
     for (size_t r = 0; r < replicas; r++)
       for (int i = 0; i < N_PARAMS; i++) reps[r].params[i] -= (float)lr * reps[r].grads[i];
     if (step == 0) first_loss = reps[0].loss;
