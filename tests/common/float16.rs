@@ -1,4 +1,5 @@
-//! f16 / bf16 conversions written here (cross-checked against `half` in tests/collectives.rs).
+//! f16 / bf16 conversions written here (cross-checked against `half` in
+//! tests/collectives_parts/allreduce.rs).
 
 /// f32 -> IEEE binary16 bits, round to nearest even (subnormals, infinities, NaN).
 pub fn f32_to_f16(x: f32) -> u16 {
