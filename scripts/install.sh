@@ -101,9 +101,10 @@ for flag in $native; do
 done
 [ -z "$mpi_module" ] || cmake_libs+=(MPI::MPI_C)
 
-step "dpsync-info (tools/dpsync_info.c)"
+step "dpsync-info (tools/*.c)"
 # The tool finds the library beside it, wherever the prefix is moved to.
-${CC:-cc} -std=c11 ${CFLAGS:--O2 -g} -Wall -Wextra -Iinclude tools/dpsync_info.c \
+${CC:-cc} -std=c11 ${CFLAGS:--O2 -g} -Wall -Wextra -Iinclude tools/dpsync_info.c tools/info_args.c \
+  tools/info_json.c tools/info_probe.c \
   -o "$built/dpsync-info" ${LDFLAGS:-} -L"$built" -ldpsync -ldl \
   "-Wl,-rpath,\$ORIGIN/../$libdir"
 
