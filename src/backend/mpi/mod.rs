@@ -42,8 +42,10 @@ mod scatter;
 mod shm;
 mod staging;
 mod steps;
+mod ulfm;
 
-pub(crate) use init::{library_name, ulfm_missing, world_of};
+pub(crate) use init::{library_name, world_of};
+pub(crate) use ulfm::ulfm_missing;
 
 /// The duplicated communicator, freed when the context goes.
 struct Comm(ffi::MPI_Comm);
@@ -109,6 +111,10 @@ pub(crate) struct Engine {
     shared: Option<Shared>,
     /// What `dpsync_describe` says of it: on, or why not.
     shared_note: String,
+    /// An elastic world's engine (`ulfm.rs`): MPI messages only, a vote after every call.
+    elastic: bool,
+    /// A collective began (its agreement) since the last vote: its ranks vote after it.
+    begun: AtomicBool,
 }
 
 impl Engine {

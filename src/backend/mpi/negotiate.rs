@@ -33,6 +33,7 @@ impl MpiRanks {
         static OBJECTS: AtomicUsize = AtomicUsize::new(0);
         let (n, me) = (self.size, self.rank);
         let willing = (2..=shm::MAX_RANKS).contains(&n)
+            && !self.elastic
             && std::env::var("DPSYNC_MPI_SHM").map_or(true, |v| v != "0");
         let pid = u64::from(std::process::id());
         let clock = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
@@ -60,6 +61,8 @@ impl MpiRanks {
             Some("off: one rank".to_owned())
         } else if n > shm::MAX_RANKS {
             Some(format!("off: more than {} ranks", shm::MAX_RANKS))
+        } else if self.elastic {
+            Some("off: an elastic world (MPI reports a lost rank's messages)".to_owned())
         } else if (0..n).any(|r| of(r)[3] & WILLING == 0) {
             Some("off: DPSYNC_MPI_SHM=0 on a rank".to_owned())
         } else if (0..n).any(|r| of(r)[0] != of(0)[0]) {
