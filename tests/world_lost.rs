@@ -2,7 +2,9 @@
 //! User-Level Failure Mitigation named by `DPSYNC_ULFM`, else skipped): 3 ranks, rank r with
 //! 1 + r % 2 host replicas, elastic with min_ranks 2.
 //!
-//! - the last rank kills itself (SIGKILL) instead of its second `allreduce_grads`: every
+//! - every rank starts its gradient buckets early (`dpsync_grad_ready`; one of 100 000 floats
+//!   crosses the ring over MPI messages), then the last rank kills itself (SIGKILL) instead of
+//!   its second `allreduce_grads`: every
 //!   survivor gets RANK_LOST naming it, the world is renumbered and recounted (rank, world
 //!   replicas, loss scale, epoch, describe's "lost"), and the redo sums exactly the survivors'
 //!   replicas, AVG dividing by their count;
@@ -97,6 +99,8 @@ fn die() -> ! {
 struct Model {
     a: Vec<Vec<f32>>,
     b: Vec<Vec<f32>>,
+    /// Large enough for the ring over MPI messages (not the agreement's inline data).
+    c: Vec<Vec<f32>>,
     p: Vec<Vec<f32>>,
     offset: usize,
 }
@@ -106,6 +110,7 @@ impl Model {
         let mut m = Box::new(Model {
             a: vec![Vec::new(); local],
             b: vec![Vec::new(); local],
+            c: vec![Vec::new(); local],
             p: (0..local).map(|k| vec![(offset + k) as f32; 4]).collect(),
             offset,
         });
@@ -113,6 +118,7 @@ impl Model {
         for k in 0..local {
             ctx.reg("a", GRAD, k, &mut m.a[k], F32);
             ctx.reg("b", GRAD, k, &mut m.b[k], F32);
+            ctx.reg("c", GRAD, k, &mut m.c[k], F32);
             ctx.reg("p", PARAM, k, &mut m.p[k], F32);
         }
         m
@@ -124,8 +130,10 @@ impl Model {
             let w = (self.offset + k + 1) as f32;
             self.a[k].resize(16, 0.0);
             self.b[k].resize(16, 0.0);
+            self.c[k].resize(C_LEN, 0.0);
             self.a[k].fill(w);
             self.b[k].fill(10.0 * w);
+            self.c[k].fill(100.0 * w);
         }
     }
 
@@ -148,6 +156,8 @@ impl Model {
         }
     }
 }
+
+const C_LEN: usize = 100_000;
 
 /// The world replicas (at creation) of ranks `0..ranks`.
 fn replicas_below(ranks: usize) -> Vec<usize> {
@@ -173,11 +183,18 @@ fn lost_body() {
     assert_eq!(st, OK, "{}: {}", tag("first step"), last_error());
     m.expect(&replicas_below(3), 1.0, &tag("first step"));
 
-    // 2. Rank 2 dies instead of its second step: the others get RANK_LOST naming it.
+    // 2. Every rank starts its buckets early (the progress thread moves them), then rank 2
+    //    dies instead of its step: the others get RANK_LOST naming it.
+    m.reset();
+    for name in ["a", "b", "c"] {
+        for k in 0..local {
+            let st = ctx.grad_ready(name, k);
+            assert_eq!(st, OK, "{}: {}", tag("grad_ready"), last_error());
+        }
+    }
     if rank == 2 {
         die();
     }
-    m.reset();
     // Figures, not assertions (docs/PERFORMANCE.md): the ranks left step 1 together, so this
     // call starts about when rank 2 dies.
     let started = std::time::Instant::now();

@@ -131,9 +131,10 @@ pub fn ulfm_venv(test: &str) -> Option<std::path::PathBuf> {
 }
 
 /// Like [`launch`], under the ULFM `mpirun` of `venv` (`--with-ft ulfm`), where ranks kill
-/// themselves: mpirun then reports their deaths and exits non-zero, so the run is judged by
-/// the survivors: exactly `survivors` lines `SURVIVED <body>` (each printed by a rank whose
-/// body passed) and no panic.
+/// themselves: mpirun then reports their deaths, so the run is judged by the survivors:
+/// exactly `survivors` lines `SURVIVED <body>` (each printed by a rank whose body passed) and
+/// no panic. Once every survivor passed, mpirun gets 20 s more to end, then is stopped (an
+/// ended job whose runtime lingers must not hold the suite for `limit_s`).
 #[allow(dead_code)]
 pub fn launch_ulfm(
     body: &str,
@@ -144,9 +145,12 @@ pub fn launch_ulfm(
     survivors: usize,
 ) {
     let exe = std::env::current_exe().expect("the test binary's path");
-    let mut command = Command::new("timeout");
-    command.envs(env.iter().copied());
-    let output = command
+    let dir = std::env::temp_dir().join(format!("dpsync-ulfm-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a temporary directory");
+    let (out_path, err_path) = (dir.join("stdout"), dir.join("stderr"));
+    let file = |p: &Path| std::fs::File::create(p).expect("a temporary file");
+    let mut child = Command::new("timeout")
+        .envs(env.iter().copied())
         .arg(limit_s.to_string())
         .arg(venv.join("bin/mpirun"))
         .args([
@@ -160,20 +164,41 @@ pub fn launch_ulfm(
         .args([body, "--exact", "--nocapture", "--test-threads=1"])
         .env("DPSYNC_TEST_RANKS", ranks.to_string())
         .env("LD_LIBRARY_PATH", venv.join("lib"))
-        .output()
+        .stdout(file(&out_path))
+        .stderr(file(&err_path))
+        .spawn()
         .expect("the ULFM venv's mpirun");
-    let _ = std::io::stdout().write_all(&output.stdout);
-    let _ = std::io::stderr().write_all(&output.stderr);
-    let (out, err) = (
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr),
-    );
     let marker = format!("SURVIVED {body}");
-    let passed = out.lines().filter(|l| l.trim() == marker).count();
+    let passed = |out: &str| out.lines().filter(|l| l.trim() == marker).count();
+    let mut all_passed: Option<std::time::Instant> = None;
+    loop {
+        if child.try_wait().expect("waiting for mpirun").is_some() {
+            break;
+        }
+        let out = std::fs::read_to_string(&out_path).unwrap_or_default();
+        if passed(&out) >= survivors {
+            let since = *all_passed.get_or_insert_with(std::time::Instant::now);
+            if since.elapsed() > std::time::Duration::from_secs(20) {
+                // SIGTERM to `timeout`, which passes it on to mpirun.
+                let _ = Command::new("kill")
+                    .args(["-TERM", &child.id().to_string()])
+                    .status();
+                let _ = child.wait();
+                println!("{body}: every survivor passed; mpirun stopped 20 s later");
+                break;
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let out = std::fs::read_to_string(&out_path).unwrap_or_default();
+    let err = std::fs::read_to_string(&err_path).unwrap_or_default();
+    let _ = std::fs::remove_dir_all(&dir);
+    print!("{out}");
+    eprint!("{err}");
+    let passed = passed(&out);
     assert!(
         passed == survivors && !out.contains("panicked at") && !err.contains("panicked at"),
-        "{body} on {ranks} ranks ({:?}): {passed} of {survivors} survivors passed\n{}",
-        env,
+        "{body} on {ranks} ranks ({env:?}): {passed} of {survivors} survivors passed\n{}",
         why_ranks_failed(&format!("{out}\n{err}"), &err)
     );
 }
