@@ -9,8 +9,9 @@
 //! `staging.rs` (elements in and out of the stages, per dtype), `poll.rs` (waiting for MPI),
 //! `calls.rs` (an MPI call's errors), `ranks.rs` (the `Ranks` implementation), `ring.rs` (the
 //! ring allreduce), `shm.rs` (the shared memory it crosses), `scatter.rs` (the reduce-scatter
-//! through it), `owners.rs` (the reduce-scatter and allgather round the ring without it) and
-//! `steps.rs` (the buckets started early).
+//! through it), `owners.rs` (the reduce-scatter and allgather round the ring without it),
+//! `steps.rs` (the buckets started early) and `ulfm.rs` (elastic worlds: the vote after each
+//! call and the shrink after a loss).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize};
 use std::sync::Arc;
