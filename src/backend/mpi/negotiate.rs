@@ -33,7 +33,6 @@ impl MpiRanks {
         static OBJECTS: AtomicUsize = AtomicUsize::new(0);
         let (n, me) = (self.size, self.rank);
         let willing = (2..=shm::MAX_RANKS).contains(&n)
-            && !self.elastic
             && std::env::var("DPSYNC_MPI_SHM").map_or(true, |v| v != "0");
         let pid = u64::from(std::process::id());
         let clock = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
@@ -61,8 +60,6 @@ impl MpiRanks {
             Some("off: one rank".to_owned())
         } else if n > shm::MAX_RANKS {
             Some(format!("off: more than {} ranks", shm::MAX_RANKS))
-        } else if self.elastic {
-            Some("off: an elastic world (MPI reports a lost rank's messages)".to_owned())
         } else if (0..n).any(|r| of(r)[3] & WILLING == 0) {
             Some("off: DPSYNC_MPI_SHM=0 on a rank".to_owned())
         } else if (0..n).any(|r| of(r)[0] != of(0)[0]) {
@@ -93,7 +90,12 @@ impl MpiRanks {
         Ok(match mapped.iter().position(|&m| m == 0) {
             Some(r) if r == me => (None, note),
             Some(r) => (None, format!("off: rank {r} could not map rank 0's object")),
-            None => (mine, format!("on: all {n} ranks on this host")),
+            None => {
+                if let (true, Some(shared)) = (self.elastic, mine.as_mut()) {
+                    shared.watch((0..n).map(|r| of(r)[1] as libc::pid_t).collect());
+                }
+                (mine, format!("on: all {n} ranks on this host"))
+            }
         })
     }
 }
