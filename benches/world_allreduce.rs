@@ -21,6 +21,9 @@
 //! 6. Overlap: a ResNet-50 step whose backward sleeps 250 µs per tensor (a GPU's backward
 //!    leaves the CPU free), 2 ranks x 1 and x 2 replicas: backward alone, allreduce alone, the
 //!    step without and with `dpsync_grad_ready`. Alone: `--part overlap`.
+//! 7. Elastic worlds (only alone, under an MPI with ULFM: `--part elastic`): 2 ranks x 1
+//!    replica, one 64 MiB f32 GRAD, `dpsync_allreduce_grads` of a plain world against an
+//!    elastic one.
 
 #[path = "common/mod.rs"]
 mod common;
@@ -98,6 +101,42 @@ fn big_gradient(world: &SimpleCommunicator, rank0: bool, quick: bool) {
             ms(t_dpsync),
             ms(t_raw),
             t_dpsync.as_secs_f64() / t_raw.as_secs_f64()
+        );
+    }
+}
+
+/// An elastic world's cost when it loses nothing (run under an MPI with ULFM, `mpirun --with-ft
+/// ulfm`: docs/PERFORMANCE.md): 2 ranks x 1 replica, one 64 MiB f32 GRAD, `allreduce_grads` of
+/// a plain world against an elastic one (MPI messages only, a vote after every call).
+fn elastic(world: &SimpleCommunicator, rank0: bool, quick: bool) {
+    let n = if quick { 1 << 20 } else { 16 << 20 };
+    let reps = if quick { 3 } else { 9 };
+    let plain = world_context(1);
+    let o = Options::host(1);
+    // SAFETY: valid options; NULL is MPI_COMM_WORLD.
+    unsafe {
+        check(dpsync_options_set_world_mpi(o.0, ptr::null()));
+        check(dpsync_options_set_elastic(o.0, 1));
+    }
+    let elastic = Context::new(&o);
+    let mut a = filled(n, 1, 0.0);
+    let mut b = filled(n, 1, 0.0);
+    plain.reg("g", GRAD, 0, &mut a, F32);
+    elastic.reg("g", GRAD, 0, &mut b, F32);
+    let (t_plain, t_elastic) = timed(
+        world,
+        reps,
+        || check(plain.allreduce_grads(SUM)),
+        || check(elastic.allreduce_grads(SUM)),
+    );
+    if rank0 {
+        println!(
+            "2 ranks x 1 replica, one {} MiB f32 GRAD{}: plain world {:.2} ms | elastic world {:.2} ms | elastic/plain {:.2} (target <= 1.1)",
+            (n * 4) >> 20,
+            if std::env::var_os("DPSYNC_MPI_SHM").is_some_and(|v| v == "0") { ", no shared memory" } else { "" },
+            ms(t_plain),
+            ms(t_elastic),
+            t_elastic.as_secs_f64() / t_plain.as_secs_f64()
         );
     }
 }
@@ -417,6 +456,9 @@ fn main() {
         }
         // Shards alone (part 5): mpirun -n 2 <bench binary> --part shards
         "shards" => shards(&world, rank0, quick),
+        // Under ULFM only: LD_LIBRARY_PATH=V/lib V/bin/mpirun --with-ft ulfm -n 2 <bench
+        // binary> --part elastic
+        "elastic" => elastic(&world, rank0, quick),
         other => panic!("unknown part {other:?}"),
     }
 }

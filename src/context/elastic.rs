@@ -5,6 +5,7 @@
 use serde_json::{json, Value};
 
 use super::{create, Context};
+use crate::backend::Ranks;
 use crate::error::{Error, ErrorKind, Result};
 use crate::exec::world::{self, ranks_text};
 use crate::log;
@@ -21,6 +22,8 @@ pub(super) struct Membership {
     pub creation: Vec<usize>,
     /// Ranks that left (`dpsync_leave`), by their rank at creation, ascending.
     pub left: Vec<usize>,
+    /// Ranks lost (elastic worlds), by their rank at creation, ascending.
+    pub lost: Vec<usize>,
     /// Why this context refuses collectives: it left its world, or the world could not be
     /// made again after others left.
     pub departed: Option<String>,
@@ -56,11 +59,87 @@ impl Context {
                     return Err(e);
                 }
             }
+            let outcome = match left.is_empty() {
+                true => self.vote(outcome),
+                false => outcome,
+            };
             match outcome {
                 Err(e) if e.is_world_changed() => continue,
                 outcome => return outcome,
             }
         }
+    }
+
+    /// An elastic world's end of a call: the survivors vote on whether a rank was lost (alike
+    /// on all of them); if so the world is made again over them and the call answers
+    /// RANK_LOST, its GRAD tensors to be computed again and the call made again.
+    fn vote(&mut self, outcome: Result<()>) -> Result<()> {
+        let Some(ranks) = self.executor.ranks() else {
+            return outcome;
+        };
+        let lost = match ranks.vote_lost() {
+            Ok(None | Some(false)) => return outcome,
+            Ok(Some(true)) => ranks.shrunk(),
+            Err(e) => Err(e),
+        };
+        let fail = |ctx: &mut Context, why: String| {
+            ctx.membership.departed = Some(why.clone());
+            Err(Error::new(ErrorKind::RankLost, why))
+        };
+        let (engine, lost) = match lost {
+            Ok(shrunk) => shrunk,
+            Err(e) => {
+                let why = format!(
+                    "the world could not be made again after a loss: {}",
+                    e.message
+                );
+                self.membership.departed = Some(why);
+                return Err(e);
+            }
+        };
+        if lost.is_empty() {
+            // Voted a loss, yet every rank survived: a failed transfer (e.g. a timeout).
+            return match outcome {
+                Err(e) => {
+                    self.membership.departed = Some(e.message.clone());
+                    Err(e)
+                }
+                Ok(()) => fail(self, "a transfer of the world failed".to_owned()),
+            };
+        }
+        let before = self.topology.world_size;
+        let named = ranks_text(&lost);
+        let remain = before - lost.len();
+        if remain < self.options.elastic {
+            let gone: Vec<usize> = lost.iter().map(|&r| self.creation(r)).collect();
+            self.note_change("lost", &gone);
+            return fail(
+                self,
+                format!(
+                    "{named} (numbers before the loss) lost; {remain} ranks remain, fewer than \
+                     the world's min_ranks {} (dpsync_options_set_elastic): this context is \
+                     failed",
+                    self.options.elastic
+                ),
+            );
+        }
+        if let Err(e) = self.rebuild(engine, &lost, "lost") {
+            return fail(
+                self,
+                format!(
+                    "{named} lost, and the world could not be made again: {}",
+                    e.message
+                ),
+            );
+        }
+        Err(Error::new(
+            ErrorKind::RankLost,
+            format!(
+                "{named} (numbers before the loss) lost; the world goes on with {remain} ranks \
+                 (epoch {}): compute this step's gradients again and make the call again",
+                self.membership.epoch
+            ),
+        ))
     }
 
     /// Refuses a collective on a context that left its world.
@@ -113,7 +192,7 @@ impl Context {
         world["elastic"] = self.options.elastic.into();
         world["epoch"] = self.membership.epoch.into();
         world["first_rank"] = self.membership.first_rank.into();
-        world["lost"] = json!([]);
+        world["lost"] = self.membership.lost.clone().into();
         world["left"] = self.membership.left.clone().into();
         if let Some(why) = &self.membership.departed {
             world["departed"] = why.clone().into();
@@ -129,10 +208,12 @@ impl Context {
     fn note_change(&mut self, what: &str, ranks: &[usize]) {
         let m = &mut self.membership;
         m.epoch += 1;
-        if what == "left" {
-            m.left.extend_from_slice(ranks);
-            m.left.sort_unstable();
-        }
+        let list = match what {
+            "left" => &mut m.left,
+            _ => &mut m.lost,
+        };
+        list.extend_from_slice(ranks);
+        list.sort_unstable();
         let (epoch, me) = (m.epoch, m.first_rank);
         log::info(|| {
             format!(
@@ -154,6 +235,13 @@ impl Context {
     fn without(&mut self, left: &[usize]) -> Result<()> {
         let ranks = (self.executor.ranks()).expect("ranks leave only a world");
         let engine = ranks.without(left)?;
+        self.rebuild(engine, left, "left")
+    }
+
+    /// The world made again over `engine`'s ranks, those of the old one but `gone` (old
+    /// numbers), which `what` ("left" or "lost").
+    fn rebuild(&mut self, engine: Box<dyn Ranks>, gone: &[usize], what: &str) -> Result<()> {
+        let left = gone;
         let local = create::world_part(
             &self.topology,
             self.executor.backend(),
@@ -187,7 +275,7 @@ impl Context {
         if let Some(state) = self.bmuf.as_mut() {
             state.recount(replicas);
         }
-        self.note_change("left", &gone);
+        self.note_change(what, &gone);
         Ok(())
     }
 }

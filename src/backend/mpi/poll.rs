@@ -9,11 +9,14 @@ use std::time::{Duration, Instant};
 use mpi::ffi;
 
 use super::calls::{check, count_of};
+use super::shm::Slots;
 use crate::error::{Error, ErrorKind, Result};
 
 /// How long [`poll`] tests back to back, then yields between tests, before it sleeps.
 const BUSY: Duration = Duration::from_micros(20);
 const SPIN: Duration = Duration::from_millis(2);
+/// How often a sleeping wait on shared memory looks at its peers' processes (elastic worlds).
+const WATCH: Duration = Duration::from_millis(5);
 
 /// Waits for `requests` within `timeout` (None: forever): testing back to back for the first
 /// [`BUSY`] (a small collective completes within a microsecond or two, and a yield is a system
@@ -53,9 +56,21 @@ pub(super) fn poll(
 #[derive(Default)]
 pub(super) struct Idle {
     start: Option<Instant>,
+    /// Shared memory whose peers' processes are watched while this wait sleeps (elastic
+    /// worlds), and when they were last looked at.
+    watch: Option<(Slots, Instant)>,
 }
 
 impl Idle {
+    /// A wait on `slots`' counters (None: on MPI only), watching their peers where the world
+    /// is elastic.
+    pub(super) fn watching(slots: Option<Slots>) -> Idle {
+        Idle {
+            start: None,
+            watch: slots.map(|s| (s, Instant::now())),
+        }
+    }
+
     /// Spins, yields or sleeps as long as this wait has lasted; TIMEOUT once `timeout` has
     /// passed since `since` (set by the first call).
     ///
@@ -86,6 +101,17 @@ impl Idle {
         } else if waited < SPIN {
             std::thread::yield_now();
         } else {
+            if let Some((slots, checked)) = &mut self.watch {
+                if now - *checked > WATCH {
+                    *checked = now;
+                    if let Some(r) = slots.gone() {
+                        return Err(Error::new(
+                            ErrorKind::Backend,
+                            format!("in {what}: rank {r}'s process is gone"),
+                        ));
+                    }
+                }
+            }
             std::thread::sleep(Duration::from_micros(50));
         }
         Ok(())

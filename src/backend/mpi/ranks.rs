@@ -198,6 +198,19 @@ impl Ranks for MpiRanks {
 
     fn begin(&self, call: &str) {
         call.clone_into(&mut self.call.lock());
+        self.begun.store(true, Ordering::Relaxed);
+    }
+
+    fn vote_lost(&self) -> Result<Option<bool>> {
+        if !self.elastic || !self.begun.swap(false, Ordering::Relaxed) {
+            return Ok(None);
+        }
+        MpiRanks::vote_lost(self).map(Some)
+    }
+
+    fn shrunk(&self) -> Result<(Box<dyn Ranks>, Vec<usize>)> {
+        let (engine, lost) = MpiRanks::shrunk(self)?;
+        Ok((Box::new(engine), lost))
     }
 
     unsafe fn allreduce(

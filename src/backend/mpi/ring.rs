@@ -44,7 +44,7 @@ pub(super) struct Ring {
     n: usize,
     me: usize,
     /// The communicator's slots of shared memory, where every rank shares this host.
-    shm: Option<Slots>,
+    pub(super) shm: Option<Slots>,
 }
 
 impl Ring {
@@ -488,7 +488,8 @@ impl Engine {
         let base = stage(&mut scratch, slot * DEPTH.min(pieces));
         let at = |i: usize| base.add((i % DEPTH) * slot);
         let mut flights: VecDeque<(usize, Flight)> = VecDeque::with_capacity(DEPTH);
-        let (mut next, mut since, mut idle) = (0, None::<Instant>, Idle::default());
+        let (mut next, mut since) = (0, None::<Instant>);
+        let mut idle = Idle::watching(ring.shm);
         let mut run = || -> Result<()> {
             loop {
                 while flights.len() < DEPTH && next < pieces {
@@ -586,7 +587,7 @@ impl Engine {
         mut read: impl FnMut(usize, usize),
     ) -> Result<()> {
         let (mut staged, mut done) = (0, 0);
-        let (mut since, mut idle) = (None::<Instant>, Idle::default());
+        let (mut since, mut idle) = (None::<Instant>, Idle::watching(Some(slots)));
         let mut run = || -> Result<()> {
             while done < pieces {
                 let mut moved = false;

@@ -42,6 +42,8 @@ pub(super) struct Shared {
     len: usize,
     ranks: usize,
     me: usize,
+    /// An elastic world's: every rank's process id, watched while waiting ([`Slots::gone`]).
+    peers: Vec<libc::pid_t>,
 }
 
 // SAFETY: plain shared memory; each channel's slots are used under that channel's lock (the
@@ -139,6 +141,7 @@ impl Shared {
             len,
             ranks,
             me,
+            peers: Vec::new(),
         })
     }
 
@@ -150,6 +153,12 @@ impl Shared {
     }
 
     /// The view of `channel`'s slots for [`super::ring::Ring`].
+    /// An elastic world: waits on the others' counters watch their processes (`pids`, in rank
+    /// order), since a dead rank never moves its counters and no MPI call reports it there.
+    pub(super) fn watch(&mut self, pids: Vec<libc::pid_t>) {
+        self.peers = pids;
+    }
+
     pub(super) fn slots(&self, channel: Channel) -> Slots {
         let first = match channel {
             Channel::Calls => 0,
@@ -160,6 +169,7 @@ impl Shared {
             base: unsafe { self.base.add(first * STRIDE) },
             ranks: self.ranks,
             me: self.me,
+            peers: (self.peers.as_ptr(), self.peers.len()),
         }
     }
 
@@ -185,9 +195,22 @@ pub(super) struct Slots {
     base: *mut u8,
     ranks: usize,
     me: usize,
+    /// The watched process ids ([`Shared::watch`]; none in a plain world).
+    peers: (*const libc::pid_t, usize),
 }
 
 impl Slots {
+    /// The first other rank whose process is gone (an elastic world's watch), or None.
+    pub(super) fn gone(&self) -> Option<usize> {
+        // SAFETY: the engine's vector, which outlives every use of `self`.
+        let peers = unsafe { std::slice::from_raw_parts(self.peers.0, self.peers.1) };
+        (0..peers.len()).filter(|&r| r != self.me).find(|&r| {
+            // SAFETY: signal 0 only asks whether the process exists.
+            let rc = unsafe { libc::kill(peers[r], 0) };
+            rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+        })
+    }
+
     fn header(&self, rank: usize, offset: usize) -> *mut u8 {
         // SAFETY: within the channel's part of the mapping.
         unsafe { self.base.add(rank * STRIDE + offset) }

@@ -257,7 +257,7 @@ impl Queue {
         timeout: Option<Duration>,
         spare: impl FnMut(Vec<u64>),
     ) -> Result<()> {
-        let (mut since, mut idle) = (None::<Instant>, Idle::default());
+        let (mut since, mut idle) = (None::<Instant>, Idle::watching(ring.shm));
         loop {
             let blocked = self.issue(ring)?;
             // Nothing in flight nor waiting for a slot: every queued piece is done.
