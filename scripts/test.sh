@@ -81,10 +81,10 @@ done
 step "world benchmark smoke run (figures: cargo bench --features mpi --bench world_allreduce)"
 cargo bench --features mpi --target-dir target/mpi --bench world_allreduce -- --quick
 
-step "examples_c/world_train on the MPI-enabled library: one rank, mpirun -n 2 (3,1) and -n 3 (2,1,1); --reproducible: 4, 2,2, 1,1,1,1 and 2,1,1 byte-identical, plain runs not"
+step "examples_c/world_train on the MPI-enabled library: one rank, mpirun -n 2 (3,1) and -n 3 (2,1,1); --reproducible: 4, 2,2, 1,1,1,1 and 2,1,1 byte-identical, plain runs not; 4 ranks with one killed in step 20 (Open MPI 5 with ULFM) end byte-identical to a run where it left"
 cargo build --release --features mpi --target-dir target/mpi
 cmake -S examples_c -B build/world -DCMAKE_BUILD_TYPE=Release -DDPSYNC_WORLD_TESTS=ON \
-  -DDPSYNC_LIB_DIR="$PWD/target/mpi/release" >/dev/null
+  -DDPSYNC_LIB_DIR="$PWD/target/mpi/release" -DDPSYNC_ULFM_PREFIX="${DPSYNC_ULFM:-}" >/dev/null
 cmake --build build/world -j "$(nproc)" --target train_dense world_train uneven_inputs
 (cd build/world && ctest --output-on-failure -R "^(train_dense_4|world_train_.*|uneven_inputs_.*)$")
 
