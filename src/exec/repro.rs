@@ -63,6 +63,10 @@ pub(super) unsafe fn allreduce(
     if one_device && matches!(bucket.dtype, DType::F32 | DType::F64) {
         return site.backend.reduce_reproducible(&replicas, bucket, avg);
     }
+    // Several GPUs over an NCCL clique, F32 or F64: to each element's owner and back.
+    if super::repro_clique::allreduce(site, bucket, avg)? {
+        return Ok(());
+    }
     let bytes = bucket.dtype.size() * bucket.elements();
     let host = {
         let _span = timeline::span(site.trace, "to host", || json!({}));
