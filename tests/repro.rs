@@ -585,6 +585,48 @@ mod world {
         }
     }
 
+    /// This process's fake NCCL counts of one reproducible `allreduce_grads` over a clique
+    /// across `ranks` ranks, this one's replicas on `gpus` GPUs: the float buckets went by
+    /// `ncclSend`/`ncclRecv` and `ncclAllGather`, and, where this process holds at most 3
+    /// replicas per GPU, moved at most 2.25 times what its GPUs' share of the plain ring
+    /// allreduce of them moves (2 (n-1)/n of a bucket per GPU, n the clique's GPUs).
+    fn nccl_across_ranks_moves_the_plain_bytes(
+        sent: &[(u64, u64); 6],
+        gpus: usize,
+        ranks: usize,
+        mine: &[usize],
+    ) {
+        use fake_nccl::{ALLGATHER, RECV, SEND};
+        let (sends, recvs, gathers) = (sent[SEND], sent[RECV], sent[ALLGATHER]);
+        assert!(
+            sends.1 > 0,
+            "no ncclSend: the route over NCCL was not taken"
+        );
+        assert!(recvs.1 > 0, "no ncclRecv");
+        assert_eq!(
+            gathers.1,
+            2 * gpus as u64,
+            "one allgather per GPU per float bucket"
+        );
+        // Every rank's replicas spread over its GPUs alike (tests: two fake GPUs a rank).
+        let n = (ranks * gpus) as u64;
+        let floats = (N * (4 + 8)) as u64;
+        let plain = gpus as u64 * 2 * (n - 1) * floats / n;
+        let moved = sends.0 + gathers.0;
+        println!(
+            "reproducible over NCCL, {} replicas on {gpus} of {n} GPUs: {moved} bytes sent \
+             here, the plain ring allreduce {plain} ({:.2}x)",
+            mine.len(),
+            moved as f64 / plain as f64
+        );
+        if mine.len() <= 3 * gpus {
+            assert!(
+                4 * moved <= 9 * plain,
+                "{moved} bytes, the plain {plain}: over 2.25x"
+            );
+        }
+    }
+
     #[test]
     fn world_body() {
         let Some((rank, ranks)) = as_rank("world_body") else {
@@ -667,12 +709,18 @@ mod world {
                     })
                     .expect("a CUDA world context");
                     let run = Run::new(ctx, &gpu, &mine, 8);
-                    check(run.ctx.allreduce_grads(AVG), "allreduce_grads (CUDA world)");
+                    let sent = fake_nccl::sent_by(&run.ctx, "allreduce_grads (CUDA world)", || {
+                        run.ctx.allreduce_grads(AVG)
+                    });
                     assert_eq!(
                         run.result(0),
                         want,
                         "rank {rank}/{ranks} CUDA transport {transport}"
                     );
+                    if let Some(sent) = sent.filter(|s| s[fake_nccl::ALLREDUCE].1 > 0) {
+                        let gpus = ordinals.iter().collect::<std::collections::BTreeSet<_>>();
+                        nccl_across_ranks_moves_the_plain_bytes(&sent, gpus.len(), ranks, &mine);
+                    }
                 }
             }
         }

@@ -25,7 +25,6 @@ use super::clique::owners;
 use super::Site;
 use crate::backend::{BucketView, Layout, Members, PeerOp, Slot};
 use crate::error::Result;
-use crate::plan::Route;
 use crate::timeline;
 use crate::types::DType;
 
@@ -41,10 +40,6 @@ pub(super) unsafe fn allreduce(
     avg: Option<usize>,
 ) -> Result<bool> {
     if !matches!(bucket.dtype, DType::F32 | DType::F64) {
-        return Ok(false);
-    }
-    // NCCL across the ranks needs sends between processes: not yet (docs/ARCHITECTURE.md).
-    if !matches!(site.levels.route, Route::Local) {
         return Ok(false);
     }
     let Some(links) = site.backend.links() else {
