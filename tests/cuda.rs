@@ -1432,3 +1432,7 @@ fn memory_of_another_gpu_is_refused_across_gpus() {
         expect_err(st, INVALID_ARGUMENT, &["'e'", what, "cuda:1", "replica 0"]);
     }
 }
+
+/// The fake NCCL's sends and receives between processes (tests/cuda_parts/fake_nccl_p2p.rs).
+#[path = "cuda_parts/fake_nccl_p2p.rs"]
+mod fake_nccl_p2p;

@@ -33,7 +33,8 @@
 // computes the result itself in rank order, so every process writes the same bytes. A rank
 // aborted or destroyed in another process fails the others' rounds with ncclRemoteError; a round
 // that waits 60 s for a rank aborts the process (a hang in real NCCL). A group's sends and
-// receives on a clique across processes form one more round that every rank joins (p2p_across:
+// receives on a clique across processes, where one has a peer in another process, form one more
+// round that every rank joins (those among one process's ranks run there, as in one process) (p2p_across:
 // each rank posts its list of sends and recvs with the sends' data; every process checks every
 // link's pairing, count and dtype, so all fail alike; a rank of the clique that posts none is a
 // hang, as a send without its recv is in real NCCL). Without FAKE_CUDA_ASYNC a round runs inside the

@@ -137,9 +137,10 @@ void leave(Comm* c) {
   if (c->rank == 0) unlink(q->path.c_str());  // mapped by every process that joined
 }
 
-// Sends and receives across processes: one round that every rank of the clique joins (dpsync's
-// all-to-all gives each rank some; a rank with none posts an empty list, and a rank that never
-// posts is a hang: the 60 s abort). Each rank writes its data file: its ops' list (kind, peer,
+// Sends and receives across processes (a group with a peer in another process): one round that
+// every rank of the clique joins (dpsync's all-to-all gives every process some with another; a
+// process's rank with none posts an empty list, and a process that never posts is a hang: the
+// 60 s abort; real NCCL needs only the peers, a difference dpsync never meets). Each rank writes its data file: its ops' list (kind, peer,
 // count, dtype; a send's data offset) then its sends' data; every process reads every rank's
 // list, so all of them find the same mismatch (a send without its recv, a count or dtype that
 // differs) and fail the round alike; then each recv copies its send's data.

@@ -21,9 +21,13 @@ std::string match(Clique* q, const std::vector<const Op*>& ops, Plan& p) {
     return fmt("fake NCCL: only %d of the %d ranks of the communicator were initialised", joined, n);
   p.clique = q;
   p.coll.assign(n, {});
+  // Sends and recvs with a peer in another process make the group's p2p a round across the
+  // processes (p2p_across); those among this process's ranks alone run here, as in one process.
+  bool remote = false;
+  for (const Op* o : ops) remote |= q->shared && o->kind >= Send && !q->ranks[o->arg];
   for (const Op* o : ops) {
     int r = o->comm->rank;
-    if (q->shared && o->kind >= Send) p.p2p.push_back(o);
+    if (remote && o->kind >= Send) p.p2p.push_back(o);
     else if (o->kind == Send) p.sends[{r, o->arg}].push_back(o);
     else if (o->kind == Recv) p.recvs[{o->arg, r}].push_back(o);
     else p.coll[r].push_back(o);
