@@ -209,3 +209,7 @@ mod nccl;
 /// Early buckets (dpsync_grad_ready).
 #[path = "cuda_parts/overlap.rs"]
 mod overlap;
+
+/// The fake NCCL's sends and receives between processes.
+#[path = "cuda_parts/fake_nccl_p2p.rs"]
+mod fake_nccl_p2p;

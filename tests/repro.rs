@@ -20,6 +20,7 @@ mod common {
     pub mod buf;
     pub mod context;
     pub mod cuda_context;
+    pub mod fake_nccl;
     pub mod float16;
     pub mod lcg;
     #[cfg(feature = "mpi")]
@@ -31,6 +32,7 @@ mod common {
 
 use common::buf::DType;
 use common::cuda_context::cuda_context;
+use common::fake_nccl;
 use common::float16::{f32_to_bf16, f32_to_f16};
 use common::lcg::Lcg;
 use common::place::{decode, synchronize, Mem, Place};
@@ -470,7 +472,9 @@ fn cuda_replicas_across_gpus_give_the_hosts_bytes() {
             let host = grads(&Place::Host, &arrangement, op, true, DEFAULT_FUSION);
             let ctx = context_over(place, "cuda", w, (true, DEFAULT_FUSION), transport);
             let run = Run::new(ctx, place, &permutation(w, 5), w);
-            check(run.ctx.allreduce_grads(op), "allreduce_grads (CUDA)");
+            let sent = fake_nccl::sent_by(&run.ctx, "allreduce_grads (CUDA)", || {
+                run.ctx.allreduce_grads(op)
+            });
             let devices = match place {
                 Place::Gpu(streams) => streams.len(),
                 Place::Host => 0,
@@ -480,8 +484,51 @@ fn cuda_replicas_across_gpus_give_the_hosts_bytes() {
                 host,
                 "{w} CUDA replicas on {devices} GPU(s), op {op}"
             );
+            if let Some(sent) = sent.filter(|s| s[fake_nccl::ALLREDUCE].1 > 0) {
+                over_nccl_moves_the_plain_bytes(&sent, devices.min(w), w);
+            }
         }
     }
+}
+
+/// The fake NCCL's counts of one reproducible `allreduce_grads` over an NCCL clique of
+/// `gpus` GPUs holding `w` replicas (the integers took `ncclAllReduce`): the F32 and F64
+/// buckets went to their owners by `ncclSend`/`ncclRecv` and back by `ncclAllGather`, moving
+/// at most 2.25 times what the plain ring allreduce of those buckets moves (2 (n-1)/n of a
+/// bucket per GPU), none through the host stage.
+fn over_nccl_moves_the_plain_bytes(sent: &[(u64, u64); 6], gpus: usize, w: usize) {
+    use fake_nccl::{ALLGATHER, RECV, SEND};
+    let (sends, recvs, gathers) = (sent[SEND], sent[RECV], sent[ALLGATHER]);
+    assert!(
+        sends.1 > 0,
+        "no ncclSend: the route over NCCL was not taken"
+    );
+    assert_eq!(sends.1, recvs.1, "every ncclSend meets an ncclRecv");
+    // Every replica's owned blocks but the owner GPU's own, for both float buckets.
+    let floats = (N * (4 + 8)) as u64;
+    assert_eq!(
+        sends.1,
+        2 * (w as u64) * (gpus as u64 - 1),
+        "sends per float bucket"
+    );
+    assert_eq!(
+        gathers.1,
+        2 * gpus as u64,
+        "one allgather per GPU per float bucket"
+    );
+    let plain = 2 * (gpus as u64 - 1) * floats;
+    let moved = sends.0 + gathers.0;
+    println!(
+        "reproducible over NCCL, {w} replicas on {gpus} GPUs: {moved} bytes \
+         (send {} + allgather {}), the plain ring allreduce {plain} ({:.2}x)",
+        sends.0,
+        gathers.0,
+        moved as f64 / plain as f64
+    );
+    assert!(
+        4 * moved <= 9 * plain,
+        "{moved} bytes moved, the plain allreduce's {plain}: over 2.25x"
+    );
 }
 
 #[cfg(feature = "mpi")]
@@ -535,6 +582,48 @@ mod world {
         match unsafe { dpsync_context_create(o.0, &mut p) } {
             OK => Ok(Context(p)),
             st => Err((st, last_error())),
+        }
+    }
+
+    /// This process's fake NCCL counts of one reproducible `allreduce_grads` over a clique
+    /// across `ranks` ranks, this one's replicas on `gpus` GPUs: the float buckets went by
+    /// `ncclSend`/`ncclRecv` and `ncclAllGather`, and, where this process holds at most 3
+    /// replicas per GPU, moved at most 2.25 times what its GPUs' share of the plain ring
+    /// allreduce of them moves (2 (n-1)/n of a bucket per GPU, n the clique's GPUs).
+    fn nccl_across_ranks_moves_the_plain_bytes(
+        sent: &[(u64, u64); 6],
+        gpus: usize,
+        ranks: usize,
+        mine: &[usize],
+    ) {
+        use fake_nccl::{ALLGATHER, RECV, SEND};
+        let (sends, recvs, gathers) = (sent[SEND], sent[RECV], sent[ALLGATHER]);
+        assert!(
+            sends.1 > 0,
+            "no ncclSend: the route over NCCL was not taken"
+        );
+        assert!(recvs.1 > 0, "no ncclRecv");
+        assert_eq!(
+            gathers.1,
+            2 * gpus as u64,
+            "one allgather per GPU per float bucket"
+        );
+        // Every rank's replicas spread over its GPUs alike (tests: two fake GPUs a rank).
+        let n = (ranks * gpus) as u64;
+        let floats = (N * (4 + 8)) as u64;
+        let plain = gpus as u64 * 2 * (n - 1) * floats / n;
+        let moved = sends.0 + gathers.0;
+        println!(
+            "reproducible over NCCL, {} replicas on {gpus} of {n} GPUs: {moved} bytes sent \
+             here, the plain ring allreduce {plain} ({:.2}x)",
+            mine.len(),
+            moved as f64 / plain as f64
+        );
+        if mine.len() <= 3 * gpus {
+            assert!(
+                4 * moved <= 9 * plain,
+                "{moved} bytes, the plain {plain}: over 2.25x"
+            );
         }
     }
 
@@ -620,12 +709,18 @@ mod world {
                     })
                     .expect("a CUDA world context");
                     let run = Run::new(ctx, &gpu, &mine, 8);
-                    check(run.ctx.allreduce_grads(AVG), "allreduce_grads (CUDA world)");
+                    let sent = fake_nccl::sent_by(&run.ctx, "allreduce_grads (CUDA world)", || {
+                        run.ctx.allreduce_grads(AVG)
+                    });
                     assert_eq!(
                         run.result(0),
                         want,
                         "rank {rank}/{ranks} CUDA transport {transport}"
                     );
+                    if let Some(sent) = sent.filter(|s| s[fake_nccl::ALLREDUCE].1 > 0) {
+                        let gpus = ordinals.iter().collect::<std::collections::BTreeSet<_>>();
+                        nccl_across_ranks_moves_the_plain_bytes(&sent, gpus.len(), ranks, &mine);
+                    }
                 }
             }
         }

@@ -15,6 +15,18 @@ pub struct Move {
     pub bytes: usize,
 }
 
+/// One point-to-point half of a [`Collective::exchange`]: this process's group `group` sends
+/// (`send`) or receives `bytes` at `at` to or from clique rank `peer`, which may be in another
+/// process of the world.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerOp {
+    pub group: usize,
+    pub peer: usize,
+    pub send: bool,
+    pub at: u64,
+    pub bytes: usize,
+}
+
 /// One grouped call over every group at once (NCCL: a rank per group, launched in one group).
 /// A failure may leave part of it queued: the backend fails the context before returning it.
 ///
@@ -29,6 +41,10 @@ pub(crate) trait Collective {
 
     /// Every move as a send and a receive, all in one group.
     fn send_recv(&self, moves: &[Move]) -> Result<()>;
+
+    /// Every op as an `ncclSend` or `ncclRecv`, all in one group. NCCL pairs the k-th send
+    /// from a to b with the k-th receive at b from a: every process issues them in one order.
+    fn exchange(&self, ops: &[PeerOp]) -> Result<()>;
 
     /// In place: every `buffers[g]` holds one block of `count` elements of `dtype` per clique
     /// rank, in clique rank order; group g's own block (that of its clique rank) := the sum of

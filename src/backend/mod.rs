@@ -17,7 +17,7 @@ mod sparse;
 
 pub use bmuf::{bmuf_state_dtype, BmufFilter, BmufSpan};
 pub(crate) use collective::Collective;
-pub use collective::Move;
+pub use collective::{Move, PeerOp};
 #[cfg(feature = "mpi")]
 pub(crate) use ranks::allgather_packed;
 pub(crate) use ranks::{Channel, EveryRank, Ranks, Ticket};
@@ -443,6 +443,24 @@ pub(crate) trait Links {
         bucket: &BucketView<'_>,
         layout: Layout,
         buffer: u64,
+        avg: Option<usize>,
+    ) -> Result<()>;
+
+    /// The kernels' view of `count` elements at each of `slots` in `group`'s device memory (one
+    /// segment, a replica per slot), made before any transfer as [`Links::layout`].
+    fn slots_layout(&self, group: usize, count: usize, slots: &[u64]) -> Result<Layout>;
+
+    /// Every slot of `layout` := the reproducible sum of the slots (divided by `avg`), by the
+    /// kernel of [`Backend::reduce_reproducible`]: the host's arithmetic and bytes. F32 or F64.
+    ///
+    /// # Safety
+    /// `layout` was made by [`Links::slots_layout`] for `count` elements on `group`.
+    unsafe fn reproducible(
+        &self,
+        group: usize,
+        dtype: DType,
+        layout: Layout,
+        count: usize,
         avg: Option<usize>,
     ) -> Result<()>;
 

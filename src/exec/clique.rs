@@ -53,7 +53,7 @@ struct Packed {
 
 /// The world replicas on each clique rank's GPU (ascending) and the clique rank of this
 /// process's group 0, where the levels cross the groups with one NCCL collective.
-fn owners(levels: &Levels, rank: usize) -> Option<(Vec<Vec<usize>>, usize)> {
+pub(super) fn owners(levels: &Levels, rank: usize) -> Option<(Vec<Vec<usize>>, usize)> {
     match &levels.route {
         Route::Local if levels.across == Across::Collective => {
             let mut blocks = levels.groups.clone();

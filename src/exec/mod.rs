@@ -13,6 +13,7 @@ mod clique;
 mod dense;
 mod early;
 mod repro;
+mod repro_clique;
 pub mod shard;
 mod sparse;
 mod staged;

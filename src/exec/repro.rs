@@ -10,9 +10,13 @@
 //! 3. the sum turned back into the dtype once (AVG divided) and written to every replica.
 //!
 //! Host memory in one process runs all three block by block ([`Backend::reduce_reproducible`]),
-//! and so do F32 and F64 replicas of one device in one process, in a kernel; other device
-//! memory goes through the host stage, every replica's bucket to the host and the result back
-//! (kernels across devices and NCCL are a known gap, docs/ARCHITECTURE.md).
+//! and so do F32 and F64 replicas of one device in one process, in a kernel. A world of host
+//! replicas may hand the bucket to the engine's own reproducible sum (`direct`). F32 and F64
+//! over an NCCL clique (several GPUs in one process, NCCL across the ranks) stay on the GPUs:
+//! each block raw to its owner GPU, summed there by the same kernel, gathered back
+//! (exec/repro_clique.rs). Other device memory (F16/BF16, peer copies, CUDA replicas staged
+//! across ranks) goes through the host stage, every replica's bucket to the host and the
+//! result back (docs/ARCHITECTURE.md, "Reproducible sums", says why).
 //! Integer buckets never come here: their sums are exact already.
 
 use serde_json::json;
@@ -62,6 +66,10 @@ pub(super) unsafe fn allreduce(
     let one_device = site.levels.in_place() && site.levels.groups.len() == 1;
     if one_device && matches!(bucket.dtype, DType::F32 | DType::F64) {
         return site.backend.reduce_reproducible(&replicas, bucket, avg);
+    }
+    // Several GPUs over an NCCL clique, F32 or F64: to each element's owner and back.
+    if super::repro_clique::allreduce(site, bucket, avg)? {
+        return Ok(());
     }
     let bytes = bucket.dtype.size() * bucket.elements();
     let host = {

@@ -1,6 +1,9 @@
 //! The fake NCCL's counts (tests/fakecuda/fake_nccl.cpp: `fake_nccl_sent_bytes`,
 //! `fake_nccl_calls`): what this process's NCCL ranks sent and called, by kind.
 
+// Each test binary reads the kinds it checks.
+#![allow(dead_code)]
+
 use std::ffi::{c_char, CString};
 
 use dpsync::dpsync_status;
@@ -9,14 +12,23 @@ use super::context::{check, Context};
 use super::place::synchronize;
 
 /// The kinds counted, by the fake's names.
-pub const KINDS: [&str; 4] = ["allreduce", "broadcast", "reducescatter", "allgather"];
+pub const KINDS: [&str; 6] = [
+    "allreduce",
+    "broadcast",
+    "reducescatter",
+    "allgather",
+    "send",
+    "recv",
+];
 pub const ALLREDUCE: usize = 0;
 pub const BROADCAST: usize = 1;
 pub const REDUCE_SCATTER: usize = 2;
 pub const ALLGATHER: usize = 3;
+pub const SEND: usize = 4;
+pub const RECV: usize = 5;
 
 /// `(bytes sent, calls)` of each of [`KINDS`]; `None` on a real NCCL.
-pub type Sent = Option<[(u64, u64); 4]>;
+pub type Sent = Option<[(u64, u64); 6]>;
 
 /// The fake NCCL's count `symbol(kind)`; `None` on a real NCCL, which has no such symbol.
 fn count(symbol: &str, kind: &str) -> Option<u64> {
@@ -32,7 +44,7 @@ fn count(symbol: &str, kind: &str) -> Option<u64> {
 
 /// Every kind's counts so far.
 fn counts() -> Sent {
-    let mut out = [(0, 0); 4];
+    let mut out = [(0, 0); 6];
     for (k, kind) in KINDS.iter().enumerate() {
         out[k] = (
             count("fake_nccl_sent_bytes", kind)?,

@@ -7,7 +7,7 @@
 // It is stricter than real NCCL where real NCCL would hang or corrupt memory, so caller bugs are
 // loud: the ops of one group are matched per clique (the communicators of one unique id) when the
 // outermost ncclGroupEnd runs; a rank missing, a different kind/count/dtype/op/root, an unpaired
-// send or recv fails that clique with ncclInvalidUsage and a last-error text that names it. Every
+// send or recv (or a recv whose count or dtype differs from its send's) fails that clique with ncclInvalidUsage and a last-error text that names it. Every
 // buffer must lie in fake device memory on the communicator's device (a reduce-scatter's send
 // buffer and an allgather's recv buffer hold a block per rank), the two buffers of a
 // reduce-scatter or an allgather must be apart or in place (the smaller is the rank's own block
@@ -32,8 +32,12 @@
 // difference fails the round on every process with ncclInvalidUsage naming both ranks), and
 // computes the result itself in rank order, so every process writes the same bytes. A rank
 // aborted or destroyed in another process fails the others' rounds with ncclRemoteError; a round
-// that waits 60 s for a rank aborts the process (a hang in real NCCL). Sends and receives across
-// processes are refused (dpsync makes none). Without FAKE_CUDA_ASYNC a round runs inside the
+// that waits 60 s for a rank aborts the process (a hang in real NCCL). A group's sends and
+// receives on a clique across processes, where one has a peer in another process, form one more
+// round that every rank joins (those among one process's ranks run there, as in one process) (p2p_across:
+// each rank posts its list of sends and recvs with the sends' data; every process checks every
+// link's pairing, count and dtype, so all fail alike; a rank of the clique that posts none is a
+// hang, as a send without its recv is in real NCCL). Without FAKE_CUDA_ASYNC a round runs inside the
 // call that queues it and waits there for the other processes, so a process cannot queue a
 // collective ahead of the others and go on (real NCCL can); with it, rounds run on the streams. Each process's fake GPUs are distinct devices, so
 // no duplicate-GPU check spans processes.

@@ -136,3 +136,96 @@ void leave(Comm* c) {
   unlink(data_path(q, c->rank).c_str());
   if (c->rank == 0) unlink(q->path.c_str());  // mapped by every process that joined
 }
+
+// Sends and receives across processes (a group with a peer in another process): one round that
+// every rank of the clique joins (dpsync's all-to-all gives every process some with another; a
+// process's rank with none posts an empty list, and a process that never posts is a hang: the
+// 60 s abort; real NCCL needs only the peers, a difference dpsync never meets). Each rank writes its data file: its ops' list (kind, peer,
+// count, dtype; a send's data offset) then its sends' data; every process reads every rank's
+// list, so all of them find the same mismatch (a send without its recv, a count or dtype that
+// differs) and fail the round alike; then each recv copies its send's data.
+struct P2pEntry { int32_t kind, peer, dtype, pad; uint64_t count, offset; };
+
+std::string p2p_across(Clique* q, uint64_t round, const std::vector<const Op*>& ops) {
+  int n = q->nranks;
+  if (auto why = wait_all(q, &Slot::consumed, round - 1, "the previous round"); !why.empty())
+    return why;
+  for (int r = 0; r < n; r++) {
+    Comm* c = q->ranks[r];
+    if (!c || c->dead) continue;
+    std::vector<P2pEntry> list;
+    std::vector<char> data;
+    for (const Op* o : ops) {
+      if (o->comm != c) continue;
+      list.push_back({o->kind, o->arg, o->dtype, 0, o->count, data.size()});
+      if (o->kind == Send) {
+        const char* from = static_cast<const char*>(o->send);
+        data.insert(data.end(), from, from + bytes(*o));
+      }
+    }
+    uint64_t head = list.size();
+    std::vector<char> blob(sizeof head + list.size() * sizeof(P2pEntry));
+    std::memcpy(blob.data(), &head, sizeof head);
+    if (!list.empty()) std::memcpy(blob.data() + sizeof head, list.data(), list.size() * sizeof(P2pEntry));
+    blob.insert(blob.end(), data.begin(), data.end());
+    Slot& s = q->shared->slot[r];
+    s.kind = Send, s.dtype = 0, s.arg = 0, s.count = blob.size();
+    int fd = data_file(q, r);
+    if (fd < 0 || !whole_io(true, fd, blob.data(), blob.size()))
+      return fmt("fake NCCL: rank %d cannot write its data: %s", r, std::strerror(errno));
+    s.posted.store(round, std::memory_order_release);
+  }
+  if (auto why = wait_all(q, &Slot::posted, round, "sends and recvs"); !why.empty()) return why;
+  std::vector<std::vector<char>> blobs(n);
+  std::vector<std::vector<P2pEntry>> lists(n);
+  for (int r = 0; r < n; r++) {
+    const Slot& s = q->shared->slot[r];
+    if (s.kind != Send) {
+      Op a{Kind(s.kind), nullptr, nullptr, nullptr, s.count, s.dtype, s.arg};
+      return fmt("fake NCCL: round %llu across processes differs: rank %d queued %s, other ranks "
+                 "sends and recvs", (unsigned long long)round, r, describe(&a).c_str());
+    }
+    blobs[r].resize(s.count);
+    int fd = data_file(q, r);
+    if (fd < 0 || !whole_io(false, fd, blobs[r].data(), s.count))
+      return fmt("fake NCCL: cannot read rank %d's data: %s", r, std::strerror(errno));
+    uint64_t head;
+    std::memcpy(&head, blobs[r].data(), sizeof head);
+    lists[r].resize(head);
+    if (head) std::memcpy(lists[r].data(), blobs[r].data() + sizeof head, head * sizeof(P2pEntry));
+  }
+  // Every link's sends (at a) and recvs (at b), in issue order: the same check on every process.
+  std::map<std::pair<int, int>, std::vector<const P2pEntry*>> sends, recvs;
+  for (int r = 0; r < n; r++)
+    for (const P2pEntry& e : lists[r]) {
+      if (e.kind == Send) sends[{r, e.peer}].push_back(&e);
+      else recvs[{e.peer, r}].push_back(&e);
+    }
+  std::set<std::pair<int, int>> links;
+  for (auto& [link, _] : sends) links.insert(link);
+  for (auto& [link, _] : recvs) links.insert(link);
+  for (auto [a, b] : links) {
+    auto &s = sends[{a, b}], &r = recvs[{a, b}];
+    if (s.size() != r.size())
+      return fmt("fake NCCL: rank %d queued %zu send(s) to rank %d, but rank %d queued %zu "
+                 "recv(s) from rank %d (across processes)", a, s.size(), b, b, r.size(), a);
+    for (size_t k = 0; k < s.size(); k++)
+      if (s[k]->count != r[k]->count || s[k]->dtype != r[k]->dtype)
+        return fmt("fake NCCL: send #%zu from rank %d to rank %d is %llu %s, the recv it pairs "
+                   "with %llu %s (across processes)", k, a, b, (unsigned long long)s[k]->count,
+                   type_name[s[k]->dtype], (unsigned long long)r[k]->count, type_name[r[k]->dtype]);
+  }
+  // This process's recvs, in issue order per link: the k-th recv takes the k-th send's data.
+  std::map<std::pair<int, int>, size_t> taken;
+  for (const Op* o : ops) {
+    count_sent(*o, 2);
+    if (o->kind != Recv) continue;
+    int a = o->arg, b = o->comm->rank;
+    const P2pEntry* e = sends[{a, b}][taken[{a, b}]++];
+    const char* from = blobs[a].data() + sizeof(uint64_t) + lists[a].size() * sizeof(P2pEntry);
+    std::memcpy(o->recv, from + e->offset, bytes(*o));
+  }
+  for (int r = 0; r < n; r++)
+    if (q->ranks[r] && !q->ranks[r]->dead) q->shared->slot[r].consumed.store(round);
+  return "";
+}

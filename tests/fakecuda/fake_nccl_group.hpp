@@ -8,6 +8,8 @@ struct Plan {
   uint64_t first_round = 0;  // across processes: the round of the first collective
   std::vector<std::vector<const Op*>> coll;
   std::map<std::pair<int, int>, std::vector<const Op*>> sends, recvs;
+  // Across processes: this process's sends and recvs in issue order, matched in their round.
+  std::vector<const Op*> p2p;
 };
 
 // What disagrees, or "" when every rank's ops pair up.
@@ -19,13 +21,14 @@ std::string match(Clique* q, const std::vector<const Op*>& ops, Plan& p) {
     return fmt("fake NCCL: only %d of the %d ranks of the communicator were initialised", joined, n);
   p.clique = q;
   p.coll.assign(n, {});
+  // Sends and recvs with a peer in another process make the group's p2p a round across the
+  // processes (p2p_across); those among this process's ranks alone run here, as in one process.
+  bool remote = false;
+  for (const Op* o : ops) remote |= q->shared && o->kind >= Send && !q->ranks[o->arg];
   for (const Op* o : ops) {
     int r = o->comm->rank;
-    if (q->shared && o->kind >= Send && !q->ranks[o->arg])
-      return fmt("fake NCCL: rank %d's %s %s rank %d, which is in another process: this fake "
-                 "moves only collectives between processes", r, kind_name[o->kind],
-                 o->kind == Send ? "to" : "from", o->arg);
-    if (o->kind == Send) p.sends[{r, o->arg}].push_back(o);
+    if (remote && o->kind >= Send) p.p2p.push_back(o);
+    else if (o->kind == Send) p.sends[{r, o->arg}].push_back(o);
     else if (o->kind == Recv) p.recvs[{o->arg, r}].push_back(o);
     else p.coll[r].push_back(o);
   }
@@ -58,9 +61,10 @@ std::string match(Clique* q, const std::vector<const Op*>& ops, Plan& p) {
       return fmt("fake NCCL: rank %d queued %zu send(s) to rank %d, but rank %d queued %zu "
                  "recv(s) from rank %d", a, s.size(), b, b, r.size(), a);
     for (size_t k = 0; k < s.size(); k++)
-      if (bytes(*s[k]) != bytes(*r[k]))
-        return fmt("fake NCCL: send #%zu from rank %d to rank %d is %zu bytes, the recv it "
-                   "pairs with %zu", k, a, b, bytes(*s[k]), bytes(*r[k]));
+      if (s[k]->count != r[k]->count || s[k]->dtype != r[k]->dtype)
+        return fmt("fake NCCL: send #%zu from rank %d to rank %d is %zu %s, the recv it pairs "
+                   "with %zu %s", k, a, b, s[k]->count, type_name[s[k]->dtype], r[k]->count,
+                   type_name[r[k]->dtype]);
   }
   // Sends and recvs of a group run concurrently on a GPU: a recv buffer shared with another
   // p2p buffer of the group is a data race there, whatever order this fake would pick.
@@ -91,6 +95,7 @@ std::string execute(const Plan& p) {
         if (!v.empty()) local.push_back(v[i]);
       if (auto why = round_across(q, p.first_round + i, local); !why.empty()) return why;
     }
+    if (!p.p2p.empty()) return p2p_across(q, p.first_round + rounds, p.p2p);
   } else {
     for (size_t i = 0; i < p.coll[0].size(); i++) {
       std::vector<const Op*> rk;
@@ -124,7 +129,7 @@ void number_rounds(Plan& p) {
   size_t rounds = 0;
   for (auto& v : p.coll) rounds = std::max(rounds, v.size());
   p.first_round = p.clique->rounds + 1;
-  p.clique->rounds += rounds;
+  p.clique->rounds += rounds + (p.p2p.empty() ? 0 : 1);  // the sends and recvs: one round
 }
 
 // Under FAKE_CUDA_ASYNC: one clique's ops of a group, queued on every stream they name and run

@@ -11,10 +11,13 @@ use cudarc::driver::sys;
 
 use super::driver::{self, PrimaryContext};
 use super::kernels::Walk;
+use super::memory::table_of;
 use super::nccl::{self, CommSet};
 use super::queue::setup_deadline;
 use super::{CudaBackend, Group};
-use crate::backend::{BucketView, Collective, Layout, Links, Members, Move, Slot, WorldCollective};
+use crate::backend::{
+    BucketView, Collective, Layout, Links, Members, Move, PeerOp, Slot, WorldCollective,
+};
 use crate::error::{Error, ErrorKind, Result};
 use crate::plan::TransportChoice;
 use crate::types::DType;
@@ -131,6 +134,31 @@ impl Links for CudaBackend {
         )
     }
 
+    fn slots_layout(&self, group: usize, count: usize, slots: &[u64]) -> Result<Layout> {
+        let host = table_of(
+            std::iter::once(count),
+            std::iter::once(slots.iter().copied()),
+        );
+        Ok(Layout {
+            table: self.upload_table(&self.groups[group], host)?,
+            replicas: slots.len(),
+        })
+    }
+
+    unsafe fn reproducible(
+        &self,
+        group: usize,
+        dtype: DType,
+        layout: Layout,
+        count: usize,
+        avg: Option<usize>,
+    ) -> Result<()> {
+        let g = &self.groups[group];
+        let _bound = g.ctx.bind()?;
+        let dims = (1, layout.replicas, count);
+        (g.kernels).reproducible(g.stream.0, dtype, layout.table, dims, avg)
+    }
+
     unsafe fn add(
         &self,
         group: usize,
@@ -232,6 +260,13 @@ impl Collective for CudaBackend {
         let issued = Instant::now();
         (self.comms(issued))
             .and_then(|c| c.send_recv(moves, &self.launch(issued)))
+            .map_err(|e| self.nccl_failed(e))
+    }
+
+    fn exchange(&self, ops: &[PeerOp]) -> Result<()> {
+        let issued = Instant::now();
+        (self.comms(issued))
+            .and_then(|c| c.exchange(ops, &self.launch(issued)))
             .map_err(|e| self.nccl_failed(e))
     }
 

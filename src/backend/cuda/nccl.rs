@@ -26,7 +26,7 @@ use parking_lot::Mutex;
 
 use super::driver::{self, PrimaryContext};
 use super::queue::back_off;
-use crate::backend::Move;
+use crate::backend::{Move, PeerOp};
 use crate::error::{Error, ErrorKind, Result};
 use crate::types::DType;
 
@@ -452,6 +452,33 @@ impl CommSet {
                     check(api, code, &format!("ncclRecv (rank {to} from {from})"))
                 });
                 queued = queued.and(sent).and(received);
+            }
+            queued
+        })
+    }
+
+    /// Sends and receives to and from clique ranks (this process's or another's) in one group:
+    /// each op on its group's rank and stream, in the order given (NCCL pairs the k-th send
+    /// from a to b with the k-th receive at b from a).
+    pub fn exchange(&self, ops: &[PeerOp], launch: &Launch<'_>) -> Result<()> {
+        self.grouped("send/recv", launch, |api| {
+            let mut queued = Ok(());
+            for op in ops {
+                let (comm, stream) = (self.comms[op.group], launch.streams[op.group]);
+                let (rank, peer) = (self.first + op.group, op.peer as c_int);
+                let done = launch.ctxs[op.group].bind().and_then(|_bound| {
+                    // SAFETY: a live communicator; `at` holds `bytes` on the group's device.
+                    let code = unsafe {
+                        if op.send {
+                            (api.send)(op.at as *const c_void, op.bytes, BYTES, peer, comm, stream)
+                        } else {
+                            (api.recv)(op.at as *mut c_void, op.bytes, BYTES, peer, comm, stream)
+                        }
+                    };
+                    let what = if op.send { "ncclSend" } else { "ncclRecv" };
+                    check(api, code, &format!("{what} (rank {rank}, peer {peer})"))
+                });
+                queued = queued.and(done);
             }
             queued
         })
