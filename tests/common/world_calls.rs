@@ -18,6 +18,7 @@ use dpsync::*;
 
 mod collectives;
 mod deviations;
+mod leave;
 mod steps;
 
 const NAMES: [&str; 7] = ["w_a", "w_b", "w_c", "w_d", "w_e", "w_f", "w_g"];
@@ -85,7 +86,7 @@ pub fn run(rank: usize, per_rank: &[usize], cfg: &Config, setup: &Setup) {
         };
         let run = catch_unwind(AssertUnwindSafe(|| {
             let mut w = World::new(seed, rank, per_rank, cfg, setup);
-            while w.tally.calls < cfg.calls {
+            while !w.left && w.tally.calls < cfg.calls {
                 w.action();
             }
             std::mem::take(&mut w.tally)
@@ -133,6 +134,16 @@ struct World<'a> {
     cfg: &'a Config,
     setup: &'a Setup,
     g: Lcg,
+    /// Where ranks leave (a generator of its own: seeds without leaves draw as before).
+    lg: Lcg,
+    /// The calls (tally counts) at which a rank leaves, ascending.
+    leaves: Vec<usize>,
+    /// This rank has left: it stops.
+    left: bool,
+    /// The collective a rank leaves at: no deviation.
+    leaving: bool,
+    /// World changes so far (`dpsync_world_epoch`).
+    epoch: u64,
     rank: usize,
     per_rank: Vec<usize>,
     local: usize,
@@ -199,11 +210,20 @@ impl<'a> World<'a> {
             })
             .expect("a CUDA context (the run checked for a GPU)"),
         };
+        // Leaves on host replicas only (tests/world_random_cuda.rs: not yet).
+        let mut lg = Lcg::new(seed ^ 0x6c65_6176_6573);
+        let on = cfg.on("leave") && !setup.at.cuda();
+        let leaves = World::draw_leaves(&mut lg, per_rank.len(), cfg.calls, on);
         let mut w = World {
             ctx,
             cfg,
             setup,
             g,
+            lg,
+            leaves,
+            left: false,
+            leaving: false,
+            epoch: 0,
             rank,
             local: per_rank[rank],
             offset: per_rank[..rank].iter().sum(),
@@ -221,8 +241,10 @@ impl<'a> World<'a> {
             next_id: 0,
             tally: Tally::default(),
         };
+        let leaves = &w.leaves;
         w.note(format!(
-            "seed {seed}: fusion_bytes {fusion:?}, coalesce {coalesce}, reproducible {repro}"
+            "seed {seed}: fusion_bytes {fusion:?}, coalesce {coalesce}, reproducible {repro}, \
+             leaves at {leaves:?}"
         ));
         if repro {
             w.tally.count("reproducible seeds");
@@ -359,6 +381,10 @@ impl<'a> World<'a> {
     // -------------------------------------------------------------- actions
 
     fn action(&mut self) {
+        if self.leaves.first().is_some_and(|&c| self.tally.calls >= c) {
+            self.leaves.remove(0);
+            return self.leave();
+        }
         let (sparse, bmuf) = (self.cfg.on("sparse"), self.cfg.on("bmuf"));
         let shards = self.cfg.on("shards");
         match self.below(100) {

@@ -30,9 +30,9 @@ pub use memory::*;
 /// (an argument the C boundary refuses), `sparse_uneven` (marks that start buckets on some
 /// ranks only, in steps with sparse gradients), `sparse_share` (index buffers shared on some
 /// replicas only, NULL for empty slices), whole kinds of calls (`marks`, `sparse`, `bmuf`,
-/// `shards`: reduce-scatter steps and allgathers) and the reproducible-sum option (`repro`,
-/// drawn per seed).
-pub const CLASSES: [&str; 19] = [
+/// `shards`: reduce-scatter steps and allgathers), the reproducible-sum option (`repro`,
+/// drawn per seed) and ranks leaving (`leave`: `dpsync_leave` at random calls of some seeds).
+pub const CLASSES: [&str; 20] = [
     "op",
     "name",
     "root",
@@ -52,6 +52,7 @@ pub const CLASSES: [&str; 19] = [
     "bmuf",
     "shards",
     "repro",
+    "leave",
 ];
 
 pub fn env(key: &str) -> Option<String> {
@@ -325,6 +326,8 @@ pub struct Bmuf {
     pub lr: f64,
     /// Resolved (the default 1 - 1/N).
     pub mu: f64,
+    /// `mu` is the default: recounted when the world loses replicas.
+    pub default_mu: bool,
     pub nesterov: bool,
     /// The PARAMs `bmuf_init` took (name, id), their W and D.
     pub params: Vec<(String, u64)>,

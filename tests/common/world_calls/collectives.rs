@@ -58,7 +58,9 @@ impl World<'_> {
         self.refill(roles);
         if let Some(t) = (!self.dense.is_empty()).then(|| self.below(self.dense.len())) {
             let (name, count) = (&self.dense[t].name, self.dense[t].vals[0].len());
-            for k in 0..self.local {
+            // At a leave the model already counts the smaller world; the library, until the
+            // call, the one it knows.
+            for k in (0..self.local).filter(|_| !self.leaving) {
                 let (mut first, mut n) = (usize::MAX, usize::MAX);
                 let c = cstr(name);
                 // SAFETY: a valid context, name and out pointers.

@@ -74,6 +74,11 @@ impl World<'_> {
         classes: &[&'static str],
         bad: &[(usize, usize)],
     ) -> Option<Dev> {
+        // Not at a leave (drawn alike: every rank in the call knows), nor in a world of one
+        // rank (left after leaves: nothing to differ from).
+        if self.leaving || self.per_rank.len() < 2 {
+            return None;
+        }
         let sparse = self.cfg.on("sparse");
         let classes: Vec<&'static str> = (classes.iter().copied())
             .filter(|c| self.cfg.on(c) && (sparse || !c.starts_with("sparse")))

@@ -130,6 +130,7 @@ impl Bmuf {
         };
         let mut b = Bmuf {
             lr,
+            default_mu: mu < 0.0,
             mu,
             nesterov,
             params: vec![],
@@ -144,6 +145,13 @@ impl Bmuf {
             b.w.push(d.vals[0].clone());
         }
         b
+    }
+
+    /// The world now has `total` replicas (ranks left): the default momentum counts them.
+    pub fn recount(&mut self, total: usize) {
+        if self.default_mu {
+            self.mu = 1.0 - 1.0 / total as f64;
+        }
     }
 
     /// `dpsync_bmuf_step` succeeded: per element, the mean A as the averaging stores it, then
