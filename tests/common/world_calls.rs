@@ -210,9 +210,8 @@ impl<'a> World<'a> {
             })
             .expect("a CUDA context (the run checked for a GPU)"),
         };
-        // Leaves on host replicas only (tests/world_random_cuda.rs: not yet).
         let mut lg = Lcg::new(seed ^ 0x6c65_6176_6573);
-        let on = cfg.on("leave") && !setup.at.cuda();
+        let on = cfg.on("leave");
         let leaves = World::draw_leaves(&mut lg, per_rank.len(), cfg.calls, on);
         let mut w = World {
             ctx,

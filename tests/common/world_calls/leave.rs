@@ -96,6 +96,13 @@ impl World<'_> {
     /// (renumbered after a leave).
     fn check_place(&self) {
         self.check_epoch();
+        // BMUF's block momentum as describe shows it (the default recounted).
+        if let Some(b) = &self.bmuf {
+            let got = &self.ctx.describe_json()["bmuf"]["block_momentum"];
+            if got.as_f64() != Some(b.mu) {
+                self.fail(format!("describe: block_momentum {got}, not {}", b.mu));
+            }
+        }
         let (mut rank, mut ranks, mut total, mut offset) = (0, 0, 0, 0);
         // SAFETY: a live context and valid out pointers.
         let st = unsafe { dpsync_rank(self.ctx.0, &mut rank, &mut ranks) };

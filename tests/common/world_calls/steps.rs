@@ -22,6 +22,9 @@ impl World<'_> {
         // yet), or where started buckets serve either step.
         let marks = self.cfg.on("marks") && self.below(3) != 0;
         let marks = marks && (!scatter || self.last_op.is_none() || self.serves_either());
+        // CUDA replicas: no marks at a leave (buckets started early on the NCCL clique would
+        // wait for the leaver's part in them).
+        let marks = marks && !(self.leaving && self.setup.at.cuda());
         let mut op = self.pick(&[SUM, AVG]);
         // Buckets averaged early cannot be summed: with marks, AVG stays AVG.
         let avg_early = marks && self.last_op == Some(AVG);

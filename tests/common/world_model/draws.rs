@@ -123,14 +123,15 @@ impl Bmuf {
         total: usize,
         (lr, mu, nesterov): (f64, f64, bool),
     ) -> Bmuf {
-        let mu = if mu < 0.0 {
+        let default_mu = mu < 0.0;
+        let mu = if default_mu {
             1.0 - 1.0 / total as f64
         } else {
             mu
         };
         let mut b = Bmuf {
             lr,
-            default_mu: mu < 0.0,
+            default_mu,
             mu,
             nesterov,
             params: vec![],
