@@ -7,7 +7,10 @@
 //! reduce-scatter and allgather, early buckets serving either gradient step). Every rank draws the same calls from each seed: registrations of
 //! every dtype and role, sparse gradients and their slices, `dpsync_grad_ready` marks, the
 //! collectives, reduce-scatter steps and allgathers, and per seed the reproducible-sum option. Now and then one rank deviates (another op, name, root, roles or call, an
-//! invalid argument, registrations of its own, a bad sparse index). The model
+//! invalid argument, registrations of its own, a bad sparse index). In one seed in three, ranks
+//! leave at random calls (`dpsync_leave`, one rank at a time, one always stays;
+//! common/world_calls/leave.rs):
+//! the others' collective completes over their replicas and the model drops the leaver's. The model
 //! (common/world_model.rs) holds every tensor's values on every world replica, so every rank
 //! knows what each rank must see: after each call it checks its status and message
 //! ("Agreement before mutation" in dpsync_world.h), its replicas' bytes and sparse outputs, and

@@ -27,6 +27,9 @@
 //!   so ranks that start different buckets early would wait for each other for ever: there the
 //!   marks are alike on every rank, and made only where every rank starts the same buckets
 //!   (`Setup::lockstep`; uneven marks run with FAKE_CUDA_ASYNC=1 and on a GPU).
+//! - ranks leave (`leave`) as on host replicas, but with no marks at the call a rank leaves at
+//!   (buckets started early on the NCCL clique there would be a case of its own; tests/world_leave.rs
+//!   has a leave while host replicas' buckets were started early).
 //!
 //! Environment: as tests/world_random.rs (`DPSYNC_RANDOM_SEEDS`, `DPSYNC_RANDOM_CALLS`,
 //! `DPSYNC_RANDOM_NO`, `DPSYNC_RANDOM_RANKS`, `DPSYNC_RANDOM_LIMIT_S`, `DPSYNC_RANDOM_TIMEOUT_MS`,

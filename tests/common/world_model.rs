@@ -19,13 +19,20 @@ use super::place::{download, Mem, Place};
 use super::sparse::SparseOut;
 use dpsync::*;
 
+mod calls;
+mod draws;
+mod memory;
+pub use calls::*;
+pub use draws::*;
+pub use memory::*;
+
 /// Deviations (one rank differs) and cases that `DPSYNC_RANDOM_NO` switches off: `boundary`
 /// (an argument the C boundary refuses), `sparse_uneven` (marks that start buckets on some
 /// ranks only, in steps with sparse gradients), `sparse_share` (index buffers shared on some
 /// replicas only, NULL for empty slices), whole kinds of calls (`marks`, `sparse`, `bmuf`,
-/// `shards`: reduce-scatter steps and allgathers) and the reproducible-sum option (`repro`,
-/// drawn per seed).
-pub const CLASSES: [&str; 19] = [
+/// `shards`: reduce-scatter steps and allgathers), the reproducible-sum option (`repro`,
+/// drawn per seed) and ranks leaving (`leave`: `dpsync_leave` at random calls of some seeds).
+pub const CLASSES: [&str; 20] = [
     "op",
     "name",
     "root",
@@ -45,6 +52,7 @@ pub const CLASSES: [&str; 19] = [
     "bmuf",
     "shards",
     "repro",
+    "leave",
 ];
 
 pub fn env(key: &str) -> Option<String> {
@@ -243,101 +251,6 @@ pub fn same(a: &[f64], b: &[f64]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
-// ------------------------------------------------------------------ where the memory lives
-
-/// Where a run keeps its tensors and slices: host buffers (host replicas), or device memory of
-/// CUDA replicas, local replica `k` on GPU `ordinals[k]` of `place`.
-// Each binary makes one of them (tests/world_random.rs Host, world_random_cuda.rs Cuda).
-#[allow(dead_code)]
-pub enum Where {
-    Host,
-    Cuda(Place, Vec<i32>),
-}
-
-/// One tensor or slice on one local replica, where its run keeps it.
-pub enum Store {
-    Host(Buf),
-    /// Device memory holding a buffer of this dtype (the bytes of [`Buf::bytes`]).
-    Device(Mem, DType),
-}
-
-/// A buffer of `dt` holding `bytes` (native endianness).
-pub fn buf_of(dt: DType, bytes: &[u8]) -> Buf {
-    let mut b = Buf::zeros(dt, bytes.len() / dt.size());
-    let n = b.len() * dt.size();
-    // SAFETY: `b` holds `n` bytes, and `bytes` at least as many.
-    unsafe { ptr::copy_nonoverlapping(bytes.as_ptr(), b.ptr().cast::<u8>(), n) };
-    b
-}
-
-impl Where {
-    /// `b` on local replica `k`: as it is on the host; on a CUDA replica, a copy in its GPU's
-    /// memory, except an empty buffer: its dangling address stays (a slice of no rows, whose
-    /// pointers the library never reads, as an empty tensor's data pointer can be anything).
-    pub fn put(&self, k: usize, b: Buf) -> Store {
-        match self {
-            Where::Cuda(place, ordinals) if !b.is_empty() => {
-                Store::Device(place.mem_on(ordinals[k], &b.bytes()), b.dtype())
-            }
-            _ => Store::Host(b),
-        }
-    }
-
-    /// A copy of `bytes` bytes of a library output at `ptr` on one of this rank's replicas.
-    pub fn fetch(&self, ptr: *const c_void, bytes: usize) -> Vec<u8> {
-        match self {
-            _ if bytes == 0 => Vec::new(),
-            // SAFETY: the library keeps its outputs valid until the next step.
-            Where::Host => unsafe { std::slice::from_raw_parts(ptr.cast::<u8>(), bytes) }.to_vec(),
-            Where::Cuda(..) => download(ptr as usize, bytes),
-        }
-    }
-
-    pub fn cuda(&self) -> bool {
-        matches!(self, Where::Cuda(..))
-    }
-}
-
-impl Store {
-    pub fn ptr(&mut self) -> *mut c_void {
-        match self {
-            Store::Host(b) => b.ptr(),
-            Store::Device(m, _) => m.ptr() as *mut c_void,
-        }
-    }
-
-    pub fn len(&self) -> usize {
-        match self {
-            Store::Host(b) => b.len(),
-            Store::Device(m, dt) => m.len() / dt.size(),
-        }
-    }
-
-    /// The elements as f64 (from the device: once the work queued on its replica's stream ran).
-    pub fn vals(&self) -> Vec<f64> {
-        match self {
-            Store::Host(b) => vals_of(b),
-            Store::Device(m, dt) => vals_of(&buf_of(*dt, &m.read())),
-        }
-    }
-
-    /// Writes `vals` into the first elements, rounded to the dtype (as [`store`]).
-    pub fn set(&mut self, vals: &[f64]) {
-        match self {
-            Store::Host(b) => store(b, vals),
-            Store::Device(m, dt) => {
-                let n = m.len() / dt.size();
-                let mut b = match vals.len() < n {
-                    true => buf_of(*dt, &m.read()),
-                    false => Buf::zeros(*dt, n),
-                };
-                store(&mut b, vals);
-                m.write(&b.bytes());
-            }
-        }
-    }
-}
-
 // ------------------------------------------------------------------ the model's state
 
 pub struct Dense {
@@ -413,6 +326,8 @@ pub struct Bmuf {
     pub lr: f64,
     /// Resolved (the default 1 - 1/N).
     pub mu: f64,
+    /// `mu` is the default: recounted when the world loses replicas.
+    pub default_mu: bool,
     pub nesterov: bool,
     /// The PARAMs `bmuf_init` took (name, id), their W and D.
     pub params: Vec<(String, u64)>,
@@ -459,311 +374,6 @@ impl Slices {
                 b.set(&x);
                 old as i64
             }
-        }
-    }
-}
-
-// ------------------------------------------------------------------ calls and outcomes
-
-#[derive(Clone, Debug)]
-pub enum Call {
-    Grads(u32),
-    /// None: a NULL name.
-    Allreduce(Option<String>, u32),
-    Broadcast(u32, usize),
-    Average(u32),
-    BmufInit(f64, f64, bool),
-    BmufStep,
-    /// dpsync_reduce_scatter_grads(op).
-    Scatter(u32),
-    /// dpsync_allgather(roles).
-    Allgather(u32),
-}
-
-impl Call {
-    pub fn invoke(&self, ctx: &Context) -> dpsync_status {
-        match self {
-            Call::Grads(op) => ctx.allreduce_grads(*op),
-            Call::Allreduce(Some(name), op) => ctx.allreduce(name, *op),
-            // SAFETY: a valid context; NULL is the argument under test.
-            Call::Allreduce(None, op) => unsafe { dpsync_allreduce(ctx.0, ptr::null(), *op) },
-            Call::Broadcast(roles, root) => ctx.broadcast(*roles, *root),
-            Call::Average(roles) => ctx.average(*roles),
-            Call::BmufInit(lr, mu, nesterov) => ctx.bmuf_init(*lr, *mu, *nesterov),
-            Call::BmufStep => ctx.bmuf_step(),
-            // SAFETY: a valid context.
-            Call::Scatter(op) => unsafe { dpsync_reduce_scatter_grads(ctx.0, *op) },
-            // SAFETY: a valid context.
-            Call::Allgather(roles) => unsafe { dpsync_allgather(ctx.0, *roles) },
-        }
-    }
-
-    /// The function's name as the messages write it (`dpsync_allreduce(name`: not `_grads`).
-    pub fn function(&self) -> &'static str {
-        match self {
-            Call::Grads(_) => "dpsync_allreduce_grads",
-            Call::Allreduce(..) => "dpsync_allreduce(name",
-            Call::Broadcast(..) => "dpsync_broadcast",
-            Call::Average(_) => "dpsync_average",
-            Call::BmufInit(..) => "dpsync_bmuf_init",
-            Call::BmufStep => "dpsync_bmuf_step",
-            Call::Scatter(_) => "dpsync_reduce_scatter_grads",
-            Call::Allgather(_) => "dpsync_allgather",
-        }
-    }
-
-    /// The same call with another op (reductions) or roles (broadcast, average).
-    pub fn with(&self, x: u32) -> Call {
-        match self {
-            Call::Grads(_) => Call::Grads(x),
-            Call::Allreduce(name, _) => Call::Allreduce(name.clone(), x),
-            Call::Broadcast(_, root) => Call::Broadcast(x, *root),
-            Call::Average(_) => Call::Average(x),
-            Call::Scatter(_) => Call::Scatter(x),
-            Call::Allgather(_) => Call::Allgather(x),
-            _ => unreachable!("{self:?} has neither op nor roles"),
-        }
-    }
-
-    /// The roles whose registrations the ranks compare for this call.
-    pub fn involved(&self) -> u32 {
-        match self {
-            Call::Grads(_) | Call::Scatter(_) => GRAD,
-            Call::Broadcast(roles, _) | Call::Average(roles) | Call::Allgather(roles) => *roles,
-            Call::BmufInit(..) | Call::BmufStep => PARAM,
-            Call::Allreduce(..) => 0,
-        }
-    }
-}
-
-/// World replica `w`'s piece of a tensor of `count` elements among `total` (dpsync_shard.h):
-/// `(first element, elements)`.
-pub fn piece(count: usize, w: usize, total: usize) -> (usize, usize) {
-    let at = |w: usize| count * w / total;
-    (at(w), at(w + 1) - at(w))
-}
-
-/// What every rank must see: success; one status (and message fragments) on every rank; or
-/// rank `.0`'s own failure there, INCONSISTENT naming it and its status elsewhere.
-#[derive(Clone, Debug, Default)]
-pub enum Expect {
-    #[default]
-    Ok,
-    All(dpsync_status, Vec<String>),
-    Own(usize, dpsync_status, Vec<String>),
-}
-
-pub fn all(st: dpsync_status, needles: &[&str]) -> Expect {
-    Expect::All(st, needles.iter().map(|s| s.to_string()).collect())
-}
-
-pub fn own(rank: usize, st: dpsync_status, needles: &[&str]) -> Expect {
-    Expect::Own(rank, st, needles.iter().map(|s| s.to_string()).collect())
-}
-
-impl Expect {
-    /// The status and message fragments rank `rank` must see.
-    pub fn on(&self, rank: usize) -> (dpsync_status, Vec<String>) {
-        let short = |s: &dpsync_status| format!("{s:?}").replace("DPSYNC_STATUS_", "");
-        match self {
-            Expect::Ok => (OK, vec![]),
-            Expect::All(s, n) => (*s, n.clone()),
-            Expect::Own(d, s, n) if *d == rank => (*s, n.clone()),
-            Expect::Own(d, s, _) => (INCONSISTENT, vec![format!("rank {d}"), short(s)]),
-        }
-    }
-}
-
-/// Tensors registered for a deviation on this rank, undone after the call.
-pub struct Temp {
-    pub name: &'static str,
-    pub bufs: Vec<Store>,
-}
-
-/// One rank's deviation from the common call.
-#[derive(Default)]
-pub struct Dev {
-    pub class: &'static str,
-    pub rank: usize,
-    /// The deviating rank's call, when it makes another.
-    pub call: Option<Call>,
-    pub expect: Expect,
-    pub temps: Vec<Temp>,
-    /// Ranks that registered temporaries (their registrations are not the agreed ones).
-    pub registered: Vec<usize>,
-    /// The deviating rank registers a sparse gradient of its own.
-    pub sparse_extra: bool,
-    /// The deviating rank's GRADs disagree across its replicas: its marks fail.
-    pub local_grad: bool,
-    /// A bad index: (gradient, local replica, value) on the deviating rank.
-    pub bad: Option<(usize, usize, i64)>,
-}
-
-// ------------------------------------------------------------------ drawn alike on every rank
-
-/// Below `n`, as an index.
-fn below(g: &mut Lcg, n: usize) -> usize {
-    g.below(n as u64) as usize
-}
-
-/// Every rank's `dpsync_grad_ready` marks `(tensor, local replica)` of the `grads` (tensor
-/// indices, in the order to mark them): per rank all, some or none; with `uniform` the same
-/// tensors on every rank, on all its replicas. Drawn for every rank, so that every rank draws
-/// alike (and knows what every other marked).
-pub fn marks(
-    g: &mut Lcg,
-    per_rank: &[usize],
-    grads: &[usize],
-    uniform: bool,
-) -> Vec<Vec<(usize, usize)>> {
-    let common = below(g, 3);
-    let picks: Vec<bool> = grads.iter().map(|_| g.below(2) == 0).collect();
-    let mut every = Vec::new();
-    for &replicas in per_rank {
-        let pattern = if uniform { common } else { below(g, 3) };
-        let mut its = Vec::new();
-        for (i, &t) in grads.iter().enumerate() {
-            for k in 0..replicas {
-                let pick = g.below(2) == 0;
-                let marked =
-                    pattern == 1 || (pattern == 2 && if uniform { picks[i] } else { pick });
-                if marked {
-                    its.push((t, k));
-                }
-            }
-        }
-        every.push(its);
-    }
-    every
-}
-
-impl Slices {
-    /// A step's slices of the `sparse` gradients: rows 0..3 per world replica, pairs of
-    /// gradients sharing their indices (one buffer, or two of the same content), empty slices
-    /// NULL, with an empty buffer's address or one of their own; this rank's buffers for its
-    /// replicas `offset..offset + local`. `uniform`: every world replica set up alike, and
-    /// every buffer with an address of its own (ranks group slices by their buffers). The
-    /// buffers live where `at` says.
-    pub fn draw(
-        g: &mut Lcg,
-        sparse: &[Sparse],
-        total: usize,
-        (offset, local): (usize, usize),
-        uniform: bool,
-        at: &Where,
-    ) -> Slices {
-        let mut sl = Slices::default();
-        let mut paired = vec![false; sparse.len()];
-        let mut kinds = Vec::new();
-        for (s, sp) in sparse.iter().enumerate() {
-            let pair = s > 0 && !paired[s - 1] && sparse[s - 1].idt == sp.idt;
-            paired[s] = pair && g.below(2) == 0;
-            let (mut idx, mut val) = (Vec::new(), Vec::new());
-            for w in 0..total {
-                let i: Vec<i64> = match paired[s] {
-                    true => sl.idx[s - 1][w].clone(),
-                    false => (0..g.below(4)).map(|_| g.below(8) as i64).collect(),
-                };
-                val.push(
-                    (0..i.len() * sp.row_len)
-                        .map(|_| g.below(4) as f64)
-                        .collect(),
-                );
-                idx.push(i);
-            }
-            let one = below(g, 3);
-            let kind: Vec<usize> = (0..total).map(|_| below(g, 3)).collect();
-            let kind: Vec<usize> = kind
-                .into_iter()
-                .map(|k| if uniform { one } else { k })
-                .collect();
-            if paired[s] && kind.iter().all(|&k| k < 2) {
-                sl.shared.push(s);
-            }
-            let shares = kind.iter().map(|&k| paired[s] && k < 2).collect();
-            sl.with_prev.push(shares);
-            sl.idx.push(idx);
-            sl.val.push(val);
-            kinds.push(kind);
-        }
-        for (s, sp) in sparse.iter().enumerate() {
-            let mut row = Vec::new();
-            for k in 0..local {
-                let w = offset + k;
-                let (rows, kind) = (sl.idx[s][w].len(), kinds[s][w]);
-                let (ibuf, ip) = if paired[s] && kind < 2 {
-                    (sl.set[s - 1][k].0, sl.set[s - 1][k].1)
-                } else if rows == 0 && !uniform && kind == 0 {
-                    (None, std::ptr::null())
-                } else {
-                    let min = usize::from(rows > 0 || uniform || kind != 1);
-                    let i: Vec<f64> = sl.idx[s][w].iter().map(|&i| i as f64).collect();
-                    sl.push(at.put(k, make_buf(sp.idt, &i, min)))
-                };
-                let vp = match ip.is_null() {
-                    true => std::ptr::null(),
-                    false => sl.push(at.put(k, make_buf(sp.vdt, &sl.val[s][w], 1))).1,
-                };
-                row.push((ibuf, ip, vp, rows));
-            }
-            sl.set.push(row);
-        }
-        sl
-    }
-}
-
-impl Bmuf {
-    /// `dpsync_bmuf_init` succeeded over the PARAMs `params` (indices into `dense`): world
-    /// replica 0's values everywhere, W = them, D = 0; `mu` < 0 is 1 - 1/N.
-    pub fn start(
-        dense: &mut [Dense],
-        params: &[usize],
-        total: usize,
-        (lr, mu, nesterov): (f64, f64, bool),
-    ) -> Bmuf {
-        let mu = if mu < 0.0 {
-            1.0 - 1.0 / total as f64
-        } else {
-            mu
-        };
-        let mut b = Bmuf {
-            lr,
-            mu,
-            nesterov,
-            params: vec![],
-            w: vec![],
-            d: vec![],
-        };
-        for &t in params {
-            let d = &mut dense[t];
-            d.vals = vec![d.vals[0].clone(); total];
-            b.params.push((d.name.clone(), d.id));
-            b.d.push(vec![0.0; d.vals[0].len()]);
-            b.w.push(d.vals[0].clone());
-        }
-        b
-    }
-
-    /// `dpsync_bmuf_step` succeeded: per element, the mean A as the averaging stores it, then
-    /// the filter in the state type (f32 for f32/f16/bf16, f64 for f64), the new param rounded
-    /// once to its dtype on every replica.
-    pub fn step(&mut self, dense: &mut [Dense]) {
-        for (p, (name, _)) in self.params.iter().enumerate() {
-            let t = dense.iter_mut().find(|t| &t.name == name).expect("a PARAM");
-            let (dt, n) = (t.dtype, t.vals.len());
-            let new: Vec<f64> = (0..self.w[p].len())
-                .map(|e| {
-                    let a = avg(dt, t.vals.iter().map(|v| v[e]).sum(), n);
-                    let x = [a, self.w[p][e], self.d[p][e], self.mu, self.lr];
-                    let [param, w, d] = match dt {
-                        DType::F64 => filter::<f64>(x, self.nesterov, |v| v, |v| v),
-                        _ => filter::<f32>(x, self.nesterov, |v| v as f32, |v| v as f64),
-                    };
-                    (self.w[p][e], self.d[p][e]) = (w, d);
-                    round(dt, param)
-                })
-                .collect();
-            t.vals = vec![new; n];
         }
     }
 }
