@@ -39,6 +39,15 @@ use common::place::{decode, synchronize, Mem, Place};
 use common::{abi::*, context::*};
 use dpsync::*;
 
+/// Held by this binary's tests that use the GPUs: the fake NCCL's byte counters are the
+/// process's, so a test counting them must not share the process's NCCL with another test
+/// (the harness runs tests on several threads).
+static GPUS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn gpus_alone() -> std::sync::MutexGuard<'static, ()> {
+    GPUS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 const FLOATS: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
 /// Elements per tensor: several blocks of the host kernels, and not a multiple of any.
 const N: usize = 1283;
@@ -453,6 +462,7 @@ fn describe_and_plan_show_the_option() {
 
 #[test]
 fn cuda_replicas_across_gpus_give_the_hosts_bytes() {
+    let _alone = gpus_alone();
     let Some(gpu) = Place::gpu("cuda_replicas_across_gpus_give_the_hosts_bytes") else {
         return;
     };
@@ -858,6 +868,7 @@ mod sparse_rows {
 
     #[test]
     fn coalesced_sparse_sums_across_gpus_give_the_same_bytes() {
+        let _alone = super::gpus_alone();
         if let Some(gpu) = Place::gpu("coalesced_sparse_sums_across_gpus_give_the_same_bytes") {
             arrangements(&gpu);
             // And the host's.
