@@ -7,6 +7,7 @@ mod elastic;
 mod overlap;
 mod shard;
 mod sparse;
+mod undo;
 
 use shard::Shape;
 
@@ -553,6 +554,7 @@ impl Context {
         };
         self.agree(&verdict, || "dpsync_bmuf_step()".to_owned(), &params)?;
         let state = self.bmuf.as_ref().ok_or_else(bmuf::not_started)?;
+        self.keep_regions(state.regions());
         // SAFETY: as in allreduce_grads; check_params vouches for the state's pointers.
         unsafe { self.executor.bmuf_step(state, divisor) }
     }

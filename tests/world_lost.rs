@@ -14,6 +14,12 @@
 //!   context is failed (INVALID_STATE after), its PARAM untouched.
 //!
 //! Both with and without `DPSYNC_MPI_SHM=0`.
+//!
+//! And nothing half-written (`kept_body`): while the ranks alternate `broadcast`, `average`
+//! and `bmuf_step` over a PARAM of 1 MiB per replica, a thread kills rank 2 at a moment of its
+//! own. Every survivor's call answers alike: OK with every replica's new bytes, or RANK_LOST
+//! with every replica's bytes as before the call; the survivors lost it at the same call; and
+//! the redone `bmuf_step` matches a model of the filter that never saw the interrupted step.
 #![cfg(feature = "mpi")]
 #![allow(clippy::needless_range_loop)]
 
@@ -44,6 +50,18 @@ fn a_lost_rank_and_the_others_go_on() {
     // Rank 2 dies, then rank 1: rank 0 alone passes to the end.
     launch_ulfm("lost_body", 3, 300, &venv, &[], 1);
     launch_ulfm("lost_body", 3, 300, &venv, &[("DPSYNC_MPI_SHM", "0")], 1);
+}
+
+#[test]
+fn a_loss_mid_call_leaves_nothing_half_written() {
+    if under_mpirun() {
+        return; // a rank runs kept_body only
+    }
+    let Some(venv) = ulfm_venv("a_loss_mid_call_leaves_nothing_half_written") else {
+        return;
+    };
+    launch_ulfm("kept_body", 3, 300, &venv, &[], 2);
+    launch_ulfm("kept_body", 3, 300, &venv, &[("DPSYNC_MPI_SHM", "0")], 2);
 }
 
 fn replicas_of(rank: usize) -> usize {
@@ -315,4 +333,133 @@ fn lost_body() {
     );
     drop(ctx);
     println!("SURVIVED lost_body");
+}
+
+/// Elements of `kept_body`'s PARAM (f64): 1 MiB per replica, so that a call's data is in flight
+/// for a while.
+const Q_LEN: usize = 131_072;
+
+/// `kept_body`'s PARAM value on world replica `w` (at creation) before call `i`.
+fn q_value(i: usize, w: usize) -> f64 {
+    ((i % 7) * 8 + w + 1) as f64
+}
+
+/// BMUF's filter as the backend computes it (block_lr 1, block_momentum 0.5, no Nesterov):
+/// `w`, `d` after a step over the mean `a`.
+fn bmuf_model(w: &mut f64, d: &mut f64, a: f64) {
+    let g = a - *w;
+    *d = 0.5 * *d + g;
+    *w += *d;
+}
+
+fn close(x: f64, want: f64) -> bool {
+    (x - want).abs() <= 1e-9 * want.abs().max(1.0)
+}
+
+#[test]
+fn kept_body() {
+    let Some((rank, ranks)) = as_rank("kept_body") else {
+        return;
+    };
+    assert_eq!(ranks, 3, "kept_body runs on 3 ranks");
+    let local = replicas_of(rank);
+    let offset: usize = (0..rank).map(replicas_of).sum();
+    let tag = |what: &str| format!("rank {rank}/{ranks}: {what}");
+    let ctx = Context::new(&options(local));
+    let mut q: Vec<Vec<f64>> = (0..local)
+        .map(|k| vec![q_value(0, offset + k); Q_LEN])
+        .collect();
+    let mut n: Vec<Vec<f32>> = vec![vec![0.0]; local];
+    for k in 0..local {
+        ctx.reg("q", PARAM, k, &mut q[k], F64);
+        ctx.reg("n", COMPUTED, k, &mut n[k], F32);
+    }
+    let st = ctx.bmuf_init(1.0, 0.5, false);
+    assert_eq!(st, OK, "{}: {}", tag("bmuf_init"), last_error());
+    let (mut w, mut d) = (q_value(0, 0), 0.0);
+    let mut present = replicas_below(3);
+    if rank == 2 {
+        std::thread::spawn(|| {
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |t| t.subsec_nanos());
+            std::thread::sleep(std::time::Duration::from_micros(
+                1_000 + (nanos % 40_000) as u64,
+            ));
+            die();
+        });
+    }
+    let mean = |i: usize, from: &[usize]| {
+        from.iter().map(|&v| q_value(i, v)).sum::<f64>() / from.len() as f64
+    };
+    let mut lost_at = None;
+    for i in 1..100_000 {
+        for k in 0..local {
+            q[k].fill(q_value(i, offset + k));
+        }
+        let (st, what) = match i % 3 {
+            0 => (ctx.broadcast(PARAM, 0), "broadcast"),
+            1 => (ctx.average(PARAM), "average"),
+            _ => (ctx.bmuf_step(), "bmuf_step"),
+        };
+        let want = match st {
+            OK if what == "broadcast" => q_value(i, 0),
+            OK if what == "average" => mean(i, &present),
+            OK => {
+                bmuf_model(&mut w, &mut d, mean(i, &present));
+                w
+            }
+            RANK_LOST => f64::NAN,
+            other => panic!("{}: {other:?}: {}", tag(what), last_error()),
+        };
+        for k in 0..local {
+            let kept = q_value(i, offset + k);
+            let want = if st == OK { want } else { kept };
+            let bad = q[k].iter().position(|&x| !close(x, want));
+            assert!(
+                bad.is_none(),
+                "{}: {what} call {i} answered {st:?}: q[{k}][{}] is {} (wanted {want})",
+                tag("all new or all kept"),
+                bad.unwrap_or(0),
+                q[k][bad.unwrap_or(0)]
+            );
+        }
+        if st == RANK_LOST {
+            assert!(last_error().contains("rank 2"), "{}", tag(&last_error()));
+            lost_at = Some((i, what));
+            break;
+        }
+    }
+    let (i, what) = lost_at.expect("rank 2 was lost within 100 000 calls");
+    present = replicas_below(2);
+    // The survivors lost the same call: the sum of its number over their replicas.
+    for k in 0..local {
+        n[k][0] = i as f32;
+    }
+    let st = ctx.allreduce("n", SUM);
+    assert_eq!(st, OK, "{}: {}", tag("allreduce n"), last_error());
+    let want = (i * present.len()) as f32;
+    assert!(
+        n.iter().all(|x| x[0] == want),
+        "{}: {n:?}, wanted {want}",
+        tag("the same call lost everywhere")
+    );
+    // The redo of a step: BMUF's state is as before the interrupted call.
+    for k in 0..local {
+        q[k].fill(q_value(i, offset + k));
+    }
+    let st = ctx.bmuf_step();
+    assert_eq!(st, OK, "{}: {}", tag("bmuf_step redo"), last_error());
+    bmuf_model(&mut w, &mut d, mean(i, &present));
+    for k in 0..local {
+        assert!(
+            q[k].iter().all(|&x| close(x, w)),
+            "{}: q[{k}][0] {} wanted {w}",
+            tag(&format!("bmuf redo after a lost {what}")),
+            q[k][0]
+        );
+    }
+    println!("rank {rank}: rank 2 lost during call {i} ({what})");
+    drop(ctx);
+    println!("SURVIVED kept_body");
 }

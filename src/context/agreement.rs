@@ -82,6 +82,9 @@ impl Context {
                 });
             }
         }
+        if agreed.is_ok() {
+            self.keep_written(tensors);
+        }
         agreed.map(Some)
     }
 

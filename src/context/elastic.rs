@@ -30,6 +30,8 @@ pub(super) struct Membership {
     /// Ranks (present numbers) that left at the last agreement, not yet taken out (set where
     /// the context is borrowed shared).
     pub pending: parking_lot::Mutex<Vec<usize>>,
+    /// What the present call may write, kept to be put back on a loss (context/undo.rs).
+    pub undo: parking_lot::Mutex<super::undo::Undo>,
 }
 
 impl Membership {
@@ -47,6 +49,7 @@ impl Context {
     /// remaining rank had passed it: then the world is first made over the remaining ranks.
     pub fn world_call(&mut self, mut body: impl FnMut(&mut Context) -> Result<()>) -> Result<()> {
         loop {
+            self.forget_undo();
             let outcome = body(self);
             let left = std::mem::take(&mut *self.membership.pending.lock());
             if !left.is_empty() {
@@ -63,6 +66,7 @@ impl Context {
                 true => self.vote(outcome),
                 false => outcome,
             };
+            self.forget_undo();
             match outcome {
                 Err(e) if e.is_world_changed() => continue,
                 outcome => return outcome,
@@ -82,6 +86,9 @@ impl Context {
             Ok(Some(true)) => ranks.shrunk(),
             Err(e) => Err(e),
         };
+        // Every survivor voted alike: none keeps what the call wrote (BMUF's state included,
+        // before its recount below).
+        self.undo_written();
         let fail = |ctx: &mut Context, why: String| {
             ctx.membership.departed = Some(why.clone());
             Err(Error::new(ErrorKind::RankLost, why))

@@ -151,6 +151,13 @@ impl BmufState {
         }
     }
 
+    /// The filter's own memory, `(address, bytes)` of every bucket's `W` and `D` on every
+    /// replica (what an elastic world keeps aside during a step, context/undo.rs).
+    pub fn regions(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        (self.state.iter().flatten())
+            .flat_map(|r| [(r.w.ptr(), r.w.bytes()), (r.d.ptr(), r.d.bytes())])
+    }
+
     /// What `dpsync_describe` shows under "bmuf".
     pub fn describe(&self) -> serde_json::Value {
         let state_bytes: usize = self.state.iter().map(|r| 2 * r[0].w.bytes()).sum();

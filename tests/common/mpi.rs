@@ -144,6 +144,10 @@ pub fn launch_ulfm(
     env: &[(&str, &str)],
     survivors: usize,
 ) {
+    // One launch at a time: the tests of a binary run in threads, and the output files are
+    // named by the process.
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
     let exe = std::env::current_exe().expect("the test binary's path");
     let dir = std::env::temp_dir().join(format!("dpsync-ulfm-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("a temporary directory");
