@@ -116,7 +116,8 @@ build_fake_cuda() {
     cat tests/fakecuda/fake_cuda.cpp
   } >"$out/fake_cuda_all.cpp"
   # ITEMS_PER_THREAD: prelude.cu's default, which a unit test keeps equal to the Rust side's.
-  c++ -std=c++20 -O2 -ffp-contract=off -fPIC -shared -pthread \
+  # -I: fake_cuda.cpp includes its state and helpers (fake_cuda_state.hpp).
+  c++ -std=c++20 -O2 -ffp-contract=off -fPIC -shared -pthread -I tests/fakecuda \
     -Wl,-soname,libcuda.so.1 -o "$out/libcuda.so.1" "$out/fake_cuda_all.cpp"
   ln -sf libcuda.so.1 "$out/libcuda.so"
   # The NCCL stand-in; it finds the fake driver's fake_cuda_* helpers at run time (dlsym).
