@@ -152,13 +152,13 @@ impl Shared {
         unsafe { libc::shm_unlink(name_of(pid, nonce).as_ptr()) };
     }
 
-    /// The view of `channel`'s slots for [`super::ring::Ring`].
     /// An elastic world: waits on the others' counters watch their processes (`pids`, in rank
     /// order), since a dead rank never moves its counters and no MPI call reports it there.
     pub(super) fn watch(&mut self, pids: Vec<libc::pid_t>) {
         self.peers = pids;
     }
 
+    /// The view of `channel`'s slots for [`super::ring::Ring`].
     pub(super) fn slots(&self, channel: Channel) -> Slots {
         let first = match channel {
             Channel::Calls => 0,
