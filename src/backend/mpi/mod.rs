@@ -44,6 +44,7 @@ mod shm;
 mod staging;
 mod steps;
 mod ulfm;
+mod whole;
 
 pub(crate) use init::{library_name, world_of};
 pub(crate) use ulfm::ulfm_missing;

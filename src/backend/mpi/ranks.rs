@@ -386,9 +386,15 @@ impl Ranks for MpiRanks {
         let held = self.spare_stage(count * size);
         let mut queue = self.queue.lock();
         // Cut as a waited transfer of the bucket would be (a bucket off the ring is below
-        // either piece size: one piece).
-        let piece = self.ring(Channel::Steps).piece_of(size);
-        let handle = queue.push((dtype, segments, count), (avg, piece), held);
+        // either piece size: one piece). Through shared memory, a bucket the ring carries
+        // crosses whole (`whole.rs`): alike on every rank, as the bucket and dtype are.
+        let ring = self.ring(Channel::Steps);
+        let whole = ring.shared() && ring.takes(count * size) && !dtype.is_half();
+        let handle = queue.push(
+            (dtype, segments, count),
+            (avg, ring.piece_of(size), whole),
+            held,
+        );
         self.drive(&mut queue, Until::Idle)?;
         drop(queue);
         self.wake_progress();

@@ -233,7 +233,7 @@ pub(super) fn section_of(size: usize, ranks: usize) -> usize {
 }
 
 /// Where rank `q`'s section sits in rank `r`'s slot: the others in ascending order.
-fn section(q: usize, r: usize) -> usize {
+pub(super) fn section(q: usize, r: usize) -> usize {
     match q < r {
         true => q,
         false => q - 1,
@@ -269,7 +269,7 @@ pub(super) fn range_of(k: usize, c: usize, total: usize) -> Option<(usize, usize
 ///
 /// # Safety
 /// Every source holds `len` elements of `dtype`, and `out` room for them.
-unsafe fn sum_in_order(
+pub(super) unsafe fn sum_in_order(
     dtype: DType,
     out: *mut u8,
     from: &[*const u8],
@@ -323,7 +323,7 @@ const CHUNK: usize = 64;
 /// `len` bucket elements from `e` cut where the ring allreduce's blocks meet (`piece`
 /// elements per ring piece of the bucket's `count`, `ranks` blocks each): `(the block's rank,
 /// elements)` in order.
-fn blocks(
+pub(super) fn blocks(
     (e, len): (usize, usize),
     (piece, count): (usize, usize),
     ranks: usize,

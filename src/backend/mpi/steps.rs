@@ -20,6 +20,7 @@ use super::pieces::{stage, Walk, DEPTH, PIECE};
 use super::poll::Idle;
 use super::ring::{Flight, Ring, Sum};
 use super::staging::{mpi_type, only_owned, stage_in, stage_out};
+use super::whole::Whole;
 use crate::backend::Segment;
 use crate::error::Result;
 use crate::types::DType;
@@ -40,6 +41,9 @@ pub(super) struct Item {
     pub(super) avg: Option<usize>,
     /// The results, in MPI's type, pieces landing in place until the step agrees.
     pub(super) held: Vec<u64>,
+    /// Crosses as one [`Whole`] (through shared memory), which divides as it sums: one
+    /// piece, and `avg` none once issued.
+    whole: bool,
     piece: usize,
     pieces: usize,
     issued: usize,
@@ -123,11 +127,13 @@ pub(super) struct Queue {
     stages: Vec<u64>,
 }
 
-/// A piece in flight: one non-blocking allreduce, or a flight round the ring (a bucket of
-/// [`RING_BYTES`](super::ring::RING_BYTES) or more, as waited transfers send it).
+/// A piece in flight: one non-blocking allreduce, a flight round the ring (a bucket of
+/// [`RING_BYTES`](super::ring::RING_BYTES) or more, as waited transfers send it), or a whole
+/// bucket through shared memory (alone in flight).
 enum Transfer {
     Collective(ffi::MPI_Request),
     Ring(Flight),
+    Whole(Whole),
 }
 
 // SAFETY: requests, pointers and stages are plain data; MPI_THREAD_MULTIPLE lets any thread
@@ -136,11 +142,11 @@ unsafe impl Send for Queue {}
 
 impl Queue {
     /// Queues a bucket of `count` elements (its contributions per segment, or none for a
-    /// stand-in) whose results go to `held`; its handle.
+    /// stand-in) whose results go to `held`, `whole` or in pieces of `piece`; its handle.
     pub(super) fn push(
         &mut self,
         (dtype, segments, count): (DType, &[Segment<'_>], usize),
-        (avg, piece): (Option<usize>, usize),
+        (avg, piece, whole): (Option<usize>, usize, bool),
         held: Vec<u64>,
     ) -> Handle {
         let abandoned = Arc::new(AtomicBool::new(false));
@@ -159,8 +165,9 @@ impl Queue {
             count,
             avg,
             held,
+            whole,
             piece,
-            pieces: count.div_ceil(piece),
+            pieces: if whole { 1 } else { count.div_ceil(piece) },
             issued: 0,
             done: 0,
             walk: Walk::default(),
@@ -186,9 +193,29 @@ impl Queue {
     /// communicator's.
     unsafe fn issue(&mut self, ring: &Ring) -> Result<bool> {
         while self.inflight.len() < DEPTH {
+            if let Some((_, _, Transfer::Whole(_))) = self.inflight.back() {
+                return Ok(false);
+            }
             let Some(item) = self.items.iter_mut().find(|i| i.issued < i.pieces) else {
                 return Ok(false);
             };
+            if item.whole {
+                // Alone on the channel's slots: after the pieces before it.
+                if !self.inflight.is_empty() {
+                    return Ok(false);
+                }
+                let slots = ring.slots().expect("a whole bucket through shared memory");
+                let data = (item.dtype, item.count, item.inputs.clone());
+                let held = item.held.as_mut_ptr().cast::<u8>();
+                let into = (held, item.avg.take(), item.abandoned.clone());
+                let numbers = &mut self.ring_pieces;
+                let whole = Whole::new(slots, data, into, item.piece, numbers);
+                self.inflight
+                    .push_back((item.seq, 0, Transfer::Whole(whole)));
+                item.issued += 1;
+                self.issued += 1;
+                continue;
+            }
             let (datatype, size) = mpi_type(item.dtype);
             let slot = self.issued % DEPTH;
             let own = stage(&mut self.stages, 2 * PIECE * DEPTH).add(slot * PIECE);
@@ -272,8 +299,10 @@ impl Queue {
             }
             let mut moved = false;
             for (_, _, transfer) in self.inflight.iter_mut() {
-                if let Transfer::Ring(flight) = transfer {
-                    moved |= flight.advance(ring)?;
+                match transfer {
+                    Transfer::Ring(flight) => moved |= flight.advance(ring)?,
+                    Transfer::Whole(whole) => moved |= whole.advance(),
+                    Transfer::Collective(_) => {}
                 }
             }
             self.steps += usize::from(moved);
@@ -287,6 +316,7 @@ impl Queue {
             };
             let finished = match front {
                 Transfer::Ring(flight) => flight.finished(),
+                Transfer::Whole(whole) => whole.finished(),
                 Transfer::Collective(request) => {
                     let mut flag = 0;
                     let rc = ffi::MPI_Test(request, &mut flag, ffi::RSMPI_STATUS_IGNORE);
@@ -331,7 +361,7 @@ impl Queue {
             };
             match transfer {
                 Transfer::Collective(_) if direct => write(recv, (start, n)),
-                Transfer::Collective(_) => {}
+                Transfer::Collective(_) | Transfer::Whole(_) => {}
                 Transfer::Ring(flight) => flight.finish(ring, |part, at, len| match direct {
                     true => write(part, (start + at, len)),
                     false => {
@@ -372,7 +402,10 @@ impl Queue {
                 let inputs = item.inputs.iter().map(|(ptrs, count)| (&ptrs[..], *count));
                 item.outs = vec![only_owned(item.dtype, inputs, owned)];
             }
-            item.direct_from.get_or_insert(item.issued);
+            if !item.whole {
+                // A whole bucket lands in `held` alone, whenever it goes.
+                item.direct_from.get_or_insert(item.issued);
+            }
         }
     }
 

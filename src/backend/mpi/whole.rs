@@ -1,0 +1,211 @@
+//! A bucket started early that crosses the ranks through shared memory as one reduce-scatter
+//! then one allgather ([`Whole`]), into the bucket's held result: the steps queue's way for
+//! a bucket the ring carries where the ranks share memory (`steps.rs`).
+//!
+//! Why not the ring's pieces: a ring piece through shared memory stages every element into a
+//! slot, sums a block there and copies every block out again, handshaking three times per
+//! 128 KiB; this stages only the elements other ranks own and each rank sums its own straight
+//! into the held result, then the sums are gathered. Each rank reads and writes about half
+//! the memory, which is what sets the pace on one host: with one replica per rank, the
+//! ring's pieces took longer than a backward's worth of compute and so hid nothing (marked
+//! steps no faster than unmarked ones, docs/PERFORMANCE.md).
+//!
+//! The bytes are the ring's, as [`Engine::shared_reduce_scatter`](super::Engine) keeps them:
+//! each element is the sum of every rank's local sum (staged as a ring piece stages it), in
+//! the ring's order (its block's rank first, then the others ascending), divided and rounded
+//! once. Owners here are even cuts of the bucket as one run (the result is the held buffer,
+//! not the caller's tensors), which changes who adds, not how.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use super::pieces::{Walk, DEPTH};
+use super::ring::block;
+use super::scatter::{blocks, range_of, section, section_of, sum_in_order};
+use super::shm::{Slots, OUT, REDUCED, STAGED};
+use super::staging::stage_in;
+use crate::backend::Segment;
+use crate::types::DType;
+
+/// One started bucket in flight through the steps channel's slots, moved on without waiting
+/// ([`Whole::advance`]) by whichever thread drives the queue.
+pub(super) struct Whole {
+    slots: Slots,
+    dtype: DType,
+    count: usize,
+    /// Per segment: every local contribution's pointer, and the count (none: a stand-in of
+    /// zeros).
+    inputs: Vec<(Vec<usize>, usize)>,
+    abandoned: Arc<AtomicBool>,
+    held: *mut u8,
+    avg: Option<usize>,
+    /// The ring allreduce's piece of this bucket, whose blocks say each element's sum order.
+    ring_piece: usize,
+    /// 0: the reduce-scatter; 1: the allgather; 2: done.
+    phase: usize,
+    /// Per phase: the first piece's number on the channel, pieces, each rank's elements per
+    /// piece.
+    first: [usize; 2],
+    pieces: [usize; 2],
+    c: [usize; 2],
+    staged: usize,
+    done: usize,
+    /// Per rank: where staging its owned elements (this rank's: summing them) has got to.
+    walks: Vec<Walk>,
+}
+
+// SAFETY: pointers into the caller's registered memory and the queue's held buffer, used by
+// one thread at a time under the queue's lock.
+unsafe impl Send for Whole {}
+
+impl Whole {
+    /// A bucket of `count` elements (`inputs` as [`Item`](super::steps::Item) keeps them)
+    /// summed into `held` (divided by `avg`), its pieces numbered from `*numbers` on (which it
+    /// moves past them); `ring_piece` as the ring would cut it.
+    pub(super) fn new(
+        slots: Slots,
+        (dtype, count, inputs): (DType, usize, Vec<(Vec<usize>, usize)>),
+        (held, avg, abandoned): (*mut u8, Option<usize>, Arc<AtomicBool>),
+        ring_piece: usize,
+        numbers: &mut usize,
+    ) -> Whole {
+        let n = slots.ranks();
+        let size = dtype.size();
+        let c = [section_of(size, n), super::shm::PIECE / size];
+        let most = block(count, n, 0).1;
+        let pieces = [most.div_ceil(c[0]), most.div_ceil(c[1])];
+        let first = [*numbers, *numbers + pieces[0]];
+        *numbers += pieces[0] + pieces[1];
+        Whole {
+            slots,
+            dtype,
+            count,
+            inputs,
+            abandoned,
+            held,
+            avg,
+            ring_piece: ring_piece.min(count),
+            phase: 0,
+            first,
+            pieces,
+            c,
+            staged: 0,
+            done: 0,
+            walks: (0..n).map(|_| Walk::default()).collect(),
+        }
+    }
+
+    pub(super) fn finished(&self) -> bool {
+        self.phase == 2
+    }
+
+    /// Stages and reads every piece that can go now, without waiting; whether it moved.
+    ///
+    /// # Safety
+    /// The inputs are valid (unless abandoned) and `held` holds the bucket.
+    pub(super) unsafe fn advance(&mut self) -> bool {
+        let mut moved = false;
+        while self.phase < 2 {
+            let (first, pieces) = (self.first[self.phase], self.pieces[self.phase]);
+            while self.staged < pieces && self.staged < self.done + DEPTH {
+                let Some(slot) = self.slots.mine_when_free(first + self.staged) else {
+                    break;
+                };
+                self.stage(self.staged, slot);
+                self.slots.publish(STAGED, first + self.staged);
+                (self.staged, moved) = (self.staged + 1, true);
+            }
+            while self.done < self.staged && self.slots.all_past(STAGED, first + self.done) {
+                let k = first + self.done;
+                self.read(self.done, k);
+                self.slots.publish(REDUCED, k);
+                self.slots.publish(OUT, k);
+                (self.done, moved) = (self.done + 1, true);
+            }
+            if self.done < pieces {
+                break;
+            }
+            (self.phase, self.staged, self.done) = (self.phase + 1, 0, 0);
+            self.walks.iter_mut().for_each(|w| *w = Walk::default());
+        }
+        moved
+    }
+
+    /// Rank `r`'s owned elements of the bucket: `(first, count)`.
+    fn owned(&self, r: usize) -> (usize, usize) {
+        block(self.count, self.slots.ranks(), r)
+    }
+
+    /// This rank's local sum of bucket elements `[e, e + l)` into `to` (zeros for a stand-in
+    /// or a bucket whose ticket was dropped: the caller's memory is not read then).
+    unsafe fn local_sum(&mut self, walk: usize, (e, l): (usize, usize), to: *mut u8) {
+        if self.inputs.is_empty() || self.abandoned.load(Ordering::Relaxed) {
+            std::ptr::write_bytes(to, 0, l * self.dtype.size());
+            return;
+        }
+        let segments: Vec<Segment<'_>> = (self.inputs.iter())
+            .map(|(ptrs, count)| Segment {
+                ptrs,
+                count: *count,
+            })
+            .collect();
+        stage_in(self.dtype, &segments, &mut self.walks[walk], (e, l), to);
+    }
+
+    /// Piece `i` into this rank's slot: the reduce-scatter's, one section per other rank of
+    /// that rank's owned elements; the allgather's, this rank's sums.
+    unsafe fn stage(&mut self, i: usize, slot: *mut u8) {
+        let (n, me, size) = (self.slots.ranks(), self.slots.me(), self.dtype.size());
+        let c = self.c[self.phase];
+        if self.phase == 1 {
+            let (o, l) = self.owned(me);
+            if let Some((s, len)) = range_of(i, c, l) {
+                std::ptr::copy_nonoverlapping(self.held.add((o + s) * size), slot, len * size);
+            }
+            return;
+        }
+        for q in (0..n).filter(|&q| q != me) {
+            let (o, l) = self.owned(q);
+            if let Some((s, len)) = range_of(i, c, l) {
+                let into = slot.add(section(q, me) * c * size);
+                self.local_sum(q, (o + s, len), into);
+            }
+        }
+    }
+
+    /// Piece `i` (number `k`) from the others' slots: the reduce-scatter's, this rank's
+    /// elements summed into `held`; the allgather's, the others' sums copied there.
+    unsafe fn read(&mut self, i: usize, k: usize) {
+        let (n, me, size) = (self.slots.ranks(), self.slots.me(), self.dtype.size());
+        let c = self.c[self.phase];
+        if self.phase == 1 {
+            for r in (0..n).filter(|&r| r != me) {
+                let (o, l) = self.owned(r);
+                if let Some((s, len)) = range_of(i, c, l) {
+                    let to = self.held.add((o + s) * size);
+                    std::ptr::copy_nonoverlapping(self.slots.slot(r, k), to, len * size);
+                }
+            }
+            return;
+        }
+        let (o, l) = self.owned(me);
+        let Some((s, len)) = range_of(i, c, l) else {
+            return;
+        };
+        let e = o + s;
+        let mine = self.held.add(e * size);
+        self.local_sum(me, (e, len), mine);
+        let mut from: Vec<*const u8> = Vec::with_capacity(n);
+        let mut at = 0;
+        for (b, l) in blocks((e, len), (self.ring_piece, self.count), n) {
+            let of = |r: usize| match r == me {
+                true => mine.add(at * size) as *const u8,
+                false => (self.slots.slot(r, k)).add((section(me, r) * c + at) * size) as *const u8,
+            };
+            from.clear();
+            from.extend(std::iter::once(b).chain((0..n).filter(|&r| r != b)).map(of));
+            sum_in_order(self.dtype, mine.add(at * size), &from, l, self.avg);
+            at += l;
+        }
+    }
+}
