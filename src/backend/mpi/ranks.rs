@@ -223,7 +223,7 @@ impl Ranks for MpiRanks {
         if self.scatters_then_gathers(channel, dtype, segments) {
             self.refuse_if_failed()?;
             return self.alone(channel, |queue| {
-                self.shared_allreduce(channel, queue, dtype, segments, avg)
+                self.shared_allreduce(channel, queue, dtype, segments, (Sum::Plain, avg))
             });
         }
         let outs = outputs(dtype, segments, None);
@@ -247,9 +247,11 @@ impl Ranks for MpiRanks {
             })?;
             return Ok(true);
         }
-        let outs = outputs(dtype, segments, None);
+        // As the plain allreduce through shared memory goes: the owners' sums are exact.
         let sum = (Sum::Reproducible(avg), None);
-        self.reduce_into(channel, (dtype, segments, &outs), sum)?;
+        self.alone(channel, |queue| {
+            self.shared_allreduce(channel, queue, dtype, segments, sum)
+        })?;
         Ok(true)
     }
 
@@ -263,7 +265,9 @@ impl Ranks for MpiRanks {
     ) -> Result<bool> {
         self.refuse_if_failed()?;
         let count: usize = segments.iter().map(|s| s.count).sum();
-        let every_rank = every_rank.filter(|_| !reproducible);
+        // Reproducible sums take the owners' way through shared memory only (exact there).
+        let exact = reproducible && self.sums_reproducibly(channel, dtype, segments);
+        let every_rank = every_rank.filter(|_| !reproducible || exact);
         if let Some(every) = every_rank.filter(|e| self.scatters_owned(channel, *e, count, dtype)) {
             let ring = self.ring(channel);
             let size = mpi_type(dtype).1;
@@ -279,7 +283,11 @@ impl Ranks for MpiRanks {
                         let data = (dtype, segments, count);
                         let ring_piece = ring.piece_of(size).min(count);
                         let owned = (&owners, ring_piece);
-                        self.shared_reduce_scatter((ring, first), data, owned, avg)
+                        let sum = match exact {
+                            true => (Sum::Reproducible(avg), None),
+                            false => (Sum::Plain, avg),
+                        };
+                        self.shared_reduce_scatter((ring, first), data, owned, sum)
                     }
                     false => {
                         let data = (dtype, segments, owned);

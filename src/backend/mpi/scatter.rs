@@ -20,7 +20,7 @@ use half::{bf16, f16};
 use super::pieces::Walk;
 use super::steps::Queue;
 
-use super::ring::{block, Ring};
+use super::ring::{block, Ring, Sum};
 use super::staging::{mpi_type, Summed};
 use super::Engine;
 use crate::backend::{Channel, Segment};
@@ -89,7 +89,7 @@ impl Engine {
         (ring, first): (Ring, usize),
         (dtype, segments, count): (DType, &[Segment<'_>], usize),
         (owned, ring_piece): (&Owned, usize),
-        avg: Option<usize>,
+        (sum, avg): (Sum, Option<usize>),
     ) -> Result<()> {
         let slots = ring
             .slots()
@@ -133,6 +133,19 @@ impl Engine {
             let lengths = |j: usize| mine[j].len;
             walk_sum.parts(lengths, mine.len(), range, |j, skip, len, at| {
                 let own = &mine[j];
+                if let Sum::Reproducible(avg) = sum {
+                    // Exact: the same bytes in any order, so no cutting at the ring's blocks.
+                    let ptrs: Vec<usize> = (0..n)
+                        .map(|r| match r == me {
+                            true => tensor(own, skip) as usize,
+                            false => {
+                                slots.slot(r, k).add((section(me, r) * c + at) * size) as usize
+                            }
+                        })
+                        .collect();
+                    crate::backend::host::repro::reduce_ptrs(dtype, &ptrs, me, len, avg);
+                    return;
+                }
                 let e = offsets[own.segment] + own.first + skip;
                 let mut o = 0;
                 // Cut where the ring's blocks meet: each block's elements are summed from its
@@ -176,7 +189,7 @@ impl Engine {
         mut queue: Option<&mut Queue>,
         dtype: DType,
         segments: &[Segment<'_>],
-        avg: Option<usize>,
+        sum: (Sum, Option<usize>),
     ) -> Result<()> {
         let ring = self.ring(channel);
         let n = ring.ranks();
@@ -190,7 +203,7 @@ impl Engine {
         let first = number(owners.pieces);
         let ring_piece = ring.piece_of(mpi_type(dtype).1).min(count);
         let data = (dtype, segments, count);
-        self.shared_reduce_scatter((ring, first), data, (&owners, ring_piece), avg)?;
+        self.shared_reduce_scatter((ring, first), data, (&owners, ring_piece), sum)?;
         let size = dtype.size();
         let spans: Vec<(usize, usize)> = (segments.iter())
             .map(|s| (s.ptrs[0], s.count * size))
