@@ -10,7 +10,7 @@ use std::ffi::c_int;
 use mpi::ffi;
 
 use super::calls::count_of;
-use super::pieces::stage;
+use super::pieces::{stage, DEPTH, PIECE};
 use super::staging::mpi_type;
 use super::Engine;
 use crate::backend::host::repro;
@@ -78,8 +78,10 @@ impl Engine {
 
     /// Every contribution of every segment := the reproducible sum over every rank's
     /// contributions, divided by `avg`: the all-to-all to the blocks' owners, their sums, the
-    /// allgather back. Staged in the engine's scratch (a timed-out request may still use it:
-    /// then it is leaked, never the caller's memory).
+    /// allgather back, chunk by chunk ([`chunk_of`]: each chunk's stages stay in cache, and
+    /// the next chunk's exchange is in flight while one is summed or copied out). Staged in
+    /// the engine's scratch (a timed-out request may still use it: then it is leaked, never
+    /// the caller's memory).
     ///
     /// # Safety
     /// As for [`Ranks::allreduce`](crate::backend::Ranks::allreduce); every pointer writable.
@@ -97,73 +99,106 @@ impl Engine {
             return Ok(());
         }
         let (datatype, size) = mpi_type(dtype);
-        let len = |r: usize| first(count, n, r + 1) - first(count, n, r);
-        let mine = len(me);
-        let send_bytes = (k * count * size).next_multiple_of(64);
-        let recv_bytes = (n * k * mine * size).next_multiple_of(64);
+        let ch = chunk_of(size, k, n);
+        let chunks = count.div_ceil(ch);
+        // Chunk c: elements [c ch, c ch + width(c)); rank r owns [first(w, n, r), first(w, n, r + 1)) of it.
+        let width = |c: usize| ch.min(count - c * ch);
+        let len = |w: usize, r: usize| first(w, n, r + 1) - first(w, n, r);
+        let most = ch.div_ceil(n);
+        let slot = |bytes: usize| bytes.next_multiple_of(64);
+        let (send_slot, recv_slot) = (slot(k * ch * size), slot(n * k * most * size));
+        let gather_slot = slot(ch * size);
+        let sums_bytes = slot(chunks * most * size);
         let mut scratch = self.scratch.lock();
-        let base = stage(&mut scratch, send_bytes + recv_bytes + count * size);
-        let (send, recv, sums) = (
-            base,
-            base.add(send_bytes),
-            base.add(send_bytes + recv_bytes),
-        );
-        // Block r of the send buffer: every contribution's elements of block r, one after another.
-        for r in 0..n {
-            let (a, b) = (first(count, n, r), first(count, n, r + 1));
-            for c in 0..k {
-                copy_range(
-                    segments,
-                    size,
-                    (a, b),
-                    Some(c),
-                    send.add((k * a + c * (b - a)) * size),
-                );
-            }
-        }
-        let send_counts: Vec<c_int> = (0..n).map(|r| count_of(k * len(r))).collect();
-        let send_displs: Vec<c_int> = (0..n).map(|r| count_of(k * first(count, n, r))).collect();
-        let recv_counts: Vec<c_int> = vec![count_of(k * mine); n];
-        let recv_displs: Vec<c_int> = (0..n).map(|r| count_of(r * k * mine)).collect();
+        let total = DEPTH * (send_slot + recv_slot + gather_slot) + sums_bytes;
+        let base = stage(&mut scratch, total);
+        let send = |c: usize| base.add((c % DEPTH) * send_slot);
+        let recv = |c: usize| base.add(DEPTH * send_slot + (c % DEPTH) * recv_slot);
+        let gather =
+            |c: usize| base.add(DEPTH * (send_slot + recv_slot) + (c % DEPTH) * gather_slot);
+        let sums =
+            |c: usize| base.add(DEPTH * (send_slot + recv_slot + gather_slot) + c * most * size);
         let comm = self.comm_of(channel);
-        self.run("MPI_Ialltoallv", |request| {
-            ffi::MPI_Ialltoallv(
-                send.cast(),
-                send_counts.as_ptr(),
-                send_displs.as_ptr(),
-                datatype,
-                recv.cast(),
-                recv_counts.as_ptr(),
-                recv_displs.as_ptr(),
-                datatype,
-                comm,
-                request,
-            )
-        })
-        .inspect_err(|_| std::mem::forget(std::mem::take(&mut *scratch)))?;
-        if mine > 0 {
-            let ptrs: Vec<usize> = (0..n * k)
-                .map(|j| recv as usize + j * mine * size)
-                .collect();
-            repro::reduce_ptrs(dtype, &ptrs, 0, mine, avg);
+        let exchanged = self.run_pieces(
+            "MPI_Ialltoallv",
+            chunks,
+            |c, request| {
+                let (at, w) = (c * ch, width(c));
+                // Block r of the stage: every contribution's elements of block r, one after another.
+                for r in 0..n {
+                    let (a, b) = (first(w, n, r), first(w, n, r + 1));
+                    for j in 0..k {
+                        let to = send(c).add((k * a + j * (b - a)) * size);
+                        copy_range(segments, size, (at + a, at + b), Some(j), to);
+                    }
+                }
+                let send_counts: Vec<c_int> = (0..n).map(|r| count_of(k * len(w, r))).collect();
+                let send_displs: Vec<c_int> =
+                    (0..n).map(|r| count_of(k * first(w, n, r))).collect();
+                let mine = len(w, me);
+                let recv_counts: Vec<c_int> = vec![count_of(k * mine); n];
+                let recv_displs: Vec<c_int> = (0..n).map(|r| count_of(r * k * mine)).collect();
+                // MPI copies the counts and displacements when the call starts (MPI 3.0 §5.12).
+                ffi::MPI_Ialltoallv(
+                    send(c).cast(),
+                    send_counts.as_ptr(),
+                    send_displs.as_ptr(),
+                    datatype,
+                    recv(c).cast(),
+                    recv_counts.as_ptr(),
+                    recv_displs.as_ptr(),
+                    datatype,
+                    comm,
+                    request,
+                )
+            },
+            |c| {
+                let mine = len(width(c), me);
+                if mine > 0 {
+                    let ptrs: Vec<usize> = (0..n * k)
+                        .map(|j| recv(c) as usize + j * mine * size)
+                        .collect();
+                    repro::reduce_ptrs(dtype, &ptrs, 0, mine, avg);
+                    std::ptr::copy_nonoverlapping(recv(c), sums(c), mine * size);
+                }
+            },
+        );
+        if let Err(e) = exchanged {
+            std::mem::forget(std::mem::take(&mut *scratch));
+            return Err(e);
         }
-        let counts: Vec<c_int> = (0..n).map(|r| count_of(len(r))).collect();
-        let displs: Vec<c_int> = (0..n).map(|r| count_of(first(count, n, r))).collect();
-        self.run("MPI_Iallgatherv", |request| {
-            ffi::MPI_Iallgatherv(
-                recv.cast(),
-                count_of(mine),
-                datatype,
-                sums.cast(),
-                counts.as_ptr(),
-                displs.as_ptr(),
-                datatype,
-                comm,
-                request,
-            )
-        })
-        .inspect_err(|_| std::mem::forget(std::mem::take(&mut *scratch)))?;
-        copy_range(segments, size, (0, count), None, sums);
+        let gathered = self.run_pieces(
+            "MPI_Iallgatherv",
+            chunks,
+            |c, request| {
+                let w = width(c);
+                let counts: Vec<c_int> = (0..n).map(|r| count_of(len(w, r))).collect();
+                let displs: Vec<c_int> = (0..n).map(|r| count_of(first(w, n, r))).collect();
+                ffi::MPI_Iallgatherv(
+                    sums(c).cast(),
+                    count_of(len(w, me)),
+                    datatype,
+                    gather(c).cast(),
+                    counts.as_ptr(),
+                    displs.as_ptr(),
+                    datatype,
+                    comm,
+                    request,
+                )
+            },
+            |c| copy_range(segments, size, (c * ch, c * ch + width(c)), None, gather(c)),
+        );
+        if let Err(e) = gathered {
+            std::mem::forget(std::mem::take(&mut *scratch));
+            return Err(e);
+        }
         Ok(())
     }
+}
+
+/// Elements per chunk of [`Engine::alltoall_reproducible`]: about a [`PIECE`] of every local
+/// contribution together (the stages of two chunks in flight then fit in this VM's L2), at
+/// least one element per rank.
+fn chunk_of(size: usize, k: usize, n: usize) -> usize {
+    (PIECE / size / k.max(1)).max(n)
 }
