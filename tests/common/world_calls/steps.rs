@@ -25,6 +25,8 @@ impl World<'_> {
         // CUDA replicas: no marks at a leave (buckets started early on the NCCL clique would
         // wait for the leaver's part in them).
         let marks = marks && !(self.leaving && self.setup.at.cuda());
+        // Nor where a rank dies (World::kill).
+        let marks = marks && self.dying.is_none();
         let mut op = self.pick(&[SUM, AVG]);
         // Buckets averaged early cannot be summed: with marks, AVG stays AVG.
         let avg_early = marks && self.last_op == Some(AVG);
@@ -40,7 +42,7 @@ impl World<'_> {
             .flat_map(|s| (0..self.total).map(move |w| (s, w)))
             .filter(|&(s, w)| !sl.idx[s][w].is_empty())
             .collect();
-        let std = match scatter {
+        let mut std = match scatter {
             true => Call::Scatter(op),
             false => Call::Grads(op),
         };
@@ -103,9 +105,15 @@ impl World<'_> {
             self.tally.count("sparse_share");
         }
         self.set_slices(&sl);
-        let ok = self.run(&std, Expect::Ok, dev, &mut |w| {
+        let ok = self.run(&mut std, Expect::Ok, dev, &mut |w| {
             if let Some((s, k, v)) = bad_here {
                 sl.poke(s, k, v);
+            }
+            // After a loss the model's slices are the survivors' replicas' and, the step's
+            // gradients computed again, set again.
+            if let Some((first, n)) = w.redo {
+                sl.drop_replicas(first, n);
+                return w.set_slices(&sl);
             }
             // A failed step consumed no slice: setting them again is optional.
             if w.below(2) == 0 {
