@@ -30,8 +30,6 @@ mod common {
     pub mod skip;
 }
 
-use std::ptr;
-
 use common::mpi::{as_rank, launch_ulfm, ulfm_venv, under_mpirun};
 use common::{abi::*, context::*};
 
@@ -69,18 +67,9 @@ fn replicas_of(rank: usize) -> usize {
 }
 
 fn options(local: usize) -> Options {
-    let o = Options::host(local);
     // Generous: the busy machine must not make a survivor time out.
-    o.set_timeout_ms(120_000);
-    o.set_fusion_bytes(64);
-    // SAFETY: valid options; NULL is MPI_COMM_WORLD.
-    unsafe {
-        check(
-            dpsync_options_set_world_mpi(o.0, ptr::null()),
-            "set_world_mpi",
-        );
-        check(dpsync_options_set_elastic(o.0, 2), "set_elastic");
-    }
+    let o = Options::world_of_ranks(local, 120_000);
+    o.set_elastic(2);
     o
 }
 
