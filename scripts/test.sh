@@ -57,7 +57,7 @@ ensure_mpi
 # A separate target directory: target/release keeps the default library, which links no MPI.
 cargo clippy --release --all-targets --features mpi --target-dir target/mpi -- -D warnings
 cargo test --release --features mpi --target-dir target/mpi --lib --test world --test world_mpi --test world_comm --test world_agreement --test world_leave --test repro --test shard
-step "elastic worlds that lose a rank, under Open MPI 5 with ULFM (mpirun --with-ft ulfm; the same test binaries): tests/world_lost.rs (3 ranks, two killed in turn; one killed mid-broadcast/average/bmuf_step, every survivor all new or all kept; each with and without DPSYNC_MPI_SHM=0), tests/world_leave.rs's elastic creation"
+step "elastic worlds that lose a rank, under Open MPI 5 with ULFM (mpirun --with-ft ulfm; the same test binaries): tests/world_lost.rs (3 ranks, two killed in turn; one killed mid-broadcast/average/bmuf_step, every survivor all new or all kept; 2 ranks, a dpsync_grad_ready learning of the loss; each with and without DPSYNC_MPI_SHM=0), tests/world_leave.rs's elastic creation"
 ensure_ulfm
 cargo test --release --features mpi --target-dir target/mpi --test world_lost
 if [ -n "${DPSYNC_ULFM:-}" ]; then

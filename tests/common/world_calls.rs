@@ -157,6 +157,8 @@ struct World<'a> {
     min_ranks: usize,
     dying: Option<usize>,
     redo: Option<(usize, usize)>,
+    /// At a kill: a mark answered RANK_LOST (its message); the step is then not made.
+    lost_mark: Option<String>,
     /// The present ranks' numbers at creation, and the lost ones' (describe's "lost").
     creation: Vec<usize>,
     lost: Vec<usize>,
@@ -258,6 +260,7 @@ impl<'a> World<'a> {
             min_ranks,
             dying: None,
             redo: None,
+            lost_mark: None,
             creation: (0..ranks).collect(),
             lost: Vec::new(),
             epoch: 0,

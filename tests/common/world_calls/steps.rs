@@ -25,8 +25,6 @@ impl World<'_> {
         // CUDA replicas: no marks at a leave (buckets started early on the NCCL clique would
         // wait for the leaver's part in them).
         let marks = marks && !(self.leaving && self.setup.at.cuda());
-        // Nor where a rank dies (World::kill).
-        let marks = marks && self.dying.is_none();
         let mut op = self.pick(&[SUM, AVG]);
         // Buckets averaged early cannot be summed: with marks, AVG stays AVG.
         let avg_early = marks && self.last_op == Some(AVG);
@@ -77,6 +75,9 @@ impl World<'_> {
         let alike = self.agreed.iter().all(|&a| a == self.agreed[0]) && !local_grad;
         if marks && (alike || !uniform) {
             self.tally.count("marks");
+            if self.dying.is_some() {
+                self.tally.count("marks_where_a_rank_dies");
+            }
             if sparse_here && !uniform {
                 self.tally.count("sparse_uneven");
             }
@@ -95,6 +96,12 @@ impl World<'_> {
             // The first mark twice: a no-op.
             for &(t, k) in mine.iter().chain(mine.first()) {
                 let st = self.ctx.grad_ready(&self.dense[t].name, k);
+                // Where a rank dies, a mark that starts a bucket after an earlier one failed
+                // learns of the loss: RANK_LOST there, and the step is not made (lost_at).
+                if st == dpsync_status::DPSYNC_STATUS_RANK_LOST && self.dying.is_some() {
+                    self.lost_mark = Some(last_error());
+                    break;
+                }
                 self.expect(st, &e, "dpsync_grad_ready");
             }
             if self.setup.at.cuda() {
