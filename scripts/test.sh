@@ -57,7 +57,7 @@ ensure_mpi
 # A separate target directory: target/release keeps the default library, which links no MPI.
 cargo clippy --release --all-targets --features mpi --target-dir target/mpi -- -D warnings
 cargo test --release --features mpi --target-dir target/mpi --lib --test world --test world_mpi --test world_comm --test world_agreement --test world_leave --test repro --test shard
-step "elastic worlds that lose a rank, under Open MPI 5 with ULFM (mpirun --with-ft ulfm; the same test binaries): tests/world_lost.rs (3 ranks, two killed in turn; one killed mid-broadcast/average/bmuf_step, every survivor all new or all kept; each with and without DPSYNC_MPI_SHM=0), tests/world_leave.rs's elastic creation"
+step "elastic worlds that lose a rank, under Open MPI 5 with ULFM (mpirun --with-ft ulfm; the same test binaries): tests/world_lost.rs (3 ranks, two killed in turn; one killed mid-broadcast/average/bmuf_step, every survivor all new or all kept; 2 ranks, a dpsync_grad_ready learning of the loss; each with and without DPSYNC_MPI_SHM=0), tests/world_leave.rs's elastic creation"
 ensure_ulfm
 cargo test --release --features mpi --target-dir target/mpi --test world_lost
 if [ -n "${DPSYNC_ULFM:-}" ]; then
@@ -65,9 +65,9 @@ if [ -n "${DPSYNC_ULFM:-}" ]; then
   DPSYNC_TEST_RANKS=2 LD_LIBRARY_PATH="$DPSYNC_ULFM/lib" timeout 300 "$DPSYNC_ULFM/bin/mpirun" --allow-run-as-root \
     --oversubscribe --with-ft ulfm -n 2 "$exe" leave_body --exact --test-threads=1
 fi
-step "randomized cross-rank test: tests/world_random.rs (mpirun -n 2 and -n 3, default seeds; more: scripts/world-random.sh)"
+step "randomized cross-rank test: tests/world_random.rs (mpirun -n 2 and -n 3, default seeds; under Open MPI 5 with ULFM (DPSYNC_ULFM, from the step above) also its kill variant: 3 seeds of an elastic world on 3 ranks where one rank SIGKILLs itself at a random call; more: scripts/world-random.sh, --kills for the kill variant)"
 cargo test --release --features mpi --target-dir target/mpi --test world_random
-step "the same without shared memory between the ranks (DPSYNC_MPI_SHM=0: every piece over MPI messages, the ring's halves for reduce-scatter and allgather)"
+step "the same without shared memory between the ranks (DPSYNC_MPI_SHM=0: every piece over MPI messages, the ring's halves for reduce-scatter and allgather), kills included"
 DPSYNC_MPI_SHM=0 cargo test --release --features mpi --target-dir target/mpi --test world_random
 step "CUDA replicas across ranks on the fake CUDA driver and NCCL (two fake GPUs per rank; tests/world_cuda.rs: NCCL across the ranks and the staged path; tests/world_random_cuda.rs: the randomized cross-rank test on CUDA replicas, 10 seeds x 150 calls per layout and transport; tests/world_leave.rs: a rank leaves, the others' clique is made again): synchronous, then asynchronous streams"
 for async in "" 1; do

@@ -57,17 +57,9 @@ fn replicas_of(rank: usize) -> usize {
 }
 
 fn options(local: usize) -> Options {
-    let o = Options::host(local);
-    // A hang fails within seconds, not at a world's 10-minute default.
-    o.set_timeout_ms(30_000);
-    // Two buckets of g's tensors, so that marks start one early.
-    o.set_fusion_bytes(64);
-    // SAFETY: valid options; NULL is MPI_COMM_WORLD.
-    check(
-        unsafe { dpsync_options_set_world_mpi(o.0, ptr::null()) },
-        "set_world_mpi",
-    );
-    o
+    // A hang fails within seconds, not at a world's 10-minute default; two buckets of g's
+    // tensors, so that marks start one early.
+    Options::world_of_ranks(local, 30_000)
 }
 
 fn place(ctx: &Context) -> (usize, usize, usize, usize) {
@@ -350,11 +342,7 @@ fn leave_body() {
 fn elastic_creation(rank: usize, ranks: usize, local: usize) {
     let create = |min_ranks: usize| {
         let o = options(local);
-        // SAFETY: valid options.
-        check(
-            unsafe { dpsync_options_set_elastic(o.0, min_ranks) },
-            "set_elastic",
-        );
+        o.set_elastic(min_ranks);
         let mut p = ptr::null_mut();
         // SAFETY: valid options and out pointer.
         let st = unsafe { dpsync_context_create(o.0, &mut p) };
@@ -375,7 +363,7 @@ fn elastic_creation(rank: usize, ranks: usize, local: usize) {
     assert!(msg.contains("min_ranks"), "rank {rank}: {msg}");
     // An MPI with ULFM (Open MPI 5) makes it; one without (Open MPI 4.1) says how to get one.
     // SAFETY: a NUL-terminated name looked up in the loaded objects.
-    let ulfm = !unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"MPIX_Comm_agree".as_ptr()) }.is_null();
+    let ulfm = !unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"MPIX_Comm_iagree".as_ptr()) }.is_null();
     let (st, msg) = create(1);
     if ulfm {
         assert_eq!(st, OK, "rank {rank}: elastic on ULFM: {msg}");

@@ -15,6 +15,9 @@
 //!
 //! Both with and without `DPSYNC_MPI_SHM=0`.
 //!
+//! A mark learns of a loss (`mark_body`): `dpsync_grad_ready` that would start a bucket after
+//! the world failed answers RANK_LOST itself, and the world goes on.
+//!
 //! And nothing half-written (`kept_body`): while the ranks alternate `broadcast`, `average`
 //! and `bmuf_step` over a PARAM of 1 MiB per replica, a thread kills rank 2 at a moment of its
 //! own. Every survivor's call answers alike: OK with every replica's new bytes, or RANK_LOST
@@ -29,8 +32,6 @@ mod common {
     pub mod mpi;
     pub mod skip;
 }
-
-use std::ptr;
 
 use common::mpi::{as_rank, launch_ulfm, ulfm_venv, under_mpirun};
 use common::{abi::*, context::*};
@@ -64,23 +65,107 @@ fn a_loss_mid_call_leaves_nothing_half_written() {
     launch_ulfm("kept_body", 3, 300, &venv, &[("DPSYNC_MPI_SHM", "0")], 2);
 }
 
+#[test]
+fn a_mark_learns_of_a_loss() {
+    if under_mpirun() {
+        return; // a rank runs mark_body only
+    }
+    let Some(venv) = ulfm_venv("a_mark_learns_of_a_loss") else {
+        return;
+    };
+    launch_ulfm("mark_body", 2, 300, &venv, &[], 1);
+    launch_ulfm("mark_body", 2, 300, &venv, &[("DPSYNC_MPI_SHM", "0")], 1);
+}
+
+/// `dpsync_grad_ready` answers RANK_LOST itself (2 ranks, rank 0 with 2 replicas, rank 1 with
+/// 1, min_ranks 1): after a step of both, rank 1 dies; rank 0 marks "b" (the first bucket),
+/// which starts early and cannot cross; once its engine says so (describe's world "failed",
+/// polled: bounded by the launcher's limit only), marking "a" on its last replica, which would
+/// start the next bucket, answers RANK_LOST naming rank 1. The world is then rank 0's alone
+/// (epoch 1, describe's "lost"), and the step made again sums its replicas.
+#[test]
+fn mark_body() {
+    let Some((rank, ranks)) = as_rank("mark_body") else {
+        return;
+    };
+    assert_eq!(ranks, 2, "mark_body runs on 2 ranks");
+    let (local, tag) = (2 - rank, |what: &str| format!("rank {rank}: {what}"));
+    let o = Options::world_of_ranks(local, 120_000);
+    o.set_elastic(1);
+    let ctx = Context::new(&o);
+    // World replica w holds w + 1 in "a", 10 (w + 1) in "b" (rank 0: 0 and 1; rank 1: 2).
+    let mut a = vec![vec![0f32; 16]; local];
+    let mut b = vec![vec![0f32; 16]; local];
+    for k in 0..local {
+        ctx.reg("a", GRAD, k, &mut a[k], F32);
+        ctx.reg("b", GRAD, k, &mut b[k], F32);
+    }
+    let reset = |a: &mut Vec<Vec<f32>>, b: &mut Vec<Vec<f32>>| {
+        for k in 0..local {
+            let w = (2 * rank + k + 1) as f32;
+            a[k].fill(w);
+            b[k].fill(10.0 * w);
+        }
+    };
+    let expect = |a: &[Vec<f32>], b: &[Vec<f32>], sum: f32, what: &str| {
+        for k in 0..local {
+            assert!(
+                a[k].iter().all(|&x| x == sum),
+                "{}: a {:?}",
+                tag(what),
+                a[k]
+            );
+            let b_sum = 10.0 * sum;
+            assert!(
+                b[k].iter().all(|&x| x == b_sum),
+                "{}: b {:?}",
+                tag(what),
+                b[k]
+            );
+        }
+    };
+    reset(&mut a, &mut b);
+    let st = ctx.allreduce_grads(SUM);
+    assert_eq!(st, OK, "{}: {}", tag("first step"), last_error());
+    expect(&a, &b, 6.0, "first step");
+    if rank == 1 {
+        die();
+    }
+    reset(&mut a, &mut b);
+    for k in 0..local {
+        let st = ctx.grad_ready("b", k);
+        assert_eq!(st, OK, "{}: {}", tag("mark b"), last_error());
+    }
+    while world_of(&ctx)["failed"].is_null() {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let st = ctx.grad_ready("a", 0);
+    assert_eq!(st, OK, "{}: {}", tag("mark a on replica 0"), last_error());
+    let st = ctx.grad_ready("a", 1);
+    let msg = last_error();
+    assert_eq!(st, RANK_LOST, "{}: {msg}", tag("the mark that starts a"));
+    assert!(msg.contains("rank 1"), "{}: {msg}", tag("names rank 1"));
+    assert_eq!(place(&ctx), (0, 1, 2, 0), "{}", tag("renumbered"));
+    assert_eq!(epoch(&ctx), 1, "{}", tag("epoch"));
+    let lost = &world_of(&ctx)["lost"];
+    assert_eq!(*lost, serde_json::json!([1]), "{}", tag("describe lost"));
+    // The step made again, its gradients computed again: over rank 0's replicas.
+    reset(&mut a, &mut b);
+    let st = ctx.allreduce_grads(SUM);
+    assert_eq!(st, OK, "{}: {}", tag("the step again"), last_error());
+    expect(&a, &b, 3.0, "the step again");
+    drop(ctx);
+    println!("\nSURVIVED mark_body");
+}
+
 fn replicas_of(rank: usize) -> usize {
     1 + rank % 2
 }
 
 fn options(local: usize) -> Options {
-    let o = Options::host(local);
     // Generous: the busy machine must not make a survivor time out.
-    o.set_timeout_ms(120_000);
-    o.set_fusion_bytes(64);
-    // SAFETY: valid options; NULL is MPI_COMM_WORLD.
-    unsafe {
-        check(
-            dpsync_options_set_world_mpi(o.0, ptr::null()),
-            "set_world_mpi",
-        );
-        check(dpsync_options_set_elastic(o.0, 2), "set_elastic");
-    }
+    let o = Options::world_of_ranks(local, 120_000);
+    o.set_elastic(2);
     o
 }
 

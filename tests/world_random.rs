@@ -16,6 +16,14 @@
 //! ("Agreement before mutation" in dpsync_world.h), its replicas' bytes and sparse outputs, and
 //! after a failure that the call without the deviation works.
 //!
+//! `random_kills_across_ranks` (under an MPI with ULFM named by `DPSYNC_ULFM`, else skipped)
+//! runs `kill_body`: the same calls in an elastic world where one rank SIGKILLs itself at a
+//! call drawn from the seed (common/world_calls/kill.rs). The survivors check RANK_LOST naming
+//! it, every tensor but the GRADs kept, then drop it from the model, compute the GRADs again,
+//! make the call again and go on; now and then min_ranks is every rank and the context is
+//! failed instead. One mpirun per seed (the lost rank's process is gone), 3 ranks by default
+//! (`DPSYNC_RANDOM_RANKS`), seeds `DPSYNC_RANDOM_KILL_SEEDS` (`N` or `A..B`, default 3).
+//!
 //! Environment: `DPSYNC_RANDOM_SEEDS` (`N`: seeds 0..N-1, or `A..B`), `DPSYNC_RANDOM_CALLS`
 //! (collectives and registrations per seed), `DPSYNC_RANDOM_NO` (classes switched off, comma
 //! separated: `CLASSES`), `DPSYNC_RANDOM_RANKS` (`2,3`), `DPSYNC_RANDOM_LIMIT_S` (per mpirun),
@@ -42,15 +50,20 @@ mod common {
 }
 
 use common::abi::T_AUTO;
-use common::mpi::{as_rank, launch, under_mpirun};
+use common::mpi::{as_rank, launch, launch_ulfm, ulfm_venv, under_mpirun};
 use common::world_calls::{layout, run, Setup};
-use common::world_model::{env, env_num, Config, Where};
+use common::world_model::{env, env_num, seeds_from, Config, Where};
+
+/// The launchers take turns: ranks of two worlds at once would spin against each other on a
+/// small machine.
+static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 #[test]
 fn random_calls_across_ranks() {
     if under_mpirun() {
         return; // a rank runs random_body only
     }
+    let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
     let limit = env_num("DPSYNC_RANDOM_LIMIT_S", 300);
     for n in env("DPSYNC_RANDOM_RANKS")
         .unwrap_or("2,3".into())
@@ -62,11 +75,53 @@ fn random_calls_across_ranks() {
 }
 
 #[test]
+fn random_kills_across_ranks() {
+    if under_mpirun() {
+        return; // a rank runs kill_body only
+    }
+    let Some(venv) = ulfm_venv("random_kills_across_ranks (the kill variant)") else {
+        return;
+    };
+    let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
+    let limit = env_num("DPSYNC_RANDOM_LIMIT_S", 300);
+    for n in env("DPSYNC_RANDOM_RANKS").unwrap_or("3".into()).split(',') {
+        let n: usize = n.trim().parse().expect("DPSYNC_RANDOM_RANKS: e.g. 3,4");
+        for seed in seeds_from("DPSYNC_RANDOM_KILL_SEEDS", 3) {
+            let seeds = format!("{seed}..{seed}");
+            // DPSYNC_RANDOM_KILL: the replay line names the kill variant.
+            let env = [
+                ("DPSYNC_RANDOM_SEEDS", seeds.as_str()),
+                ("DPSYNC_RANDOM_KILL", "1"),
+            ];
+            launch_ulfm("kill_body", n, limit, &venv, &env, n - 1);
+        }
+    }
+}
+
+#[test]
 fn random_body() {
     let Some((rank, ranks)) = as_rank("random_body") else {
         return;
     };
-    let setup = Setup {
+    run(rank, &layout(ranks), &Config::from_env(50, 800), &setup());
+}
+
+#[test]
+fn kill_body() {
+    let Some((rank, ranks)) = as_rank("kill_body") else {
+        return;
+    };
+    let cfg = Config {
+        kill: true,
+        ..Config::from_env(1, 800)
+    };
+    run(rank, &layout(ranks), &cfg, &setup());
+    // On a line of its own (the harness's "test kill_body ... " has none): launch_ulfm counts them.
+    println!("\nSURVIVED kill_body");
+}
+
+fn setup() -> Setup {
+    Setup {
         test: "world_random",
         at: Where::Host,
         transport: T_AUTO, // host replicas: unused
@@ -78,10 +133,13 @@ fn random_body() {
                 Some("0") => "DPSYNC_MPI_SHM=0 ",
                 _ => "",
             };
+            let seeds = match env("DPSYNC_RANDOM_KILL") {
+                Some(_) => "kills",
+                None => "seeds",
+            };
             format!(
-                "{shm}scripts/world-random.sh --seeds {seed}..{seed} --calls {calls} --ranks {ranks}{no}"
+                "{shm}scripts/world-random.sh --{seeds} {seed}..{seed} --calls {calls} --ranks {ranks}{no}"
             )
         },
-    };
-    run(rank, &layout(ranks), &Config::from_env(50, 800), &setup);
+    }
 }

@@ -77,7 +77,7 @@ impl Context {
     /// An elastic world's end of a call: the survivors vote on whether a rank was lost (alike
     /// on all of them); if so the world is made again over them and the call answers
     /// RANK_LOST, its GRAD tensors to be computed again and the call made again.
-    fn vote(&mut self, outcome: Result<()>) -> Result<()> {
+    pub(super) fn vote(&mut self, outcome: Result<()>) -> Result<()> {
         let Some(ranks) = self.executor.ranks() else {
             return outcome;
         };

@@ -223,13 +223,29 @@ impl Context {
         self.overlap.missing[b] -= 1;
         if self.in_world() && self.overlap.agreed == Some(snapshot.generation) {
             if let Some(op) = self.overlap.op {
-                self.start_world_buckets(&snapshot.tensors, &plan, op, None)?;
+                if let Err(e) = self.start_world_buckets(&snapshot.tensors, &plan, op, None) {
+                    return self.lost_while_marking(e);
+                }
             }
             if !self.overlap.started.is_empty() {
                 self.executor.poke_early();
             }
         }
         Ok(())
+    }
+
+    /// A bucket could not start because this rank's world failed (a transfer of a bucket
+    /// started earlier failed, e.g. with a dead peer). In an elastic world this mark is where
+    /// this rank learns of a loss (dpsync_elastic.h: "dpsync_grad_ready included"): it votes
+    /// with the other survivors, which vote at their own mark or at the step whose agreement
+    /// then fails alike, and on a loss the world is made again over them and this answers
+    /// RANK_LOST (the step's gradients to be computed again, the step made again).
+    fn lost_while_marking(&mut self, e: Error) -> Result<()> {
+        let Some(ranks) = self.executor.ranks().filter(|_| self.options.elastic > 0) else {
+            return Err(e);
+        };
+        ranks.begin("dpsync_grad_ready");
+        self.vote(Err(e))
     }
 
     /// Worlds: starts the transfers of the step's next buckets whose gradients are all final,

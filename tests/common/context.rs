@@ -81,6 +81,29 @@ impl Options {
         );
     }
 
+    /// The options of the ranks' world in tests/world_leave.rs and tests/world_lost.rs: `local`
+    /// host replicas, a world of every rank of `mpirun` (MPI_COMM_WORLD), `timeout_ms`, and
+    /// buckets of 64 bytes, so that marks start one early.
+    pub fn world_of_ranks(local: usize, timeout_ms: u64) -> Self {
+        let o = Self::host(local);
+        o.set_timeout_ms(timeout_ms);
+        o.set_fusion_bytes(64);
+        // SAFETY: valid handle; NULL is MPI_COMM_WORLD.
+        check(
+            unsafe { dpsync_options_set_world_mpi(o.0, ptr::null()) },
+            "set_world_mpi",
+        );
+        o
+    }
+
+    pub fn set_elastic(&self, min_ranks: usize) {
+        // SAFETY: valid handle.
+        check(
+            unsafe { dpsync_options_set_elastic(self.0, min_ranks) },
+            "set_elastic",
+        );
+    }
+
     pub fn set_timeout_ms(&self, ms: u64) {
         // SAFETY: valid handle.
         check(

@@ -18,6 +18,7 @@ use dpsync::*;
 
 mod collectives;
 mod deviations;
+mod kill;
 mod leave;
 mod steps;
 
@@ -75,6 +76,8 @@ pub fn run(rank: usize, per_rank: &[usize], cfg: &Config, setup: &Setup) {
     let test = setup.test;
     let start = std::time::Instant::now();
     let mut sum = Tally::default();
+    // Who prints the summary: rank 0; in a world that lost a rank, its rank 0 now.
+    let mut lead = rank == 0;
     for &seed in &cfg.seeds {
         TRACE.with(|t| t.borrow_mut().clear());
         // One seed in three on host replicas puts one replica on every rank: the engine's own
@@ -89,9 +92,9 @@ pub fn run(rank: usize, per_rank: &[usize], cfg: &Config, setup: &Setup) {
             while !w.left && w.tally.calls < cfg.calls {
                 w.action();
             }
-            std::mem::take(&mut w.tally)
+            (std::mem::take(&mut w.tally), w.rank)
         }));
-        let tally = run.unwrap_or_else(|e| {
+        let (tally, now) = run.unwrap_or_else(|e| {
             let replay = (setup.replay)(setup, seed, cfg.calls, ranks);
             eprintln!(
                 "{test}: rank {rank} of {ranks} {per_rank:?} FAILED at seed {seed}; replay: \
@@ -101,20 +104,24 @@ pub fn run(rank: usize, per_rank: &[usize], cfg: &Config, setup: &Setup) {
             TRACE.with(|t| t.borrow().iter().for_each(|l| eprintln!("  {l}")));
             resume_unwind(e)
         });
-        if rank == 0 && cfg.trace {
+        if cfg.kill {
+            lead = now == 0;
+        }
+        if lead && cfg.trace {
             println!("{test}: seed {seed}: {}", tally.line());
         }
         sum.add(&tally);
     }
-    if rank == 0 {
+    if lead {
         let seeds = match (cfg.seeds.first(), cfg.seeds.last()) {
             (Some(a), Some(b)) => format!("{a}..={b}"),
             _ => "none".into(),
         };
         let (time, off) = (start.elapsed().as_secs_f64(), &cfg.off);
-        let ones = match setup.at {
-            Where::Host => " (every third seed 1 each)",
-            Where::Cuda(..) => "",
+        let ones = match (&setup.at, cfg.kill) {
+            (Where::Cuda(..), _) => "",
+            (_, false) => " (every third seed 1 each)",
+            (_, true) => " (every third seed 1 each), elastic, one rank killed",
         };
         println!(
             "{test}: {ranks} ranks {per_rank:?}{ones}, seeds {seeds}, {} calls per seed, \
@@ -142,6 +149,19 @@ struct World<'a> {
     left: bool,
     /// The collective a rank leaves at: no deviation.
     leaving: bool,
+    /// Kills (`Config::kill`): a generator of their own, the call (tally count) at which one
+    /// rank dies, the world's min_ranks, the rank dying at this call (no deviation, no marks)
+    /// and, while a call is redone after the loss, the world replicas (first, count) dropped.
+    kg: Lcg,
+    kill_at: Option<usize>,
+    min_ranks: usize,
+    dying: Option<usize>,
+    redo: Option<(usize, usize)>,
+    /// At a kill: a mark answered RANK_LOST (its message); the step is then not made.
+    lost_mark: Option<String>,
+    /// The present ranks' numbers at creation, and the lost ones' (describe's "lost").
+    creation: Vec<usize>,
+    lost: Vec<usize>,
     /// World changes so far (`dpsync_world_epoch`).
     epoch: u64,
     rank: usize,
@@ -181,6 +201,11 @@ impl<'a> World<'a> {
         let fusion = [None, Some(0), Some(64), Some(1024)][g.below(4) as usize];
         let coalesce = g.below(3) == 0;
         let repro = g.below(3) == 0 && cfg.on("repro");
+        let mut kg = Lcg::new(seed ^ 0x6b69_6c6c);
+        let ranks = per_rank.len();
+        let kill_at = cfg.kill.then(|| kg.below(cfg.calls as u64) as usize);
+        // Now and then min_ranks is every rank: the loss fails the context.
+        let min_ranks = ranks - usize::from(kg.below(4) != 0);
         let configure = |o: &Options| {
             o.set_timeout_ms(cfg.timeout_ms);
             o.set_sparse_coalesce(coalesce);
@@ -197,6 +222,13 @@ impl<'a> World<'a> {
                 unsafe { dpsync_options_set_world_mpi(o.0, ptr::null()) },
                 "world",
             );
+            if cfg.kill {
+                // SAFETY: valid options.
+                check(
+                    unsafe { dpsync_options_set_elastic(o.0, min_ranks) },
+                    "elastic",
+                );
+            }
         };
         let ctx = match &setup.at {
             Where::Host => {
@@ -211,7 +243,8 @@ impl<'a> World<'a> {
             .expect("a CUDA context (the run checked for a GPU)"),
         };
         let mut lg = Lcg::new(seed ^ 0x6c65_6176_6573);
-        let on = cfg.on("leave");
+        // Kills: no leaves (a leave below min_ranks would be a case of its own).
+        let on = cfg.on("leave") && !cfg.kill;
         let leaves = World::draw_leaves(&mut lg, per_rank.len(), cfg.calls, on);
         let mut w = World {
             ctx,
@@ -222,6 +255,14 @@ impl<'a> World<'a> {
             leaves,
             left: false,
             leaving: false,
+            kg,
+            kill_at,
+            min_ranks,
+            dying: None,
+            redo: None,
+            lost_mark: None,
+            creation: (0..ranks).collect(),
+            lost: Vec::new(),
             epoch: 0,
             rank,
             local: per_rank[rank],
@@ -240,10 +281,10 @@ impl<'a> World<'a> {
             next_id: 0,
             tally: Tally::default(),
         };
-        let leaves = &w.leaves;
+        let (leaves, kill) = (&w.leaves, (kill_at, min_ranks));
         w.note(format!(
             "seed {seed}: fusion_bytes {fusion:?}, coalesce {coalesce}, reproducible {repro}, \
-             leaves at {leaves:?}"
+             leaves at {leaves:?}, (kill at, min_ranks) {kill:?}"
         ));
         if repro {
             w.tally.count("reproducible seeds");
@@ -275,7 +316,13 @@ impl<'a> World<'a> {
     #[track_caller]
     fn fail(&self, what: String) -> ! {
         let (rank, calls) = (self.rank, self.tally.calls);
-        panic!("rank {rank} of {:?}, call {calls}: {what}", self.per_rank)
+        // Why the engine failed, where it did (a world's failure may hide behind another).
+        let failed = &self.ctx.describe_json()["world"]["failed"];
+        panic!(
+            "rank {rank} of {:?}, call {calls}: {what} (describe: the world's engine failed: \
+             {failed})",
+            self.per_rank
+        )
     }
 
     /// This rank's status and message are what `e` says.
@@ -383,6 +430,10 @@ impl<'a> World<'a> {
         if self.leaves.first().is_some_and(|&c| self.tally.calls >= c) {
             self.leaves.remove(0);
             return self.leave();
+        }
+        if self.kill_at.is_some_and(|c| self.tally.calls >= c) {
+            self.kill_at = None;
+            return self.kill();
         }
         let (sparse, bmuf) = (self.cfg.on("sparse"), self.cfg.on("bmuf"));
         let shards = self.cfg.on("shards");

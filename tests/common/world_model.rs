@@ -63,8 +63,24 @@ pub fn env_num(key: &str, default: u64) -> u64 {
     env(key).map_or(default, |v| v.trim().parse().expect(key))
 }
 
+/// The seeds variable `key` names (`N`: seeds 0..N-1, or `A..B`), else `0..default`.
+pub fn seeds_from(key: &str, default: u64) -> Vec<u64> {
+    let num = |s: &str| -> u64 { s.trim().parse().expect("seeds: N or A..B") };
+    match env(key) {
+        None => (0..default).collect(),
+        Some(s) => match s.split_once("..") {
+            Some((a, b)) => (num(a)..=num(b)).collect(),
+            None => (0..num(&s)).collect(),
+        },
+    }
+}
+
 pub struct Config {
     pub seeds: Vec<u64>,
+    /// Elastic worlds in which one rank kills itself at a random call (tests/world_random.rs
+    /// `kill_body`, under an MPI with ULFM): one seed per mpirun, since the lost rank's
+    /// process is gone.
+    pub kill: bool,
     pub calls: usize,
     pub off: Vec<String>,
     pub timeout_ms: u64,
@@ -74,15 +90,7 @@ pub struct Config {
 impl Config {
     /// The settings from the environment; without it, seeds `0..seeds` of `calls` calls each.
     pub fn from_env(seeds: u64, calls: u64) -> Config {
-        let default = seeds;
-        let num = |s: &str| -> u64 { s.trim().parse().expect("DPSYNC_RANDOM_SEEDS: N or A..B") };
-        let seeds = match env("DPSYNC_RANDOM_SEEDS") {
-            None => (0..default).collect(),
-            Some(s) => match s.split_once("..") {
-                Some((a, b)) => (num(a)..=num(b)).collect(),
-                None => (0..num(&s)).collect(),
-            },
-        };
+        let seeds = seeds_from("DPSYNC_RANDOM_SEEDS", seeds);
         let off: Vec<String> = env("DPSYNC_RANDOM_NO")
             .map(|v| v.split(',').map(|c| c.trim().to_owned()).collect())
             .unwrap_or_default();
@@ -94,6 +102,7 @@ impl Config {
         }
         Config {
             seeds,
+            kill: false,
             calls: env_num("DPSYNC_RANDOM_CALLS", calls) as usize,
             off,
             timeout_ms: env_num("DPSYNC_RANDOM_TIMEOUT_MS", 20_000),
@@ -359,6 +368,18 @@ impl Slices {
         let p = b.ptr() as *const c_void;
         self.bufs.push(b);
         (Some(self.bufs.len() - 1), p)
+    }
+
+    /// Without world replicas `first..first + n` (a rank lost): their rows are no longer
+    /// gathered.
+    pub fn drop_replicas(&mut self, first: usize, n: usize) {
+        self.idx
+            .iter_mut()
+            .for_each(|v| drop(v.drain(first..first + n)));
+        self.val
+            .iter_mut()
+            .for_each(|v| drop(v.drain(first..first + n)));
+        (self.with_prev.iter_mut()).for_each(|v| drop(v.drain(first..first + n)));
     }
 
     /// Sets index 0 of gradient `s`'s slice on local replica `k` to `v`; the old value.

@@ -18,10 +18,9 @@ use crate::error::{Error, ErrorKind, Result};
 const PROC_FAILED: [c_int; 2] = [75, 76];
 
 /// ULFM's calls dpsync uses, in the order of [`Ulfm`]'s fields.
-const NAMES: [&str; 5] = [
+const NAMES: [&str; 4] = [
     "MPIX_Comm_revoke",
     "MPIX_Comm_shrink",
-    "MPIX_Comm_agree",
     "MPIX_Comm_iagree",
     "MPIX_Comm_failure_ack",
 ];
@@ -69,8 +68,8 @@ fn ulfm() -> Result<&'static Ulfm> {
             Some(Ulfm {
                 revoke: std::mem::transmute::<*mut c_void, CommFn>(lookup(NAMES[0])),
                 shrink: std::mem::transmute::<*mut c_void, ShrinkFn>(lookup(NAMES[1])),
-                iagree: std::mem::transmute::<*mut c_void, IagreeFn>(lookup(NAMES[3])),
-                failure_ack: std::mem::transmute::<*mut c_void, CommFn>(lookup(NAMES[4])),
+                iagree: std::mem::transmute::<*mut c_void, IagreeFn>(lookup(NAMES[2])),
+                failure_ack: std::mem::transmute::<*mut c_void, CommFn>(lookup(NAMES[3])),
                 failure_get_acked: std::mem::transmute::<*mut c_void, AckedFn>(lookup(ACKED)),
             })
         }

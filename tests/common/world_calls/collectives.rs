@@ -6,6 +6,11 @@ impl World<'_> {
     pub(super) fn allreduce(&mut self) {
         let op = self.pick(&[SUM, AVG]);
         let t = self.below(self.dense.len() + 1);
+        // At a kill, a tensor (kill draws the call only where there is one).
+        let t = match self.dying {
+            Some(_) => t % self.dense.len(),
+            None => t,
+        };
         if t == self.dense.len() {
             // A name that is not a dense tensor: NOT_FOUND on every rank.
             let name = match self.sparse.first() {
@@ -13,13 +18,13 @@ impl World<'_> {
                 _ => "nope".to_owned(),
             };
             let e = all(NOT_FOUND, &[&format!("'{name}'")]);
-            self.run(&Call::Allreduce(Some(name), op), e, None, &mut |_| {});
+            self.run(&mut Call::Allreduce(Some(name), op), e, None, &mut |_| {});
             return;
         }
         self.fill(t);
-        let std = Call::Allreduce(Some(self.dense[t].name.clone()), op);
+        let mut std = Call::Allreduce(Some(self.dense[t].name.clone()), op);
         let dev = self.draw_dev(&std, &["op", "name", "boundary", "benign"], &[]);
-        if self.run(&std, Expect::Ok, dev, &mut |_| {}) {
+        if self.run(&mut std, Expect::Ok, dev, &mut |_| {}) {
             let d = &mut self.dense[t];
             d.vals = vec![reduce(d.dtype, &d.vals, op); self.total];
             self.check_values("after dpsync_allreduce", &[]);
@@ -30,7 +35,7 @@ impl World<'_> {
         let roles = 1 + self.below(15) as u32;
         let root = self.below(self.total);
         self.refill(roles);
-        let std = match broadcast {
+        let mut std = match broadcast {
             true => Call::Broadcast(roles, root),
             false => Call::Average(roles),
         };
@@ -38,9 +43,14 @@ impl World<'_> {
             "root", "roles", "boundary", "call", "register", "local", "benign",
         ];
         let dev = self.draw_dev(&std, &classes[usize::from(!broadcast)..], &[]);
-        if !self.run(&std, Expect::Ok, dev, &mut |_| {}) {
+        if !self.run(&mut std, Expect::Ok, dev, &mut |_| {}) {
             return;
         }
+        // After a loss the root is renumbered.
+        let root = match std {
+            Call::Broadcast(_, root) => root,
+            _ => root,
+        };
         for t in self.dense.iter_mut().filter(|t| t.role & roles != 0) {
             let v = match broadcast {
                 true => t.vals[root].clone(),
@@ -75,10 +85,10 @@ impl World<'_> {
                 }
             }
         }
-        let std = Call::Allgather(roles);
+        let mut std = Call::Allgather(roles);
         let classes = ["roles", "boundary", "call", "register", "local", "benign"];
         let dev = self.draw_dev(&std, &classes, &[]);
-        if !self.run(&std, Expect::Ok, dev, &mut |_| {}) {
+        if !self.run(&mut std, Expect::Ok, dev, &mut |_| {}) {
             return;
         }
         let total = self.total;
@@ -105,7 +115,7 @@ impl World<'_> {
         let int = params
             .iter()
             .find(|&&t| !FLOATS.contains(&self.dense[t].dtype));
-        let std = Call::BmufInit(lr, mu, nesterov);
+        let mut std = Call::BmufInit(lr, mu, nesterov);
         let (e, dev) = match int {
             _ if params.is_empty() => (all(INVALID_STATE, &["PARAM"]), None),
             Some(&t) => (
@@ -124,7 +134,7 @@ impl World<'_> {
                 (Expect::Ok, self.draw_dev(&std, &classes, &[]))
             }
         };
-        if !self.run(&std, e, dev, &mut |_| {}) {
+        if !self.run(&mut std, e, dev, &mut |_| {}) {
             return;
         }
         let b = Bmuf::start(&mut self.dense, &params, self.total, (lr, mu, nesterov));
@@ -135,18 +145,15 @@ impl World<'_> {
 
     pub(super) fn bmuf_step(&mut self) {
         self.refill(PARAM);
-        let now: BTreeSet<(String, u64)> = (self.dense.iter().filter(|t| t.role == PARAM))
-            .map(|t| (t.name.clone(), t.id))
-            .collect();
         // Not started, or the PARAMs changed since: INVALID_STATE everywhere.
-        let (e, dev) = match &self.bmuf {
-            Some(b) if b.params.iter().cloned().collect::<BTreeSet<_>>() == now => {
+        let (e, dev) = match self.bmuf_current() {
+            true => {
                 let classes = ["call", "register", "local", "benign"];
                 (Expect::Ok, self.draw_dev(&Call::BmufStep, &classes, &[]))
             }
-            _ => (all(INVALID_STATE, &["dpsync_bmuf_init"]), None),
+            false => (all(INVALID_STATE, &["dpsync_bmuf_init"]), None),
         };
-        if !self.run(&Call::BmufStep, e, dev, &mut |_| {}) {
+        if !self.run(&mut Call::BmufStep, e, dev, &mut |_| {}) {
             return;
         }
         self.bmuf.as_mut().expect("a filter").step(&mut self.dense);

@@ -10,11 +10,14 @@ impl World<'_> {
     /// then updates the model and checks the values).
     pub(super) fn run(
         &mut self,
-        std: &Call,
+        std: &mut Call,
         e: Expect,
         dev: Option<Dev>,
         retry: &mut dyn FnMut(&mut Self),
     ) -> bool {
+        if let Some(r) = self.dying {
+            return self.lost_at(std, r, retry);
+        }
         let mine = match &dev {
             Some(d) if d.rank == self.rank => d.call.clone().unwrap_or(std.clone()),
             _ => std.clone(),
@@ -74,9 +77,9 @@ impl World<'_> {
         classes: &[&'static str],
         bad: &[(usize, usize)],
     ) -> Option<Dev> {
-        // Not at a leave (drawn alike: every rank in the call knows), nor in a world of one
+        // Not at a leave or a kill (drawn alike: every rank in the call knows), nor in a world of one
         // rank (left after leaves: nothing to differ from).
-        if self.leaving || self.per_rank.len() < 2 {
+        if self.leaving || self.dying.is_some() || self.per_rank.len() < 2 {
             return None;
         }
         let sparse = self.cfg.on("sparse");

@@ -65,6 +65,7 @@ impl World<'_> {
         assert_ne!(r, self.rank, "this rank's own replicas are not dropped");
         let first: usize = self.per_rank[..r].iter().sum();
         let n = self.per_rank.remove(r);
+        self.creation.remove(r);
         for t in &mut self.dense {
             t.vals.drain(first..first + n);
         }
@@ -82,7 +83,7 @@ impl World<'_> {
     }
 
     /// `dpsync_world_epoch` counts the model's world changes.
-    fn check_epoch(&self) {
+    pub(super) fn check_epoch(&self) {
         let (mut epoch, mut first) = (u64::MAX, usize::MAX);
         // SAFETY: a live context and valid out pointers.
         let st = unsafe { dpsync_world_epoch(self.ctx.0, &mut epoch, &mut first) };
@@ -94,7 +95,7 @@ impl World<'_> {
 
     /// `dpsync_rank`, `dpsync_world_replicas` and `dpsync_world_epoch` are the model's
     /// (renumbered after a leave).
-    fn check_place(&self) {
+    pub(super) fn check_place(&self) {
         self.check_epoch();
         // BMUF's block momentum as describe shows it (the default recounted).
         if let Some(b) = &self.bmuf {

@@ -40,7 +40,7 @@ impl World<'_> {
             .flat_map(|s| (0..self.total).map(move |w| (s, w)))
             .filter(|&(s, w)| !sl.idx[s][w].is_empty())
             .collect();
-        let std = match scatter {
+        let mut std = match scatter {
             true => Call::Scatter(op),
             false => Call::Grads(op),
         };
@@ -75,6 +75,9 @@ impl World<'_> {
         let alike = self.agreed.iter().all(|&a| a == self.agreed[0]) && !local_grad;
         if marks && (alike || !uniform) {
             self.tally.count("marks");
+            if self.dying.is_some() {
+                self.tally.count("marks_where_a_rank_dies");
+            }
             if sparse_here && !uniform {
                 self.tally.count("sparse_uneven");
             }
@@ -93,6 +96,12 @@ impl World<'_> {
             // The first mark twice: a no-op.
             for &(t, k) in mine.iter().chain(mine.first()) {
                 let st = self.ctx.grad_ready(&self.dense[t].name, k);
+                // Where a rank dies, a mark that starts a bucket after an earlier one failed
+                // learns of the loss: RANK_LOST there, and the step is not made (lost_at).
+                if st == dpsync_status::DPSYNC_STATUS_RANK_LOST && self.dying.is_some() {
+                    self.lost_mark = Some(last_error());
+                    break;
+                }
                 self.expect(st, &e, "dpsync_grad_ready");
             }
             if self.setup.at.cuda() {
@@ -103,9 +112,15 @@ impl World<'_> {
             self.tally.count("sparse_share");
         }
         self.set_slices(&sl);
-        let ok = self.run(&std, Expect::Ok, dev, &mut |w| {
+        let ok = self.run(&mut std, Expect::Ok, dev, &mut |w| {
             if let Some((s, k, v)) = bad_here {
                 sl.poke(s, k, v);
+            }
+            // After a loss the model's slices are the survivors' replicas' and, the step's
+            // gradients computed again, set again.
+            if let Some((first, n)) = w.redo {
+                sl.drop_replicas(first, n);
+                return w.set_slices(&sl);
             }
             // A failed step consumed no slice: setting them again is optional.
             if w.below(2) == 0 {
