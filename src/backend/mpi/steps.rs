@@ -42,7 +42,8 @@ pub(super) struct Item {
     /// The results, in MPI's type, pieces landing in place until the step agrees.
     pub(super) held: Vec<u64>,
     /// Crosses as one [`Whole`] (through shared memory), which divides as it sums: one
-    /// piece, and `avg` none once issued.
+    /// piece, and `avg` none once issued; released before it went (`direct_from` 0), it
+    /// writes the outputs itself.
     whole: bool,
     piece: usize,
     pieces: usize,
@@ -208,8 +209,9 @@ impl Queue {
                 let data = (item.dtype, item.count, item.inputs.clone());
                 let held = item.held.as_mut_ptr().cast::<u8>();
                 let into = (held, item.avg.take(), item.abandoned.clone());
-                let numbers = &mut self.ring_pieces;
-                let whole = Whole::new(slots, data, into, item.piece, numbers);
+                let direct = item.direct_from.is_some().then(|| item.outs.clone());
+                let numbers = (item.piece, &mut self.ring_pieces);
+                let whole = Whole::new(slots, data, into, direct, numbers);
                 self.inflight
                     .push_back((item.seq, 0, Transfer::Whole(whole)));
                 item.issued += 1;
@@ -402,8 +404,8 @@ impl Queue {
                 let inputs = item.inputs.iter().map(|(ptrs, count)| (&ptrs[..], *count));
                 item.outs = vec![only_owned(item.dtype, inputs, owned)];
             }
-            if !item.whole {
-                // A whole bucket lands in `held` alone, whenever it goes.
+            // A whole bucket goes straight into the outputs only if released before it went.
+            if !item.whole || item.issued == 0 {
                 item.direct_from.get_or_insert(item.issued);
             }
         }

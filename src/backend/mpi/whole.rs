@@ -23,7 +23,7 @@ use super::pieces::{Walk, DEPTH};
 use super::ring::block;
 use super::scatter::{blocks, range_of, section, section_of, sum_in_order};
 use super::shm::{Slots, OUT, REDUCED, STAGED};
-use super::staging::stage_in;
+use super::staging::{stage_in, stage_out};
 use crate::backend::Segment;
 use crate::types::DType;
 
@@ -38,6 +38,11 @@ pub(super) struct Whole {
     inputs: Vec<(Vec<usize>, usize)>,
     abandoned: Arc<AtomicBool>,
     held: *mut u8,
+    /// The step agreed before the bucket went: the sums are written straight into these
+    /// outputs ([`Item`](super::steps::Item)'s), `held` keeping only this rank's own.
+    direct: Option<Vec<Vec<(usize, usize)>>>,
+    /// Per rank, per output: where writing that rank's sums has got to.
+    walks_out: Vec<Vec<Walk>>,
     avg: Option<usize>,
     /// The ring allreduce's piece of this bucket, whose blocks say each element's sum order.
     ring_piece: usize,
@@ -66,8 +71,8 @@ impl Whole {
         slots: Slots,
         (dtype, count, inputs): (DType, usize, Vec<(Vec<usize>, usize)>),
         (held, avg, abandoned): (*mut u8, Option<usize>, Arc<AtomicBool>),
-        ring_piece: usize,
-        numbers: &mut usize,
+        direct: Option<Vec<Vec<(usize, usize)>>>,
+        (ring_piece, numbers): (usize, &mut usize),
     ) -> Whole {
         let n = slots.ranks();
         let size = dtype.size();
@@ -83,6 +88,14 @@ impl Whole {
             inputs,
             abandoned,
             held,
+            walks_out: (0..n)
+                .map(|_| {
+                    (0..direct.as_ref().map_or(0, Vec::len))
+                        .map(|_| Walk::default())
+                        .collect()
+                })
+                .collect(),
+            direct,
             avg,
             ring_piece: ring_piece.min(count),
             phase: 0,
@@ -136,6 +149,16 @@ impl Whole {
         block(self.count, self.slots.ranks(), r)
     }
 
+    /// Rank `r`'s sums of bucket elements `[e, e + l)`, at `from`, into every output
+    /// (direct only).
+    unsafe fn write_out(&mut self, r: usize, (e, l): (usize, usize), from: *const u8) {
+        if let Some(outs) = &self.direct {
+            for (out, walk) in outs.iter().zip(self.walks_out[r].iter_mut()) {
+                stage_out(self.dtype, from, (out, walk), (e, l), None);
+            }
+        }
+    }
+
     /// This rank's local sum of bucket elements `[e, e + l)` into `to` (zeros for a stand-in
     /// or a bucket whose ticket was dropped: the caller's memory is not read then).
     unsafe fn local_sum(&mut self, walk: usize, (e, l): (usize, usize), to: *mut u8) {
@@ -182,8 +205,14 @@ impl Whole {
             for r in (0..n).filter(|&r| r != me) {
                 let (o, l) = self.owned(r);
                 if let Some((s, len)) = range_of(i, c, l) {
-                    let to = self.held.add((o + s) * size);
-                    std::ptr::copy_nonoverlapping(self.slots.slot(r, k), to, len * size);
+                    let from = self.slots.slot(r, k);
+                    match self.direct {
+                        Some(_) => self.write_out(r, (o + s, len), from),
+                        None => {
+                            let to = self.held.add((o + s) * size);
+                            std::ptr::copy_nonoverlapping(from, to, len * size);
+                        }
+                    }
                 }
             }
             return;
@@ -207,5 +236,6 @@ impl Whole {
             sum_in_order(self.dtype, mine.add(at * size), &from, l, self.avg);
             at += l;
         }
+        self.write_out(me, (e, len), mine);
     }
 }
