@@ -7,15 +7,23 @@
 # a slow NCCL setup; with NCCL unusable; and with NCCL faults injected. All of it twice: with
 # synchronous streams, and with asynchronous ones (FAKE_CUDA_ASYNC=1, see fake_cuda.cpp's header),
 # except the four-GPU runs with synchronous streams, which take the mixed peer pattern only.
+# With asynchronous streams the mixed pattern runs every multi-GPU test (its device sets take
+# peer and staged copies both); all pairs and none run the tests whose values cross GPUs by each
+# collective's route (PEER_TESTS below), not the stream-order, overlap, refusal and NCCL-only ones,
+# which do not depend on the pattern beyond what the mixed one takes. --full runs every
+# multi-GPU test under every pattern (about 3 minutes more on 2 cores).
 # This exercises the whole CUDA backend's
 # host side (contexts, streams, events, memory, pointer attributes, tables, launches, peer and
 # staged copies, NCCL groups, sends and receives, timeouts and aborts) and its stream ordering by
 # events, without a GPU. It proves nothing about real NCCL transports, speed or the hardware
 # (docs/GPU-VALIDATION.md).
-#   bash scripts/fake-cuda.sh [extra cargo test arguments]
+#   bash scripts/fake-cuda.sh [--full] [extra cargo test arguments]
 # scripts/test.sh runs it; it also runs examples_c/cuda_train and bmuf_train --gpus against the
 # fake driver.
 source "$(dirname "$0")/common.sh"
+
+full=""
+if [ "${1:-}" = --full ]; then full=1; shift; fi
 
 ensure_tools
 cuda_tools
@@ -25,6 +33,13 @@ build_fake_cuda
 export DPSYNC_FAKE_CUDA=1 DPSYNC_REQUIRE_GPU=1 LD_LIBRARY_PATH="$PWD/target/fakecuda:${LD_LIBRARY_PATH:-}"
 unset FAKE_CUDA_DEVICES FAKE_CUDA_PEER FAKE_NCCL_FAULT FAKE_NCCL_INIT_FAULT DPSYNC_NCCL_LIBRARY
 TESTS=(--test cuda --test cuda_bmuf --test cuda_sparse --test shard --test repro)
+# The multi-GPU tests that check values after each collective family's route across GPUs
+# (allreduce over every device set, the plan describe shows, BMUF, sparse gathers, reproducible
+# sums): the ones the all-pairs and no-pairs patterns run without --full.
+PEER_TESTS=(allreduce_across_gpus_every_dtype_and_transport
+  describe_across_gpus_shows_the_detected_peer_matrix_and_its_plan
+  bmuf_across_gpus_follows_the_host_run gathers_across_gpus_match_the_host_byte_for_byte
+  cuda_replicas_across_gpus_give_the_hosts_bytes)
 # Twice: with synchronous streams (every launch and copy done when the call returns), then with
 # FAKE_CUDA_ASYNC=1 (streams as worker threads with random pauses, events and waits as on a GPU),
 # where a missing event wait gives wrong values and the stream-order and timeout tests run.
@@ -42,9 +57,13 @@ for streams in synchronous asynchronous; do
       0) pattern="no pair has peer access: staged copies" ;;
       *) pattern="only GPU1<->GPU2, Caffe2's seed topology" ;;
     esac
-    step "GPU tests across four fake GPUs, $streams streams, FAKE_CUDA_PEER='$peer' ($pattern)"
+    filters=(across) which="every multi-GPU test"
+    if [ -z "$full" ] && [ "$peer" != 1-2 ]; then
+      filters=("${PEER_TESTS[@]}") which="the routes' value tests"
+    fi
+    step "GPU tests across four fake GPUs, $streams streams, FAKE_CUDA_PEER='$peer' ($pattern): $which"
     FAKE_CUDA_DEVICES=4 FAKE_CUDA_PEER=$peer cargo test --release "${TESTS[@]}" "$@" -- \
-      --test-threads=1 across
+      --test-threads=1 "${filters[@]}"
   done
   step "the caller's current context and set_stream's special handles on two fake GPUs, $streams streams"
   FAKE_CUDA_DEVICES=2 cargo test --release --test cuda "$@" -- --test-threads=1 \

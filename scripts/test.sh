@@ -1,6 +1,13 @@
 #!/usr/bin/env bash
 # Every test, on a fresh machine (Debian, Rust toolchain, root, no GPU). CI runs exactly this.
+#   bash scripts/test.sh [--full]
+# --full (or DPSYNC_TEST_FULL=1) adds the long soaks that CI leaves out, each route, transport
+# and stream mode being run without it too: every multi-GPU test under every fake peer pattern
+# (scripts/fake-cuda.sh --full), and tests/world_random_cuda.rs's whole default seed set in
+# both stream modes (CI splits it: seeds 0-4 synchronous, 5-9 asynchronous).
 source "$(dirname "$0")/common.sh"
+full=""
+if [ "${1:-}" = --full ] || [ "${DPSYNC_TEST_FULL:-}" = 1 ]; then full=--full; fi
 ensure_tools
 
 step "cargo fmt --check"
@@ -50,7 +57,7 @@ step "install into a temporary prefix; a C program built against it three ways (
 bash scripts/check-install.sh
 
 step "GPU tests and cuda_train on the fake CUDA driver (CPU emulation; scripts/fake-cuda.sh)"
-bash scripts/fake-cuda.sh
+bash scripts/fake-cuda.sh ${full:+--full}
 
 step "worlds over MPI (--features mpi, own target dir): clippy, tests/world_mpi.rs (mpirun -n 2, 3, 4), world_agreement.rs (bad input on one rank, shards), world_comm.rs (a split communicator, shared memory and TCP), world_leave.rs (ranks that leave, elastic creation), repro.rs and shard.rs (worlds of 1-8 ranks)"
 ensure_mpi
@@ -69,10 +76,12 @@ step "randomized cross-rank test: tests/world_random.rs (mpirun -n 2 and -n 3, d
 cargo test --release --features mpi --target-dir target/mpi --test world_random
 step "the same without shared memory between the ranks (DPSYNC_MPI_SHM=0: every piece over MPI messages, the ring's halves for reduce-scatter and allgather), kills included"
 DPSYNC_MPI_SHM=0 cargo test --release --features mpi --target-dir target/mpi --test world_random
-step "CUDA replicas across ranks on the fake CUDA driver and NCCL (two fake GPUs per rank; tests/world_cuda.rs: NCCL across the ranks and the staged path; tests/world_random_cuda.rs: the randomized cross-rank test on CUDA replicas, 10 seeds x 150 calls per layout and transport; tests/world_leave.rs: a rank leaves, the others' clique is made again): synchronous, then asynchronous streams"
+step "CUDA replicas across ranks on the fake CUDA driver and NCCL (two fake GPUs per rank; tests/world_cuda.rs: NCCL across the ranks and the staged path; tests/world_random_cuda.rs: the randomized cross-rank test on CUDA replicas, seeds 0-9 x 150 calls per layout and transport, 0-4 synchronous and 5-9 asynchronous (--full: all ten in both); tests/world_leave.rs: a rank leaves, the others' clique is made again): synchronous, then asynchronous streams"
 for async in "" 1; do
+  seeds=""  # the test's default: 10
+  if [ -z "$full" ]; then seeds=$([ -z "$async" ] && echo 0..4 || echo 5..9); fi
   DPSYNC_FAKE_CUDA=1 DPSYNC_REQUIRE_GPU=1 FAKE_CUDA_DEVICES=2 FAKE_CUDA_ASYNC=$async \
-    LD_LIBRARY_PATH="$PWD/target/fakecuda:${LD_LIBRARY_PATH:-}" \
+    LD_LIBRARY_PATH="$PWD/target/fakecuda:${LD_LIBRARY_PATH:-}" DPSYNC_RANDOM_SEEDS=$seeds \
     cargo test --release --features mpi --target-dir target/mpi --test world_cuda --test world_random_cuda --test repro
   DPSYNC_FAKE_CUDA=1 DPSYNC_REQUIRE_GPU=1 FAKE_CUDA_DEVICES=2 FAKE_CUDA_ASYNC=$async \
     LD_LIBRARY_PATH="$PWD/target/fakecuda:${LD_LIBRARY_PATH:-}" \
