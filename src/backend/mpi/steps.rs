@@ -101,7 +101,8 @@ impl Drop for Handle {
 /// How far [`Queue::drive`] goes.
 #[derive(Clone, Copy)]
 pub(super) enum Until {
-    /// Completes what is complete and issues what may be, never waiting.
+    /// Completes what is complete, moves what is in flight one pass and issues what may be,
+    /// never waiting.
     Idle,
     /// Waits until this item's pieces are all done.
     Done(u64),
@@ -328,8 +329,10 @@ impl Queue {
             };
             if !finished {
                 match (moved, until) {
+                    // One pass, then the lock goes back: the caller's marks wait for it, and
+                    // the progress thread comes straight back while things move.
+                    (_, Until::Idle) => break,
                     (true, _) => idle.reset(),
-                    (false, Until::Idle) => break,
                     (false, _) => idle.wait(&mut since, timeout, "the early buckets' pieces")?,
                 }
                 continue;
