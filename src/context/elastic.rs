@@ -88,7 +88,14 @@ impl Context {
         };
         // Every survivor voted alike: none keeps what the call wrote (BMUF's state included,
         // before its recount below).
-        self.undo_written();
+        if let Err(e) = self.undo_written() {
+            let why = format!(
+                "a rank was lost, and what the call wrote could not be put back: {}",
+                e.message
+            );
+            self.membership.departed = Some(why);
+            return Err(e);
+        }
         let fail = |ctx: &mut Context, why: String| {
             ctx.membership.departed = Some(why.clone());
             Err(Error::new(ErrorKind::RankLost, why))
