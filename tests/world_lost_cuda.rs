@@ -1,8 +1,9 @@
 //! Elastic worlds of CUDA replicas that lose a rank (built with `--features mpi` only; run under
 //! an Open MPI with User-Level Failure Mitigation named by `DPSYNC_ULFM`, with the fake CUDA
 //! driver's environment or a GPU, else skipped): 3 ranks, rank r with 1 + r % 2 CUDA replicas
-//! over two GPUs, crossing the ranks through host memory (transport PEER_COPY), elastic with
-//! min_ranks 2.
+//! over two GPUs, elastic with min_ranks 2, crossing the ranks through host memory (transport
+//! PEER_COPY), then over an NCCL clique (aborted after the loss and made again over the
+//! survivors; the fake NCCL fails a collective whose peer's process is gone).
 //!
 //! A step of all three ranks; then, while the ranks alternate `broadcast` and `average` of a
 //! device PARAM of 1 MiB per replica and `allreduce_grads`, a thread kills rank 2 at a moment
@@ -50,7 +51,10 @@ fn cuda_replicas_lose_a_rank_and_go_on() {
         ));
         return;
     }
-    launch_ulfm("cuda_lost_body", 3, 300, &venv, &[], 2);
+    for transport in ["peer_copy", "nccl"] {
+        let env = [("DPSYNC_TEST_TRANSPORT", transport)];
+        launch_ulfm("cuda_lost_body", 3, 300, &venv, &env, 2);
+    }
 }
 
 /// Rank r's CUDA replicas: 1 + r % 2 of them over the fake driver's two GPUs (all on GPU 0
@@ -127,6 +131,16 @@ fn cuda_lost_body() {
     let Some(place) = Place::gpus("cuda_lost_body", 1) else {
         return;
     };
+    let nccl = std::env::var("DPSYNC_TEST_TRANSPORT").as_deref() == Ok("nccl");
+    let shared_gpu = common::place::device_count() == 1;
+    if nccl && shared_gpu && std::env::var_os("NCCL_MULTI_RANK_GPU_ENABLE").is_none() {
+        eprintln!(
+            "cuda_lost_body: skipped: NCCL across ranks sharing one GPU needs \
+             NCCL_MULTI_RANK_GPU_ENABLE=1"
+        );
+        println!("SURVIVED cuda_lost_body");
+        return;
+    }
     let ordinals = layout(rank);
     let local = ordinals.len();
     let offset: usize = (0..rank).map(|r| layout(r).len()).sum();
@@ -135,7 +149,7 @@ fn cuda_lost_body() {
     let Some(ctx) = cuda_context("cuda_lost_body", &ordinals, |o| {
         // Generous: the busy machine must not make a survivor time out.
         o.set_timeout_ms(120_000);
-        o.set_transport(T_PEER_COPY);
+        o.set_transport(if nccl { T_NCCL } else { T_PEER_COPY });
         // SAFETY: valid options; NULL is MPI_COMM_WORLD.
         unsafe {
             check(
@@ -147,7 +161,7 @@ fn cuda_lost_body() {
     }) else {
         return;
     };
-    let cross = "mpi_staged";
+    let cross = if nccl { "nccl" } else { "mpi_staged" };
     let d = ctx.describe_json();
     assert_eq!(
         d["world"]["cross_rank"],

@@ -8,7 +8,6 @@ use super::{cuda, host, Backend, Ranks};
 use crate::error::Result;
 use crate::options::{Options, World};
 use crate::plan::Topology;
-use crate::types::Transport;
 
 /// The world the caller's `mpi_comm` names (NULL: `MPI_COMM_WORLD`), its value copied now.
 /// UNAVAILABLE in a build without the MPI engine.
@@ -44,10 +43,9 @@ pub(crate) fn join(world: &World, timeout_ms: u64, elastic: bool) -> Result<Box<
 }
 
 /// Whether this world can be elastic: an MPI with User-Level Failure Mitigation (looked up at
-/// run time, so one build serves every MPI), and host replicas or CUDA replicas crossing the
-/// ranks through host memory (transport PEER_COPY: a lost rank's NCCL clique is not yet
-/// rebuilt); UNAVAILABLE saying how otherwise.
-pub(crate) fn elastic_available(cuda: bool, transport: Transport) -> crate::error::Result<()> {
+/// run time, so one build serves every MPI, and every replica kind and transport: a lost rank's
+/// NCCL clique is aborted and made again over the survivors); UNAVAILABLE saying how otherwise.
+pub(crate) fn elastic_available() -> crate::error::Result<()> {
     let unavailable = |m: String| crate::error::Error::new(crate::error::ErrorKind::Unavailable, m);
     #[cfg(feature = "mpi")]
     if let Some(missing) = mpi::ulfm_missing() {
@@ -58,15 +56,6 @@ pub(crate) fn elastic_available(cuda: bool, transport: Transport) -> crate::erro
              then `LD_LIBRARY_PATH=V/lib V/bin/mpirun --with-ft ulfm ...`; README, \"Elastic \
              worlds\")",
             mpi::library_name()
-        )));
-    }
-    if cuda && transport != Transport::PeerCopy {
-        return Err(unavailable(format!(
-            "dpsync_context_create: an elastic world of CUDA replicas crosses the ranks through \
-             host memory: set dpsync_options_set_transport to DPSYNC_TRANSPORT_PEER_COPY (it is \
-             {}; NCCL cliques are not yet rebuilt after a lost rank); dpsync_leave works in \
-             every world",
-            transport.name()
         )));
     }
     #[cfg(not(feature = "mpi"))]
