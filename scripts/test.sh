@@ -64,9 +64,12 @@ ensure_mpi
 # A separate target directory: target/release keeps the default library, which links no MPI.
 cargo clippy --release --all-targets --features mpi --target-dir target/mpi -- -D warnings
 cargo test --release --features mpi --target-dir target/mpi --lib --test world --test world_mpi --test world_comm --test world_agreement --test world_leave --test repro --test shard
-step "elastic worlds that lose a rank, under Open MPI 5 with ULFM (mpirun --with-ft ulfm; the same test binaries): tests/world_lost.rs (3 ranks, two killed in turn; one killed mid-broadcast/average/bmuf_step, every survivor all new or all kept; 2 ranks, a dpsync_grad_ready learning of the loss; each with and without DPSYNC_MPI_SHM=0), tests/world_leave.rs's elastic creation"
+step "elastic worlds that lose a rank, under Open MPI 5 with ULFM (mpirun --with-ft ulfm; the same test binaries): tests/world_lost.rs (3 ranks, two killed in turn; one killed mid-broadcast/average/bmuf_step, every survivor all new or all kept; 2 ranks, a dpsync_grad_ready learning of the loss; each with and without DPSYNC_MPI_SHM=0), tests/world_lost_cuda.rs (CUDA replicas on the fake driver, asynchronous streams, staged through host memory then over an NCCL clique made again over the survivors: one of 3 ranks killed mid-call), tests/world_leave.rs's elastic creation"
 ensure_ulfm
 cargo test --release --features mpi --target-dir target/mpi --test world_lost
+DPSYNC_FAKE_CUDA=1 DPSYNC_REQUIRE_GPU=1 FAKE_CUDA_DEVICES=2 FAKE_CUDA_ASYNC=1 \
+  LD_LIBRARY_PATH="$PWD/target/fakecuda:${LD_LIBRARY_PATH:-}" \
+  cargo test --release --features mpi --target-dir target/mpi --test world_lost_cuda
 if [ -n "${DPSYNC_ULFM:-}" ]; then
   exe=$(ls -t target/mpi/release/deps/world_leave-* | grep -v '\.d$' | head -1)
   DPSYNC_TEST_RANKS=2 LD_LIBRARY_PATH="$DPSYNC_ULFM/lib" timeout 300 "$DPSYNC_ULFM/bin/mpirun" --allow-run-as-root \

@@ -554,7 +554,13 @@ impl Context {
         };
         self.agree(&verdict, || "dpsync_bmuf_step()".to_owned(), &params)?;
         let state = self.bmuf.as_ref().ok_or_else(bmuf::not_started)?;
-        self.keep_regions(state.regions());
+        // The filter's state lives where the replicas do.
+        let memory = match self.options.has_cuda_replicas() {
+            true => Memory::Device,
+            false => Memory::Host,
+        };
+        let regions = state.regions().map(|(k, p, bytes)| (k, p, bytes, memory));
+        self.keep_regions(regions.collect());
         // SAFETY: as in allreduce_grads; check_params vouches for the state's pointers.
         unsafe { self.executor.bmuf_step(state, divisor) }
     }

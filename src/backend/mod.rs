@@ -390,8 +390,9 @@ pub(crate) trait Streams {
     fn host_stage(&self, bytes: usize) -> Result<usize>;
 
     /// Queues a copy of `bytes` from `src` to `dst` on `replica`'s stream: one range in
-    /// [`Streams::host_stage`], the other `replica`'s device memory. Nothing waits for it until
-    /// [`Streams::wait_all`].
+    /// [`Streams::host_stage`] (or other host memory that stays until [`Streams::wait_all`]:
+    /// an elastic world's saved copies), the other `replica`'s device memory. Nothing waits for
+    /// it until [`Streams::wait_all`].
     ///
     /// # Safety
     /// Both ranges are valid for `bytes` and do not overlap.
@@ -407,6 +408,12 @@ pub(crate) trait Streams {
     /// failure the backend records the failure and refuses every later collective, as after a
     /// timeout. Returns the error to report.
     fn collective_failed(&self, err: Error) -> Error;
+
+    /// An elastic world lost a rank and goes on: forgets the failure a collective recorded when
+    /// its transfer between the ranks failed, once every stream has run what was queued (within
+    /// the timeout). A device fault found then is recorded and returned: the context stays
+    /// failed.
+    fn recover(&self) -> Result<()>;
 }
 
 /// Level 2: moving and combining buffers between the groups of a backend whose groups are

@@ -43,9 +43,9 @@ pub(crate) fn join(world: &World, timeout_ms: u64, elastic: bool) -> Result<Box<
 }
 
 /// Whether this world can be elastic: an MPI with User-Level Failure Mitigation (looked up at
-/// run time, so one build serves every MPI) and host replicas (recovering CUDA replicas' NCCL
-/// cliques is not built); UNAVAILABLE saying how otherwise.
-pub(crate) fn elastic_available(cuda: bool) -> crate::error::Result<()> {
+/// run time, so one build serves every MPI, and every replica kind and transport: a lost rank's
+/// NCCL clique is aborted and made again over the survivors); UNAVAILABLE saying how otherwise.
+pub(crate) fn elastic_available() -> crate::error::Result<()> {
     let unavailable = |m: String| crate::error::Error::new(crate::error::ErrorKind::Unavailable, m);
     #[cfg(feature = "mpi")]
     if let Some(missing) = mpi::ulfm_missing() {
@@ -57,13 +57,6 @@ pub(crate) fn elastic_available(cuda: bool) -> crate::error::Result<()> {
              worlds\")",
             mpi::library_name()
         )));
-    }
-    if cuda {
-        return Err(unavailable(
-            "dpsync_context_create: elastic worlds of CUDA replicas are not built yet (only \
-             host replicas recover from a lost rank); dpsync_leave works in every world"
-                .to_owned(),
-        ));
     }
     #[cfg(not(feature = "mpi"))]
     return Err(unavailable(

@@ -110,7 +110,7 @@ fn check_elastic(options: &Options, ranks: usize) -> Result<()> {
              ranks"
         )));
     }
-    select::elastic_available(options.has_cuda_replicas())
+    select::elastic_available()
 }
 
 /// What context creation logs: the replicas, the transport and why, the world (info); the

@@ -63,7 +63,10 @@ impl Context {
                 }
             }
             let outcome = match left.is_empty() {
-                true => self.vote(outcome),
+                true => {
+                    let outcome = self.device_done(outcome);
+                    self.vote(outcome)
+                }
                 false => outcome,
             };
             self.forget_undo();
@@ -71,6 +74,20 @@ impl Context {
                 Err(e) if e.is_world_changed() => continue,
                 outcome => return outcome,
             }
+        }
+    }
+
+    /// An elastic world over an NCCL clique: the call's device work waited for before the vote
+    /// (the host blocks until it completed). A collective in the clique whose peer dies after
+    /// the call answered OK would otherwise leave its tensors half-written with nothing to
+    /// undo them; waited for, its failure is the call's and the vote finds the loss.
+    fn device_done(&self, outcome: Result<()>) -> Result<()> {
+        if outcome.is_err() || self.options.elastic == 0 || self.topology.world_nccl.is_none() {
+            return outcome;
+        }
+        match self.executor.streams() {
+            Some(s) => s.wait_all().map_err(|e| s.collective_failed(e)),
+            None => outcome,
         }
     }
 
@@ -88,7 +105,14 @@ impl Context {
         };
         // Every survivor voted alike: none keeps what the call wrote (BMUF's state included,
         // before its recount below).
-        self.undo_written();
+        if let Err(e) = self.undo_written() {
+            let why = format!(
+                "a rank was lost, and what the call wrote could not be put back: {}",
+                e.message
+            );
+            self.membership.departed = Some(why);
+            return Err(e);
+        }
         let fail = |ctx: &mut Context, why: String| {
             ctx.membership.departed = Some(why.clone());
             Err(Error::new(ErrorKind::RankLost, why))

@@ -5,21 +5,36 @@
 //! every survivor answer alike, and this makes their bytes alike: unchanged everywhere. GRAD
 //! tensors are not kept (the contract has the caller compute them again). Plain worlds copy
 //! nothing.
+//!
+//! On CUDA replicas the copy waits for the work the callers queued before the call (it may be
+//! what writes those bytes), then device memory is copied to the host on the backend's streams
+//! and waited for; after a loss the backend's failure is forgotten (`Streams::recover`: the
+//! failure was the world's, not the devices') and the bytes are copied back the same way.
 
 use super::Context;
+use crate::error::Result;
+use crate::log;
 use crate::registry::TensorView;
 use crate::types::{Memory, Role};
 
-/// Host bytes copied aside: `(address, bytes)` as they were before the call.
+/// One region as it was before the call.
+struct Kept {
+    replica: usize,
+    ptr: usize,
+    memory: Memory,
+    copy: Vec<u8>,
+}
+
+/// Bytes copied aside.
 #[derive(Default)]
 pub(super) struct Undo {
-    regions: Vec<(usize, Vec<u8>)>,
+    regions: Vec<Kept>,
 }
 
 impl Context {
-    /// Whether this context keeps bytes aside: an elastic world of host replicas.
+    /// Whether this context keeps bytes aside: an elastic world.
     fn keeps_undo(&self) -> bool {
-        self.options.elastic > 0 && self.in_world() && !self.options.has_cuda_replicas()
+        self.options.elastic > 0 && self.in_world()
     }
 
     /// Copies aside the bytes of `tensors` (every replica's) a collective may write, but GRAD
@@ -28,28 +43,69 @@ impl Context {
         if !self.keeps_undo() {
             return;
         }
-        let regions = tensors
-            .iter()
-            .filter(|t| t.role != Role::Grad && t.memory == Memory::Host)
-            .flat_map(|t| t.ptrs.iter().map(|&p| (p, t.count * t.dtype.size())));
-        self.keep_regions(regions);
+        let regions = (tensors.iter().filter(|t| t.role != Role::Grad)).flat_map(|t| {
+            let bytes = t.count * t.dtype.size();
+            (t.ptrs.iter().enumerate()).map(move |(k, &p)| (k, p, bytes, t.memory))
+        });
+        self.keep_regions(regions.collect());
     }
 
-    /// Copies aside host memory the call may write: `(address, bytes)`.
-    pub(super) fn keep_regions(&self, regions: impl Iterator<Item = (usize, usize)>) {
-        if !self.keeps_undo() {
+    /// Copies aside memory the call may write: `(replica, address, bytes, memory)`. Where the
+    /// copy fails (a device fault or a timeout on CUDA replicas) the backend is failed, so the
+    /// call fails too: its bytes could not be promised.
+    pub(super) fn keep_regions(&self, regions: Vec<(usize, usize, usize, Memory)>) {
+        if !self.keeps_undo() || regions.iter().all(|r| r.2 == 0) {
             return;
         }
-        let mut undo = self.membership.undo.lock();
-        for (ptr, bytes) in regions {
+        if let Err(e) = self.copy_aside(regions) {
+            log::warn(|| {
+                format!(
+                    "an elastic world's copy of what a call writes: {}",
+                    e.message
+                )
+            });
+            if let Some(streams) = self.executor.streams() {
+                streams.collective_failed(e);
+            }
+        }
+    }
+
+    fn copy_aside(&self, regions: Vec<(usize, usize, usize, Memory)>) -> Result<()> {
+        let streams = self.executor.streams();
+        if let Some(s) = streams {
+            // The bytes as the work the callers queued before this call leaves them.
+            s.wait_for_callers()?;
+        }
+        let mut kept = Vec::with_capacity(regions.len());
+        for (replica, ptr, bytes, memory) in regions {
             if bytes == 0 {
                 continue;
             }
-            // SAFETY: registered memory (and BMUF's own allocations) stays valid while
-            // registered (the C contract); `bytes` is within it.
-            let copy = unsafe { std::slice::from_raw_parts(ptr as *const u8, bytes) }.to_vec();
-            undo.regions.push((ptr, copy));
+            let copy = match (memory, streams) {
+                (Memory::Device, Some(s)) => {
+                    let mut copy = vec![0u8; bytes];
+                    // SAFETY: registered device memory of `replica` (and BMUF's own
+                    // allocations) stays valid while registered; the copy is waited for below,
+                    // before `copy` moves or is read.
+                    unsafe { s.stage_copy(replica, copy.as_mut_ptr() as usize, ptr, bytes)? };
+                    copy
+                }
+                // SAFETY: registered memory stays valid while registered (the C contract);
+                // `bytes` is within it.
+                _ => unsafe { std::slice::from_raw_parts(ptr as *const u8, bytes) }.to_vec(),
+            };
+            kept.push(Kept {
+                replica,
+                ptr,
+                memory,
+                copy,
+            });
         }
+        if let Some(s) = streams {
+            s.wait_all()?;
+        }
+        self.membership.undo.lock().regions.extend(kept);
+        Ok(())
     }
 
     /// Forgets what was kept (the call completed, or answered without a loss).
@@ -57,13 +113,34 @@ impl Context {
         self.membership.undo.lock().regions.clear();
     }
 
-    /// Puts back what was kept, latest first (a region kept twice ends as first kept).
-    pub(super) fn undo_written(&self) {
+    /// Puts back what was kept, latest first (a region kept twice ends as first kept). On CUDA
+    /// replicas the backend first forgets the failure the loss left (`Streams::recover`); an
+    /// error means this process's devices cannot go on.
+    pub(super) fn undo_written(&self) -> Result<()> {
         let regions = std::mem::take(&mut self.membership.undo.lock().regions);
-        for (ptr, copy) in regions.into_iter().rev() {
-            // SAFETY: as in keep_regions; nothing else writes the memory now (the call
-            // returned, its engine failed).
-            unsafe { std::ptr::copy_nonoverlapping(copy.as_ptr(), ptr as *mut u8, copy.len()) };
+        let streams = self.executor.streams();
+        if let Some(s) = streams {
+            // Every stream drained first: nothing of the failed call writes after the copies.
+            s.recover()?;
         }
+        for kept in regions.iter().rev() {
+            let (ptr, copy) = (kept.ptr, &kept.copy);
+            match (kept.memory, streams) {
+                // SAFETY: as in copy_aside; the copy is waited for below, before `regions`
+                // is dropped.
+                (Memory::Device, Some(s)) => unsafe {
+                    s.stage_copy(kept.replica, ptr, copy.as_ptr() as usize, copy.len())?
+                },
+                // SAFETY: as in copy_aside; nothing else writes the memory now (the call
+                // returned, its engine failed, every stream drained).
+                _ => unsafe {
+                    std::ptr::copy_nonoverlapping(copy.as_ptr(), ptr as *mut u8, copy.len())
+                },
+            }
+        }
+        if let Some(s) = streams {
+            s.wait_all()?;
+        }
+        Ok(())
     }
 }

@@ -151,11 +151,13 @@ impl BmufState {
         }
     }
 
-    /// The filter's own memory, `(address, bytes)` of every bucket's `W` and `D` on every
-    /// replica (what an elastic world keeps aside during a step, context/undo.rs).
-    pub fn regions(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
-        (self.state.iter().flatten())
-            .flat_map(|r| [(r.w.ptr(), r.w.bytes()), (r.d.ptr(), r.d.bytes())])
+    /// The filter's own memory, `(replica, address, bytes)` of every bucket's `W` and `D` on
+    /// every replica (what an elastic world keeps aside during a step, context/undo.rs).
+    pub fn regions(&self) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+        (self.state.iter()).flat_map(|b| {
+            (b.iter().enumerate())
+                .flat_map(|(k, r)| [(k, r.w.ptr(), r.w.bytes()), (k, r.d.ptr(), r.d.bytes())])
+        })
     }
 
     /// What `dpsync_describe` shows under "bmuf".

@@ -183,6 +183,10 @@ impl Executor {
     /// The world changed: its new engine and this rank's place in it.
     pub(crate) fn rejoin(&mut self, topology: &Topology, ranks: Box<dyn Ranks>) {
         self.levels = Levels::new(topology);
+        // Host-memory tensors on device replicas cross the new world too.
+        if let Some((_, levels)) = self.host.as_mut() {
+            *levels = Levels::new(&topology.for_host_memory());
+        }
         self.ranks = Some(ranks);
     }
 
@@ -195,7 +199,7 @@ impl Executor {
     }
 
     /// The stream hooks, on a stream-ordered backend.
-    fn streams(&self) -> Option<&dyn Streams> {
+    pub(crate) fn streams(&self) -> Option<&dyn Streams> {
         self.backend.streams()
     }
 

@@ -130,6 +130,17 @@ pub fn ulfm_venv(test: &str) -> Option<std::path::PathBuf> {
     }
 }
 
+/// The venv's libraries first, then the caller's (the fake CUDA driver's, for CUDA replicas).
+#[allow(dead_code)]
+fn library_path(venv: &Path) -> std::ffi::OsString {
+    let mut path = venv.join("lib").into_os_string();
+    if let Some(more) = std::env::var_os("LD_LIBRARY_PATH").filter(|p| !p.is_empty()) {
+        path.push(":");
+        path.push(more);
+    }
+    path
+}
+
 /// Like [`launch`], under the ULFM `mpirun` of `venv` (`--with-ft ulfm`), where ranks kill
 /// themselves: mpirun then reports their deaths, so the run is judged by the survivors:
 /// exactly `survivors` lines `SURVIVED <body>` (each printed by a rank whose body passed) and
@@ -167,7 +178,7 @@ pub fn launch_ulfm(
         .arg(&exe)
         .args([body, "--exact", "--nocapture", "--test-threads=1"])
         .env("DPSYNC_TEST_RANKS", ranks.to_string())
-        .env("LD_LIBRARY_PATH", venv.join("lib"))
+        .env("LD_LIBRARY_PATH", library_path(venv))
         .stdout(file(&out_path))
         .stderr(file(&err_path))
         .spawn()

@@ -31,7 +31,8 @@
 // data, waits for all the others', checks that they match (kind, count, dtype, op or root; a
 // difference fails the round on every process with ncclInvalidUsage naming both ranks), and
 // computes the result itself in rank order, so every process writes the same bytes. A rank
-// aborted or destroyed in another process fails the others' rounds with ncclRemoteError; a round
+// aborted or destroyed in another process, or whose process ended (killed: its slot keeps its pid),
+// fails the others' rounds with ncclRemoteError; a round
 // that waits 60 s for a rank aborts the process (a hang in real NCCL). A group's sends and
 // receives on a clique across processes, where one has a peer in another process, form one more
 // round that every rank joins (those among one process's ranks run there, as in one process) (p2p_across:
@@ -56,6 +57,7 @@
 // NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL >= 2.30; this fake reports 2.30.0).
 #include <dlfcn.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 

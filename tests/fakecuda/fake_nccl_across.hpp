@@ -2,10 +2,10 @@
 // anonymous namespace): the cliques' shared slots and data files, and one collective's round.
 
 constexpr int kMaxRanks = 512;
-// A rank's slot: whether it joined, the last round it posted (with that round's op) and the last
-// it finished reading; written by the rank's process only.
+// A rank's slot: whether it joined (and its process), the last round it posted (with that round's
+// op) and the last it finished reading; written by the rank's process only.
 struct Slot {
-  std::atomic<int> joined, aborted;
+  std::atomic<int> joined, aborted, pid;
   std::atomic<uint64_t> posted, consumed;
   int kind, dtype, arg;
   uint64_t count;
@@ -25,6 +25,15 @@ int joined_ranks(Clique* q) {
 std::string data_path(Clique* q, int r) { return q->path + ".r" + std::to_string(r); }
 void create_data_file(Clique* q, int r) {
   q->files[r] = open(data_path(q, r).c_str(), O_RDWR | O_CREAT | O_TRUNC, 0600);
+  q->shared->slot[r].pid.store(int(getpid()));
+}
+
+// Whether rank r's process ended without aborting or destroying its rank (killed, crashed): real
+// NCCL then fails the others' collectives with ncclRemoteError where its proxy sees the peer's
+// connection close (or hangs until they are aborted); this fake always fails them.
+bool process_gone(const Slot& s) {
+  int pid = s.pid.load();
+  return pid > 0 && kill(pid, 0) != 0 && errno == ESRCH;
 }
 int data_file(Clique* q, int r) {
   for (int x = 0; x < q->nranks; x++)
@@ -73,6 +82,8 @@ std::string wait_all(Clique* q, std::atomic<uint64_t> Slot::*field, uint64_t rou
     if ((s.*field).load(std::memory_order_acquire) >= round) { r++; continue; }
     if (s.aborted.load()) return fmt("fake NCCL: rank %d was aborted or destroyed in its process "
                                      "while rank(s) here waited for it (%s)", r, what);
+    if (process_gone(s)) return fmt("fake NCCL: rank %d's process is gone (it ended without "
+                                    "aborting its rank) while rank(s) here waited for it (%s)", r, what);
     if (std::chrono::steady_clock::now() - start > std::chrono::seconds(60)) {
       std::fprintf(stderr, "fake NCCL: round %llu waited 60 s for rank %d (%s): a hang in real "
                    "NCCL\n", (unsigned long long)round, r, what);

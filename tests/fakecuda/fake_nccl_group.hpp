@@ -118,7 +118,9 @@ std::string execute(const Plan& p) {
 
 // A failed round: every communicator of the clique here says why (under the lock).
 void fail_clique(Clique* q, const std::string& why) {
-  int code = why.find("aborted or destroyed") != std::string::npos ? RemoteError : InvalidUsage;
+  bool remote = why.find("aborted or destroyed") != std::string::npos ||
+                why.find("process is gone") != std::string::npos;
+  int code = remote ? RemoteError : InvalidUsage;
   for (Comm* c : q->ranks)
     if (c && !c->dead && c->error == Success) c->error = code, c->last = why;
   last_global = why;

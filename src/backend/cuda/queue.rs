@@ -398,6 +398,10 @@ impl Streams for CudaBackend {
         }
     }
 
+    fn recover(&self) -> Result<()> {
+        self.recover_from_world()
+    }
+
     fn end(&self, join: bool) -> Result<()> {
         let mut state = self.state.lock();
         // The device spans' stop events before the completion events, on the same streams: a

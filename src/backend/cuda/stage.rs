@@ -51,6 +51,23 @@ impl CudaBackend {
         )
     }
 
+    /// [`crate::backend::Streams::recover`]: the failure forgotten, then every stream and
+    /// pending collective waited for (also without a failure: a call that completed here may
+    /// still be writing); whatever fails then is recorded again. The NCCL
+    /// communicators the failure aborted stay aborted: a clique across the ranks is joined anew
+    /// by the world's rebuild, a local one made again when next needed.
+    pub(super) fn recover_from_world(&self) -> Result<()> {
+        let was = self.state.lock().failed.take();
+        let sound = self.wait_all_groups().and_then(|()| self.observe(true));
+        sound.map_err(|e| {
+            let mut state = self.state.lock();
+            if let Some(was) = was {
+                state.failed = Some(was);
+            }
+            self.fail(&mut state, e)
+        })
+    }
+
     /// Blocks the host until every group's stream has run what was queued on it so far.
     pub(super) fn wait_all_groups(&self) -> Result<()> {
         self.groups.iter().try_for_each(|g| self.wait_group(g))

@@ -1,0 +1,329 @@
+//! Elastic worlds of CUDA replicas that lose a rank (built with `--features mpi` only; run under
+//! an Open MPI with User-Level Failure Mitigation named by `DPSYNC_ULFM`, with the fake CUDA
+//! driver's environment or a GPU, else skipped): 3 ranks, rank r with 1 + r % 2 CUDA replicas
+//! over two GPUs, elastic with min_ranks 2, crossing the ranks through host memory (transport
+//! PEER_COPY), then over an NCCL clique (aborted after the loss and made again over the
+//! survivors; the fake NCCL fails a collective whose peer's process is gone).
+//!
+//! A step of all three ranks; then, while the ranks alternate `broadcast` and `average` of a
+//! device PARAM of 1 MiB per replica and `allreduce_grads`, a thread kills rank 2 at a moment
+//! of its own. Every survivor's call answers alike: OK with every replica's new bytes, or
+//! RANK_LOST naming rank 2 with every replica's PARAM bytes as before the call; the survivors
+//! lost the same call; they are renumbered (rank, world replicas, epoch, describe's "lost"),
+//! and the redone step sums exactly their replicas, a broadcast goes on over them.
+#![cfg(feature = "mpi")]
+#![allow(clippy::needless_range_loop)]
+
+mod common {
+    pub mod abi;
+    pub mod buf;
+    pub mod context;
+    pub mod cuda_context;
+    pub mod float16;
+    pub mod lcg;
+    pub mod mpi;
+    pub mod place;
+    pub mod skip;
+}
+
+use std::ptr;
+
+use common::mpi::{as_rank, launch_ulfm, ulfm_venv, under_mpirun};
+use common::place::{synchronize, Mem, Place};
+use common::{abi::*, context::*, cuda_context::*};
+
+use dpsync::*;
+
+const RANK_LOST: dpsync_status = dpsync_status::DPSYNC_STATUS_RANK_LOST;
+
+#[test]
+fn cuda_replicas_lose_a_rank_and_go_on() {
+    if under_mpirun() {
+        return; // a rank runs cuda_lost_body only
+    }
+    let Some(venv) = ulfm_venv("cuda_replicas_lose_a_rank_and_go_on") else {
+        return;
+    };
+    if std::env::var_os("DPSYNC_FAKE_CUDA").is_none() && common::place::device_count() == 0 {
+        common::skip::skip(format_args!(
+            "cuda_replicas_lose_a_rank_and_go_on: skipped: no CUDA device (run it with the fake \
+             driver's environment: scripts/test.sh)"
+        ));
+        return;
+    }
+    for transport in ["peer_copy", "nccl"] {
+        let shared_gpu = common::place::device_count() == 1;
+        let multi = std::env::var_os("NCCL_MULTI_RANK_GPU_ENABLE").is_some();
+        if transport == "nccl" && shared_gpu && !multi {
+            common::skip::skip(format_args!(
+                "cuda_replicas_lose_a_rank_and_go_on: nccl skipped: NCCL across ranks sharing \
+                 one GPU needs NCCL_MULTI_RANK_GPU_ENABLE=1"
+            ));
+            continue;
+        }
+        let env = [("DPSYNC_TEST_TRANSPORT", transport)];
+        launch_ulfm("cuda_lost_body", 3, 300, &venv, &env, 2);
+    }
+}
+
+/// Rank r's CUDA replicas: 1 + r % 2 of them over the fake driver's two GPUs (all on GPU 0
+/// where there is one).
+fn layout(rank: usize) -> Vec<i32> {
+    let gpus = common::place::device_count().clamp(1, 2) as i32;
+    (0..1 + rank as i32 % 2).map(|k| k % gpus).collect()
+}
+
+/// Elements of the PARAM (f64): 1 MiB per replica, so that a call's data is in flight a while.
+const Q_LEN: usize = 131_072;
+/// Elements of the GRAD (f32).
+const G_LEN: usize = 300;
+
+/// The PARAM's value on world replica `w` (at creation) before call `i`.
+fn q_value(i: usize, w: usize) -> f64 {
+    ((i % 7) * 8 + w + 1) as f64
+}
+
+fn q_bytes(i: usize, w: usize) -> Vec<u8> {
+    q_value(i, w).to_ne_bytes().repeat(Q_LEN)
+}
+
+/// The GRAD's element `e` on world replica `w` (at creation).
+fn g_value(e: usize, w: usize) -> f32 {
+    ((w + 1) * (e + 1)) as f32
+}
+
+fn g_bytes(w: usize) -> Vec<u8> {
+    (0..G_LEN)
+        .flat_map(|e| g_value(e, w).to_ne_bytes())
+        .collect()
+}
+
+fn f64s(bytes: &[u8]) -> Vec<f64> {
+    (bytes.chunks_exact(8))
+        .map(|c| f64::from_ne_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    (bytes.chunks_exact(4))
+        .map(|c| f32::from_ne_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn close(x: f64, want: f64) -> bool {
+    (x - want).abs() <= 1e-9 * want.abs().max(1.0)
+}
+
+fn die() -> ! {
+    // SAFETY: ends this process at once, as a crash would (no MPI_Finalize, no destructor).
+    unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    unreachable!("SIGKILL returned");
+}
+
+/// Every replica's GRAD is the sum over the world replicas `from` (at creation).
+fn expect_grads(g: &[Mem], from: &[usize], tag: &str) {
+    for (k, mem) in g.iter().enumerate() {
+        let got = f32s(&mem.read());
+        for (e, &x) in got.iter().enumerate() {
+            let want: f32 = from.iter().map(|&w| g_value(e, w)).sum();
+            assert_eq!(x, want, "{tag}: g[{k}][{e}]");
+        }
+    }
+}
+
+#[test]
+fn cuda_lost_body() {
+    let Some((rank, ranks)) = as_rank("cuda_lost_body") else {
+        return;
+    };
+    assert_eq!(ranks, 3, "cuda_lost_body runs on 3 ranks");
+    let Some(place) = Place::gpus("cuda_lost_body", 1) else {
+        return;
+    };
+    let nccl = std::env::var("DPSYNC_TEST_TRANSPORT").as_deref() == Ok("nccl");
+    let ordinals = layout(rank);
+    let local = ordinals.len();
+    let offset: usize = (0..rank).map(|r| layout(r).len()).sum();
+    let below = |n: usize| -> Vec<usize> { (0..(0..n).map(|r| layout(r).len()).sum()).collect() };
+    let tag = |what: &str| format!("rank {rank}/{ranks}: {what}");
+    let Some(ctx) = cuda_context("cuda_lost_body", &ordinals, |o| {
+        // Generous: the busy machine must not make a survivor time out.
+        o.set_timeout_ms(120_000);
+        o.set_transport(if nccl { T_NCCL } else { T_PEER_COPY });
+        // SAFETY: valid options; NULL is MPI_COMM_WORLD.
+        unsafe {
+            check(
+                dpsync_options_set_world_mpi(o.0, ptr::null()),
+                "set_world_mpi",
+            );
+            check(dpsync_options_set_elastic(o.0, 2), "set_elastic");
+        }
+    }) else {
+        return;
+    };
+    let cross = if nccl { "nccl" } else { "mpi_staged" };
+    let d = ctx.describe_json();
+    assert_eq!(
+        d["world"]["cross_rank"],
+        cross,
+        "{}",
+        tag("across the ranks")
+    );
+    let mut q: Vec<Mem> = (0..local)
+        .map(|k| place.mem_on(ordinals[k], &q_bytes(0, offset + k)))
+        .collect();
+    let mut g: Vec<Mem> = (0..local)
+        .map(|k| place.mem_on(ordinals[k], &g_bytes(offset + k)))
+        .collect();
+    // Device memory: host memory on CUDA replicas across ranks is not summed over every
+    // local replica (a known gap, docs/ARCHITECTURE.md).
+    let mut n: Vec<Mem> = (0..local)
+        .map(|k| place.mem_on(ordinals[k], &0f32.to_ne_bytes()))
+        .collect();
+    for k in 0..local {
+        let st = register_raw(ctx.0, "q", PARAM, k, q[k].ptr() as *mut _, Q_LEN, F64);
+        check(st, &tag("register q"));
+        let st = register_raw(ctx.0, "g", GRAD, k, g[k].ptr() as *mut _, G_LEN, F32);
+        check(st, &tag("register g"));
+        let st = register_raw(ctx.0, "n", COMPUTED, k, n[k].ptr() as *mut _, 1, F32);
+        check(st, &tag("register n"));
+    }
+
+    // 1. A step of all three ranks.
+    let st = ctx.allreduce_grads(SUM);
+    assert_eq!(st, OK, "{}: {}", tag("first step"), last_error());
+    assert_eq!(synchronize(&ctx), OK, "{}", tag("synchronize"));
+    expect_grads(&g, &below(3), &tag("first step"));
+
+    // 2. Rank 2 dies at a moment of its own while the ranks alternate calls.
+    if rank == 2 {
+        std::thread::spawn(|| {
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |t| t.subsec_nanos());
+            // Up to 0.3 s: the loss may come in any of the three calls, any part of it.
+            std::thread::sleep(std::time::Duration::from_micros(
+                1_000 + (nanos % 300_000) as u64,
+            ));
+            die();
+        });
+    }
+    let present = below(3);
+    let mean =
+        |i: usize| present.iter().map(|&w| q_value(i, w)).sum::<f64>() / present.len() as f64;
+    let mut lost_at = None;
+    for i in 1..100_000 {
+        for k in 0..local {
+            q[k].write(&q_bytes(i, offset + k));
+            g[k].write(&g_bytes(offset + k));
+        }
+        let (st, what) = match i % 3 {
+            0 => (ctx.broadcast(PARAM, 0), "broadcast"),
+            1 => (ctx.average(PARAM), "average"),
+            _ => (ctx.allreduce_grads(SUM), "allreduce_grads"),
+        };
+        let want = match st {
+            OK if what == "broadcast" => q_value(i, 0),
+            OK if what == "average" => mean(i),
+            OK | RANK_LOST => f64::NAN,
+            other => panic!("{}: {other:?}: {}", tag(what), last_error()),
+        };
+        assert_eq!(synchronize(&ctx), OK, "{}: {}", tag("sync"), last_error());
+        for k in 0..local {
+            let kept = q_value(i, offset + k);
+            let want = if st == OK && what != "allreduce_grads" {
+                want
+            } else {
+                kept
+            };
+            let got = f64s(&q[k].read());
+            let bad = got.iter().position(|&x| !close(x, want));
+            assert!(
+                bad.is_none(),
+                "{}: {what} call {i} answered {st:?}: q[{k}][{}] is {} (wanted {want})",
+                tag("all new or all kept"),
+                bad.unwrap_or(0),
+                got[bad.unwrap_or(0)]
+            );
+        }
+        if st == OK && what == "allreduce_grads" {
+            expect_grads(&g, &present, &tag("a step before the loss"));
+        }
+        if st == RANK_LOST {
+            let msg = last_error();
+            assert!(msg.contains("rank 2"), "{}: {msg}", tag("names rank 2"));
+            lost_at = Some((i, what));
+            break;
+        }
+    }
+    if rank == 2 {
+        die(); // not reached: the thread killed it first (100 000 calls last long)
+    }
+    let (i, what) = lost_at.expect("rank 2 was lost within 100 000 calls");
+
+    // 3. Renumbered and recounted.
+    let remaining = below(2);
+    let (mut r, mut rs, mut total, mut off) = (0, 0, 0, 0);
+    // SAFETY: a live context and valid out pointers.
+    unsafe {
+        check(dpsync_rank(ctx.0, &mut r, &mut rs), "rank");
+        check(
+            dpsync_world_replicas(ctx.0, &mut total, &mut off),
+            "world_replicas",
+        );
+    }
+    assert_eq!(
+        (r, rs, total, off),
+        (rank, 2, remaining.len(), offset),
+        "{}",
+        tag("renumbered")
+    );
+    let world = &ctx.describe_json()["world"];
+    assert_eq!(world["lost"], serde_json::json!([2]), "{}", tag("lost"));
+    assert_eq!(world["epoch"], 1, "{}", tag("epoch"));
+    assert_eq!(
+        world["cross_rank"],
+        cross,
+        "{}",
+        tag("across the ranks after")
+    );
+
+    // 4. The survivors lost the same call: the sum of its number over their replicas.
+    for k in 0..local {
+        n[k].write(&(i as f32).to_ne_bytes());
+    }
+    let st = ctx.allreduce("n", SUM);
+    assert_eq!(st, OK, "{}: {}", tag("allreduce n"), last_error());
+    assert_eq!(synchronize(&ctx), OK, "{}", tag("synchronize"));
+    let want = (i * remaining.len()) as f32;
+    let got: Vec<f32> = n.iter().map(|m| f32s(&m.read())[0]).collect();
+    assert!(
+        got.iter().all(|&x| x == want),
+        "{}: {got:?}, wanted {want}",
+        tag("the same call lost everywhere")
+    );
+
+    // 5. The redo of a step and a broadcast, over the survivors.
+    for k in 0..local {
+        g[k].write(&g_bytes(offset + k));
+        q[k].write(&q_bytes(i + 1, offset + k));
+    }
+    let st = ctx.allreduce_grads(SUM);
+    assert_eq!(st, OK, "{}: {}", tag("redo"), last_error());
+    let st = ctx.broadcast(PARAM, 0);
+    assert_eq!(st, OK, "{}: {}", tag("broadcast after"), last_error());
+    assert_eq!(synchronize(&ctx), OK, "{}", tag("synchronize"));
+    expect_grads(&g, &remaining, &tag("redo"));
+    for k in 0..local {
+        let got = f64s(&q[k].read());
+        assert!(
+            got.iter().all(|&x| x == q_value(i + 1, 0)),
+            "{}: q[{k}][0] {}",
+            tag("broadcast over the survivors"),
+            got[0]
+        );
+    }
+    println!("rank {rank}: rank 2 lost during call {i} ({what})");
+    drop(ctx);
+    println!("SURVIVED cuda_lost_body");
+}
