@@ -119,68 +119,103 @@ impl Engine {
         let sums =
             |c: usize| base.add(DEPTH * (send_slot + recv_slot + gather_slot) + c * most * size);
         let comm = self.comm_of(channel);
+        // Per chunk, the counts and displacements of its exchange and of its gather: MPI may
+        // read them until each call completes (MPI 3.1 §5.12), so they live as long as the
+        // scratch. This rank's own block stays out of the exchange (counts 0): the owner reads
+        // its own contributions straight from the tensors.
+        let counts: Vec<[Vec<c_int>; 6]> = (0..chunks)
+            .map(|c| {
+                let w = width(c);
+                let of = |f: &dyn Fn(usize) -> usize| (0..n).map(|r| count_of(f(r))).collect();
+                let mine = len(w, me);
+                let others = |v: usize| move |r: usize| if r == me { 0 } else { v };
+                [
+                    of(&|r| others(k * len(w, r))(r)),
+                    of(&|r| k * first(w, n, r)),
+                    of(&|r| others(k * mine)(r)),
+                    of(&|r| r * k * mine),
+                    of(&|r| len(w, r)),
+                    of(&|r| first(w, n, r)),
+                ]
+            })
+            .collect();
         let exchanged = self.run_pieces(
             "MPI_Ialltoallv",
             chunks,
             |c, request| {
                 let (at, w) = (c * ch, width(c));
                 // Block r of the stage: every contribution's elements of block r, one after another.
-                for r in 0..n {
+                for r in (0..n).filter(|&r| r != me) {
                     let (a, b) = (first(w, n, r), first(w, n, r + 1));
                     for j in 0..k {
                         let to = send(c).add((k * a + j * (b - a)) * size);
                         copy_range(segments, size, (at + a, at + b), Some(j), to);
                     }
                 }
-                let send_counts: Vec<c_int> = (0..n).map(|r| count_of(k * len(w, r))).collect();
-                let send_displs: Vec<c_int> =
-                    (0..n).map(|r| count_of(k * first(w, n, r))).collect();
-                let mine = len(w, me);
-                let recv_counts: Vec<c_int> = vec![count_of(k * mine); n];
-                let recv_displs: Vec<c_int> = (0..n).map(|r| count_of(r * k * mine)).collect();
-                // MPI copies the counts and displacements when the call starts (MPI 3.0 §5.12).
+                let [sc, sd, rc, rd, _, _] = &counts[c];
                 ffi::MPI_Ialltoallv(
                     send(c).cast(),
-                    send_counts.as_ptr(),
-                    send_displs.as_ptr(),
+                    sc.as_ptr(),
+                    sd.as_ptr(),
                     datatype,
                     recv(c).cast(),
-                    recv_counts.as_ptr(),
-                    recv_displs.as_ptr(),
+                    rc.as_ptr(),
+                    rd.as_ptr(),
                     datatype,
                     comm,
                     request,
                 )
             },
             |c| {
-                let mine = len(width(c), me);
-                if mine > 0 {
-                    let ptrs: Vec<usize> = (0..n * k)
-                        .map(|j| recv(c) as usize + j * mine * size)
-                        .collect();
-                    repro::reduce_ptrs(dtype, &ptrs, 0, mine, avg);
-                    std::ptr::copy_nonoverlapping(recv(c), sums(c), mine * size);
+                let w = width(c);
+                let (a, mine) = (c * ch + first(w, n, me), len(w, me));
+                // The others' contributions from the stage, this rank's from its tensors, a
+                // segment's run at a time (a tensor pointer holds one segment); the sum is
+                // written over the first other rank's first contribution, then kept.
+                let other = usize::from(me == 0);
+                let recv_at = |r: usize, j: usize, p: usize| {
+                    recv(c) as usize + ((r * k + j) * mine + p) * size
+                };
+                let mut at = 0;
+                for seg in segments {
+                    let (lo, hi) = (a.max(at), (a + mine).min(at + seg.count));
+                    if lo < hi {
+                        let (p, l) = (lo - a, hi - lo);
+                        let ptrs: Vec<usize> = (0..n)
+                            .flat_map(|r| (0..k).map(move |j| (r, j)))
+                            .map(|(r, j)| match r == me {
+                                true => seg.ptrs[j] + (lo - at) * size,
+                                false => recv_at(r, j, p),
+                            })
+                            .collect();
+                        // Alone in the world, over its own first contribution (the gather
+                        // writes every one of them afterwards anyway).
+                        let write = if n > 1 { other * k } else { 0 };
+                        repro::reduce_ptrs(dtype, &ptrs, write, l, avg);
+                        let sum = ptrs[write] as *const u8;
+                        std::ptr::copy_nonoverlapping(sum, sums(c).add(p * size), l * size);
+                    }
+                    at += seg.count;
                 }
             },
         );
         if let Err(e) = exchanged {
             std::mem::forget(std::mem::take(&mut *scratch));
+            std::mem::forget(counts);
             return Err(e);
         }
         let gathered = self.run_pieces(
             "MPI_Iallgatherv",
             chunks,
             |c, request| {
-                let w = width(c);
-                let counts: Vec<c_int> = (0..n).map(|r| count_of(len(w, r))).collect();
-                let displs: Vec<c_int> = (0..n).map(|r| count_of(first(w, n, r))).collect();
+                let [_, _, _, _, gc, gd] = &counts[c];
                 ffi::MPI_Iallgatherv(
                     sums(c).cast(),
-                    count_of(len(w, me)),
+                    count_of(len(width(c), me)),
                     datatype,
                     gather(c).cast(),
-                    counts.as_ptr(),
-                    displs.as_ptr(),
+                    gc.as_ptr(),
+                    gd.as_ptr(),
                     datatype,
                     comm,
                     request,
@@ -190,6 +225,7 @@ impl Engine {
         );
         if let Err(e) = gathered {
             std::mem::forget(std::mem::take(&mut *scratch));
+            std::mem::forget(counts);
             return Err(e);
         }
         Ok(())
