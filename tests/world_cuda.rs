@@ -606,3 +606,7 @@ use sparse::{rows_of, sparse_across_ranks};
 /// Shards with NCCL across the ranks (tests/world_cuda_parts/shards.rs).
 #[path = "world_cuda_parts/shards.rs"]
 mod shards;
+
+/// Host-memory tensors on CUDA replicas across the ranks (tests/world_cuda_parts/host_memory.rs).
+#[path = "world_cuda_parts/host_memory.rs"]
+mod host_memory;
