@@ -12,6 +12,8 @@
 //! f64, i64), a broadcast from the last world replica, BMUF over the world, describe's path
 //! across the ranks, and sparse gathers (plain and coalesced) against one host process holding
 //! every replica of the world. `a_rank_that_cannot_join_nccl`: one rank's NCCL init fails.
+//! `host_tensors_on_cuda_replicas_across_ranks` (world_cuda_parts/host_memory.rs): host-memory
+//! tensors on 3 staged ranks of 1, 2 (on two GPUs) and 1 CUDA replicas.
 #![cfg(feature = "mpi")]
 #![allow(clippy::needless_range_loop)]
 
@@ -606,3 +608,7 @@ use sparse::{rows_of, sparse_across_ranks};
 /// Shards with NCCL across the ranks (tests/world_cuda_parts/shards.rs).
 #[path = "world_cuda_parts/shards.rs"]
 mod shards;
+
+/// Host-memory tensors on CUDA replicas across the ranks (tests/world_cuda_parts/host_memory.rs).
+#[path = "world_cuda_parts/host_memory.rs"]
+mod host_memory;

@@ -256,6 +256,45 @@ mod tests {
         assert!(levels.in_place());
     }
 
+    /// Host-memory tensors of CUDA replicas on several GPUs (one NCCL rank per replica too):
+    /// one group of every replica, reduced together on the host, in one process and across
+    /// the ranks of a world.
+    #[test]
+    fn host_memory_of_cuda_replicas_is_one_group_whatever_their_gpus() {
+        let mut per_replica = Options::default();
+        per_replica.set_cuda_replicas(&[0, 1, 0]).unwrap();
+        per_replica.transport = Transport::Nccl;
+        per_replica.nccl_rank_per_replica = true;
+        let place = WorldPlace {
+            rank: 1,
+            size: 3,
+            replicas_per_rank: vec![1, 2, 1],
+            nccl: None,
+        };
+        for (class, topology) in [
+            ("peer copy", cuda(&[0, 1, 0], Transport::PeerCopy)),
+            ("NCCL", cuda(&[0, 1, 0], Transport::Nccl)),
+            (
+                "rank per replica",
+                Topology::from_options(&per_replica).unwrap(),
+            ),
+            (
+                "world, staged",
+                cuda(&[0, 1], Transport::PeerCopy).in_world(place),
+            ),
+        ] {
+            let levels = Levels::new(&topology.for_host_memory());
+            let all: Vec<usize> = (0..topology.replicas()).collect();
+            assert_eq!(levels.groups, vec![all], "{class}");
+            assert_eq!(levels.across, Across::Nothing, "{class}");
+            let route = match topology.in_world {
+                true => Route::RanksFromHost,
+                false => Route::Local,
+            };
+            assert_eq!(levels.route, route, "{class}");
+        }
+    }
+
     #[test]
     fn gpus_are_groups_joined_by_nccl_or_by_the_cross_device_steps() {
         let nccl = Levels::new(&cuda(&[0, 1, 0, 1], Transport::Nccl));

@@ -120,8 +120,14 @@ pub fn allreduce_steps(topology: &Topology) -> Vec<Step> {
 }
 
 /// Replicas grouped by device, groups in order of their first replica (one replica per group
-/// when every replica is its own NCCL rank).
+/// when every replica is its own NCCL rank). Host memory is one group whatever the devices: the
+/// host-memory tensors of CUDA replicas ([`Topology::for_host_memory`]) keep their replicas'
+/// GPUs, yet are reduced together on the host (one group per GPU there would leave all but
+/// each GPU's first replica out of the sums, there being no links between host groups).
 pub fn device_groups(topology: &Topology) -> Vec<Vec<usize>> {
+    if topology.transport == TransportChoice::Host {
+        return vec![(0..topology.replicas()).collect()];
+    }
     if topology.rank_per_replica {
         return (0..topology.replicas()).map(|r| vec![r]).collect();
     }

@@ -82,6 +82,30 @@ fn host_tensors_on_cuda_replicas_are_reduced_on_the_host() {
     assert!(backend["host_memory"].is_object(), "{json}");
 }
 
+/// Host tensors of CUDA replicas on two GPUs (peer copy and NCCL) are still one host group:
+/// every replica's values are in the sum, and every replica gets it.
+#[test]
+fn host_tensors_of_replicas_on_two_gpus_are_reduced_together() {
+    if Place::gpus("host_tensors_on_two_gpus", 2).is_none() {
+        return;
+    }
+    for transport in [T_PEER_COPY, T_NCCL] {
+        let configure = |o: &Options| o.set_transport(transport);
+        let Some(ctx) = cuda_context("host_tensors_on_two_gpus", &[0, 1, 0], configure) else {
+            return;
+        };
+        let mut v: Vec<Vec<f32>> = (1..=3).map(|r| vec![r as f32; 4]).collect();
+        for (k, data) in v.iter_mut().enumerate() {
+            ctx.reg("cpu_stat", COMPUTED, k, data, F32);
+        }
+        check(ctx.allreduce("cpu_stat", SUM), "allreduce");
+        check(synchronize(&ctx), "synchronize");
+        for (k, data) in v.iter().enumerate() {
+            assert_eq!(data, &vec![6.0f32; 4], "transport {transport}, replica {k}");
+        }
+    }
+}
+
 /// Host memory on a CUDA replica is reduced by the host, but still after the work already
 /// queued on the caller's stream: there, a slow kernel fills a device buffer and a copy brings
 /// it into the pinned host memory registered as the GRAD; `allreduce_grads` follows with no
