@@ -559,8 +559,10 @@ impl Context {
             true => Memory::Device,
             false => Memory::Host,
         };
-        let regions = state.regions().map(|(k, p, bytes)| (k, p, bytes, memory));
-        self.keep_regions(regions.collect());
+        if self.keeps_undo() {
+            let regions = state.regions().into_iter();
+            self.keep_regions(regions.map(|(k, p, bytes)| (k, p, bytes, memory)).collect());
+        }
         // SAFETY: as in allreduce_grads; check_params vouches for the state's pointers.
         unsafe { self.executor.bmuf_step(state, divisor) }
     }

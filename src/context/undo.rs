@@ -33,7 +33,7 @@ pub(super) struct Undo {
 
 impl Context {
     /// Whether this context keeps bytes aside: an elastic world.
-    fn keeps_undo(&self) -> bool {
+    pub(super) fn keeps_undo(&self) -> bool {
         self.options.elastic > 0 && self.in_world()
     }
 

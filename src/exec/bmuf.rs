@@ -153,11 +153,15 @@ impl BmufState {
 
     /// The filter's own memory, `(replica, address, bytes)` of every bucket's `W` and `D` on
     /// every replica (what an elastic world keeps aside during a step, context/undo.rs).
-    pub fn regions(&self) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
-        (self.state.iter()).flat_map(|b| {
-            (b.iter().enumerate())
-                .flat_map(|(k, r)| [(k, r.w.ptr(), r.w.bytes()), (k, r.d.ptr(), r.d.bytes())])
-        })
+    pub fn regions(&self) -> Vec<(usize, usize, usize)> {
+        let mut all = Vec::with_capacity(2 * self.state.iter().map(Vec::len).sum::<usize>());
+        for bucket in &self.state {
+            for (k, r) in bucket.iter().enumerate() {
+                all.push((k, r.w.ptr(), r.w.bytes()));
+                all.push((k, r.d.ptr(), r.d.bytes()));
+            }
+        }
+        all
     }
 
     /// What `dpsync_describe` shows under "bmuf".
