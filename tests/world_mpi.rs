@@ -295,6 +295,10 @@ mod pieces;
 #[path = "world_mpi_parts/overlap.rs"]
 mod overlap;
 
+/// Early results written into the gradients, put back when the step fails.
+#[path = "world_mpi_parts/early_writes.rs"]
+mod early_writes;
+
 /// Timelines per rank.
 #[path = "world_mpi_parts/timeline.rs"]
 mod timeline;

@@ -103,7 +103,10 @@ pub(crate) trait Ranks: Send {
     /// pokes, or in `finish`), and [`Ranks::finish`] writes the result into every one of
     /// them. `count` elements in all; no segments: zeros of that size (a stand-in for a
     /// bucket another rank started, when a failed step is drained). A ticket dropped
-    /// unfinished sends zeros for what is left.
+    /// unfinished sends zeros for what is left. With `early` and one contribution per
+    /// segment, the results may be written into it as the pieces complete, its original
+    /// bytes kept aside and put back if the step fails (`finish` without `write`, or
+    /// [`Ranks::hold`]).
     ///
     /// # Safety
     /// As for [`Ranks::allreduce`], until `finish` or until the ticket is dropped.
@@ -112,8 +115,13 @@ pub(crate) trait Ranks: Send {
         dtype: DType,
         segments: &[Segment<'_>],
         count: usize,
-        avg: Option<usize>,
+        avg_early: (Option<usize>, bool),
     ) -> Result<Ticket>;
+
+    /// A collective other than the started transfers' step is being agreed: results written
+    /// early go back to the original bytes, and the rest are held until the step agrees (a
+    /// refused call changes nothing).
+    fn hold(&self);
 
     /// Waits for a started transfer within the timeout (a timeout fails the world) and, with
     /// `write`, writes its result.

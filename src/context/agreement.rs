@@ -69,7 +69,12 @@ impl Context {
         lines.push(&call);
         lines.extend(tensors.iter().map(|t| t.line.as_str()));
         lines.extend(more.iter().map(String::as_str));
+        let step = ["dpsync_allreduce_grads", "dpsync_reduce_scatter_grads"];
         let agreed = world::agree(ranks, verdict, &lines, inline.as_deref());
+        if agreed.is_err() || !step.iter().any(|s| call.starts_with(s)) {
+            // Not the step of the buckets started early: what they wrote goes back.
+            self.executor.hold_early();
+        }
         if let Err(refused) = &agreed {
             // Taken out after the call (Context::world_call), once its own clean-up is done.
             self.membership.pending.lock().clone_from(&refused.left);

@@ -69,6 +69,9 @@ pub(super) struct Overlap {
     /// The last successful gradient step was a reduce-scatter: in one process, early buckets
     /// reduce-scatter too (they write at once).
     scatter: bool,
+    /// In a world, the last successful gradient step was an allreduce: early buckets expect
+    /// this one to be too, and write their results at once where they can (`Ranks::start`).
+    expect_allreduce: bool,
     /// Buckets reduced early in the last completed step, for `describe`.
     last_step_early: usize,
     /// In a world: the transfers of buckets `0..started.len()` of this step, started early in
@@ -127,6 +130,7 @@ impl Overlap {
         *self = Overlap {
             op: self.op,
             scatter: self.scatter,
+            expect_allreduce: self.expect_allreduce,
             last_step_early: self.last_step_early,
             agreed: self.agreed,
             ..Overlap::default()
@@ -265,6 +269,8 @@ impl Context {
         {
             return Ok(());
         }
+        // Buckets another rank started are started once the step agreed: nothing early then.
+        let early = self.overlap.expect_allreduce && upto.is_none();
         let divisor = self.divisor();
         let next = &mut self.overlap.started;
         while let Some(planned) = plan.buckets.get(next.len()) {
@@ -281,8 +287,9 @@ impl Context {
             let (bucket, tensors) = own_bucket(planned, all);
             // SAFETY: registered memory stays valid while registered (the C contract);
             // registrations are refused until the step ends (check_not_mid_step).
-            let ticket =
-                unsafe { (self.executor).start_early((b, &bucket), &tensors, op, divisor)? };
+            let ticket = unsafe {
+                (self.executor).start_early((b, &bucket), &tensors, op, (divisor, early))?
+            };
             next.push(ticket);
             self.overlap.reduced[b] = true;
         }
@@ -530,6 +537,7 @@ impl Context {
         let follows = !self.in_world() || self.executor.early_serves_either();
         self.overlap.op = (!scatter || follows).then_some(op);
         self.overlap.scatter = scatter && !self.in_world();
+        self.overlap.expect_allreduce = !scatter;
         self.overlap.forget();
     }
 

@@ -21,7 +21,9 @@ impl Executor {
     /// A world's gradient bucket started ahead of `dpsync_allreduce_grads` (`dpsync_grad_ready`,
     /// host memory): queued on the engine's steps channel in bucket order, every local
     /// replica's data summed piece by piece as the pieces go; nothing is written until
-    /// [`Executor::finish_early`].
+    /// [`Executor::finish_early`], unless `early` (the step is expected to be an allreduce):
+    /// then a bucket of one local replica takes its results as they complete, its originals
+    /// kept to be put back if the step fails (`Ranks::start`).
     ///
     /// # Safety
     /// As for [`Executor::allreduce_buckets`], until the bucket is finished.
@@ -30,7 +32,7 @@ impl Executor {
         (b, bucket): (usize, &Bucket),
         tensors: &[&TensorView],
         op: ReduceOp,
-        divisor: usize,
+        (divisor, early): (usize, bool),
     ) -> Result<Ticket> {
         let _span = self.bucket_span("allreduce bucket started early", b, bucket, tensors);
         let site = self.site(bucket.memory);
@@ -45,7 +47,7 @@ impl Executor {
             return Ok(Ticket(Box::new(StartedInGroups { buffers, avg })));
         }
         super::staged::contributions(&view(bucket, tensors), &site.levels.groups[0], |segments| {
-            ranks.start(bucket.dtype, segments, bucket.elements, avg)
+            ranks.start(bucket.dtype, segments, bucket.elements, (avg, early))
         })
     }
 
@@ -140,6 +142,14 @@ impl Executor {
         })
     }
 
+    /// Results of a world's started transfers written early go back (`Ranks::hold`): a
+    /// collective other than their step is being agreed.
+    pub fn hold_early(&self) {
+        if let Some(ranks) = self.ranks() {
+            ranks.hold();
+        }
+    }
+
     /// Lets a world's started transfers advance (`Ranks::poke`).
     pub fn poke_early(&self) {
         if let Some(ranks) = self.ranks() {
@@ -169,7 +179,7 @@ impl Executor {
         let mut tickets = tickets;
         for &(dtype, elements) in stand_ins {
             // SAFETY: no memory of the caller is read or written.
-            tickets.push(unsafe { ranks.start(dtype, &[], elements, None)? });
+            tickets.push(unsafe { ranks.start(dtype, &[], elements, (None, false))? });
         }
         for ticket in tickets {
             // SAFETY: nothing is written.

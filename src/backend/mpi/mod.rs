@@ -30,6 +30,7 @@ use shm::Shared;
 use steps::{Queue, Until};
 
 mod alltoall;
+mod aside;
 mod calls;
 mod init;
 mod negotiate;

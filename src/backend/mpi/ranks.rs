@@ -387,11 +387,13 @@ impl Ranks for MpiRanks {
         dtype: DType,
         segments: &[Segment<'_>],
         count: usize,
-        avg: Option<usize>,
+        (avg, early): (Option<usize>, bool),
     ) -> Result<Ticket> {
         self.refuse_if_failed()?;
         let size = mpi_type(dtype).1;
         let held = self.spare_stage(count * size);
+        let one = segments.first().is_some_and(|s| s.ptrs.len() == 1);
+        let aside = (early && one).then(|| self.spare_stage(count * dtype.size()));
         let mut queue = self.queue.lock();
         // Cut as a waited transfer of the bucket would be (a bucket off the ring is below
         // either piece size: one piece). Through shared memory, a bucket the ring carries
@@ -401,7 +403,7 @@ impl Ranks for MpiRanks {
         let handle = queue.push(
             (dtype, segments, count),
             (avg, ring.piece_of(size), whole),
-            held,
+            (held, aside),
         );
         self.drive(&mut queue, Until::Idle)?;
         drop(queue);
@@ -413,6 +415,10 @@ impl Ranks for MpiRanks {
         if let Some(handle) = ticket.0.downcast_ref::<Handle>() {
             self.queue.lock().release(handle, owned);
         }
+    }
+
+    fn hold(&self) {
+        self.queue.lock().stop_early(None);
     }
 
     fn poke(&self) {
@@ -445,6 +451,7 @@ impl Ranks for MpiRanks {
         })?;
         // The item is ours now: the next buckets move on (progress thread) while it is copied.
         drop(queue);
+        let mut item = item;
         if write {
             // The pieces that completed before the step agreed (the others are written).
             let recv = item.held.as_ptr().cast::<u8>();
@@ -452,8 +459,13 @@ impl Ranks for MpiRanks {
                 let outs = (&out[..], &mut Walk::default());
                 stage_out(item.dtype, recv, outs, (0, item.held_count()), item.avg);
             }
+        } else if let Some(aside) = item.aside.as_mut() {
+            // Drained: what was written early goes back.
+            aside.restore();
         }
-        self.spare.lock().push(item.held);
+        let mut spare = self.spare.lock();
+        spare.extend(item.aside.map(|a| a.bytes));
+        spare.push(item.held);
         Ok(())
     }
 

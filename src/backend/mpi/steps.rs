@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use mpi::ffi;
 
+use super::aside::Aside;
 use super::calls::{check, count_of};
 use super::pieces::{stage, Walk, DEPTH, PIECE};
 use super::poll::Idle;
@@ -58,6 +59,9 @@ pub(super) struct Item {
     /// Its ticket was dropped unfinished: the pieces not yet issued go as zeros (the ranks'
     /// order stays the same, and the caller's memory is not read any more).
     abandoned: Arc<AtomicBool>,
+    /// Results written into the one output as the pieces complete, before the step agreed,
+    /// its originals kept here (`aside.rs`); `held` is filled as well.
+    pub(super) aside: Option<Aside>,
 }
 
 impl Item {
@@ -72,11 +76,24 @@ impl Item {
 
     /// The elements whose results are in `held` (the rest are written already).
     pub(super) fn held_count(&self) -> usize {
+        if self.aside.as_ref().is_some_and(|a| a.live) {
+            return 0; // written into the output already
+        }
         match self.direct_from {
             None => self.count,
             Some(d) => (d * self.piece).min(self.count),
         }
     }
+}
+
+/// An item's contributions per segment, as [`Segment`]s.
+fn segments(inputs: &[(Vec<usize>, usize)]) -> Vec<Segment<'_>> {
+    (inputs.iter())
+        .map(|(ptrs, count)| Segment {
+            ptrs,
+            count: *count,
+        })
+        .collect()
 }
 
 /// What a [`Ticket`](crate::backend::Ticket) of the queue holds.
@@ -145,15 +162,25 @@ unsafe impl Send for Queue {}
 impl Queue {
     /// Queues a bucket of `count` elements (its contributions per segment, or none for a
     /// stand-in) whose results go to `held`, `whole` or in pieces of `piece`; its handle.
+    /// With `aside` (a stage for the originals of a bucket of one contribution), the results
+    /// are also written into it early (`aside.rs`).
     pub(super) fn push(
         &mut self,
         (dtype, segments, count): (DType, &[Segment<'_>], usize),
         (avg, piece, whole): (Option<usize>, usize, bool),
-        held: Vec<u64>,
+        (held, aside): (Vec<u64>, Option<Vec<u64>>),
     ) -> Handle {
         let abandoned = Arc::new(AtomicBool::new(false));
         let seq = self.next_seq;
         self.next_seq += 1;
+        let aside = match (aside, segments) {
+            (Some(bytes), [first, ..]) if first.ptrs.len() == 1 => {
+                let out: Vec<(usize, usize)> =
+                    segments.iter().map(|s| (s.ptrs[0], s.count)).collect();
+                Some(Aside::new(dtype, &out, bytes))
+            }
+            _ => None,
+        };
         self.items.push_back(Item {
             seq,
             dtype,
@@ -176,6 +203,7 @@ impl Queue {
             direct_from: None,
             walk_out: Vec::new(),
             abandoned: abandoned.clone(),
+            aside,
         });
         Handle { seq, abandoned }
     }
@@ -210,7 +238,14 @@ impl Queue {
                 let data = (item.dtype, item.count, item.inputs.clone());
                 let held = item.held.as_mut_ptr().cast::<u8>();
                 let into = (held, item.avg.take(), item.abandoned.clone());
-                let direct = item.direct_from.is_some().then(|| item.outs.clone());
+                // Released already: straight into the outputs; early: into both.
+                let early =
+                    item.direct_from.is_none() && item.aside.as_ref().is_some_and(|a| a.live);
+                if let Some(aside) = item.aside.as_mut().filter(|_| early) {
+                    aside.save((0, item.count));
+                }
+                let direct =
+                    (item.direct_from.is_some() || early).then(|| (item.outs.clone(), early));
                 let numbers = (item.piece, &mut self.ring_pieces);
                 let whole = Whole::new(slots, data, into, direct, numbers);
                 self.inflight
@@ -231,15 +266,20 @@ impl Queue {
                 false => own,
             };
             let (start, n) = item.range(item.issued);
-            if item.inputs.is_empty() || item.abandoned.load(Ordering::Relaxed) {
+            let zeros = item.inputs.is_empty() || item.abandoned.load(Ordering::Relaxed);
+            let mut send = send;
+            let early = item.direct_from.is_none();
+            if let Some(aside) = item.aside.as_mut().filter(|a| a.live && early) {
+                match !on_ring && !zeros && size == item.dtype.size() {
+                    // Staged in the aside itself, which MPI only reads: saved at no cost.
+                    true => send = aside.stage((start, n)),
+                    false => aside.save((start, n)),
+                }
+            }
+            if zeros {
                 std::ptr::write_bytes(send, 0, n * size);
             } else {
-                let segments: Vec<Segment<'_>> = (item.inputs.iter())
-                    .map(|(ptrs, count)| Segment {
-                        ptrs,
-                        count: *count,
-                    })
-                    .collect();
+                let segments = segments(&item.inputs);
                 stage_in(item.dtype, &segments, &mut item.walk, (start, n), send);
             }
             let transfer = if on_ring {
@@ -355,6 +395,11 @@ impl Queue {
             item.done += 1;
             let (start, n) = item.range(piece);
             let direct = item.direct_from.is_some_and(|d| piece >= d);
+            // Held, and written early too (a whole bucket writes its outputs itself).
+            let early = !direct
+                && !matches!(transfer, Transfer::Whole(_))
+                && item.aside.as_ref().is_some_and(|a| a.live)
+                && !item.abandoned.load(Ordering::Relaxed);
             let (dtype, avg, size) = (item.dtype, item.avg, mpi_type(item.dtype).1);
             let held = item.held.as_mut_ptr().cast::<u8>();
             item.walk_out.resize_with(item.outs.len(), Walk::default);
@@ -374,6 +419,9 @@ impl Queue {
                         std::ptr::copy_nonoverlapping(part, into, len * size);
                     }
                 }),
+            }
+            if early {
+                write(held.add(start * size), (start, n));
             }
         }
         self.prune(spare);
@@ -401,15 +449,58 @@ impl Queue {
     /// With `owned` (the first release only), only each segment's elements `owned[s]` are
     /// written: the step is a reduce-scatter.
     pub(super) fn release(&mut self, handle: &Handle, owned: Option<&[(usize, usize)]>) {
+        if owned.is_some() {
+            // A reduce-scatter step after all: what was written early goes back first.
+            self.stop_early(Some(handle.seq));
+        }
         if let Some(item) = self.item(handle.seq) {
             if let (None, Some(owned)) = (item.direct_from, owned) {
-                // Nothing was written yet: the outputs change before the first piece goes out.
+                // Nothing is written as it was: the outputs change before the next piece goes
+                // out, and the held results go to them at the finish.
                 let inputs = item.inputs.iter().map(|(ptrs, count)| (&ptrs[..], *count));
                 item.outs = vec![only_owned(item.dtype, inputs, owned)];
+                item.walk_out.clear();
             }
             // A whole bucket goes straight into the outputs only if released before it went.
             if !item.whole || item.issued == 0 {
                 item.direct_from.get_or_insert(item.issued);
+            }
+        }
+    }
+
+    /// Early writes into the outputs stop (of item `seq`, or of every item), the originals put
+    /// back (`aside.rs`): the results are held until the step agrees, as without them.
+    pub(super) fn stop_early(&mut self, seq: Option<u64>) {
+        let of = |s: u64| seq.is_none_or(|q| q == s);
+        for (s, _, transfer) in self.inflight.iter_mut() {
+            if let (true, Transfer::Whole(whole)) = (of(*s), transfer) {
+                whole.stop_early();
+            }
+        }
+        for item in self.items.iter_mut().filter(|i| of(i.seq)) {
+            let live = item.aside.as_ref().is_some_and(|a| a.live);
+            if live && item.whole && item.direct_from.is_none() && item.issued > 0 {
+                // Its sums are all in the output so far (this rank's in `held` too), and
+                // `held` is where the rest will go: the output's into it first (its input).
+                let segments = segments(&item.inputs);
+                let held = item.held.as_mut_ptr().cast::<u8>();
+                // SAFETY: the input is valid; `held` holds the bucket.
+                unsafe {
+                    stage_in(
+                        item.dtype,
+                        &segments,
+                        &mut Walk::default(),
+                        (0, item.count),
+                        held,
+                    )
+                };
+            }
+            match (item.aside.as_mut(), item.abandoned.load(Ordering::Relaxed)) {
+                // SAFETY: no transfer writes the output any more (above, and `live` off).
+                (Some(aside), false) => unsafe { aside.restore() },
+                // Dropped: the caller's memory is not touched any more.
+                (Some(aside), true) => aside.live = false,
+                (None, _) => {}
             }
         }
     }

@@ -27,6 +27,9 @@ use super::staging::{stage_in, stage_out};
 use crate::backend::Segment;
 use crate::types::DType;
 
+/// Output lists, each `(ptr, count)` per segment ([`Item`](super::steps::Item)'s).
+pub(super) type Outputs = Vec<Vec<(usize, usize)>>;
+
 /// One started bucket in flight through the steps channel's slots, moved on without waiting
 /// ([`Whole::advance`]) by whichever thread drives the queue.
 pub(super) struct Whole {
@@ -38,9 +41,11 @@ pub(super) struct Whole {
     inputs: Vec<(Vec<usize>, usize)>,
     abandoned: Arc<AtomicBool>,
     held: *mut u8,
-    /// The step agreed before the bucket went: the sums are written straight into these
-    /// outputs ([`Item`](super::steps::Item)'s), `held` keeping only this rank's own.
-    direct: Option<Vec<Vec<(usize, usize)>>>,
+    /// The step agreed before the bucket went, or (`early`) is expected to: the sums are
+    /// written straight into these outputs ([`Item`](super::steps::Item)'s), `held` keeping
+    /// only this rank's own (`aside.rs`: what stops early writes copies the rest there).
+    direct: Option<Outputs>,
+    early: bool,
     /// Per rank, per output: where writing that rank's sums has got to.
     walks_out: Vec<Vec<Walk>>,
     avg: Option<usize>,
@@ -71,9 +76,13 @@ impl Whole {
         slots: Slots,
         (dtype, count, inputs): (DType, usize, Vec<(Vec<usize>, usize)>),
         (held, avg, abandoned): (*mut u8, Option<usize>, Arc<AtomicBool>),
-        direct: Option<Vec<Vec<(usize, usize)>>>,
+        direct: Option<(Outputs, bool)>,
         (ring_piece, numbers): (usize, &mut usize),
     ) -> Whole {
+        let (direct, early) = match direct {
+            Some((outs, early)) => (Some(outs), early),
+            None => (None, false),
+        };
         let n = slots.ranks();
         let size = dtype.size();
         let c = [section_of(size, n), super::shm::PIECE / size];
@@ -96,6 +105,7 @@ impl Whole {
                 })
                 .collect(),
             direct,
+            early,
             avg,
             ring_piece: ring_piece.min(count),
             phase: 0,
@@ -110,6 +120,14 @@ impl Whole {
 
     pub(super) fn finished(&self) -> bool {
         self.phase == 2
+    }
+
+    /// Written early ([`Whole::new`]'s `early`): from now on only into `held` (the caller
+    /// copies what the outputs got so far there).
+    pub(super) fn stop_early(&mut self) {
+        if self.early {
+            self.direct = None;
+        }
     }
 
     /// Stages and reads every piece that can go now, without waiting; whether it moved.
@@ -152,6 +170,9 @@ impl Whole {
     /// Rank `r`'s sums of bucket elements `[e, e + l)`, at `from`, into every output
     /// (direct only).
     unsafe fn write_out(&mut self, r: usize, (e, l): (usize, usize), from: *const u8) {
+        if self.abandoned.load(Ordering::Relaxed) {
+            return; // the caller's memory is not touched any more
+        }
         if let Some(outs) = &self.direct {
             for (out, walk) in outs.iter().zip(self.walks_out[r].iter_mut()) {
                 stage_out(self.dtype, from, (out, walk), (e, l), None);

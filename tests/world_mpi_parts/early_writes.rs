@@ -1,0 +1,145 @@
+//! Buckets started early with one replica per rank write their results into the gradients as
+//! they cross, before the step agreed, keeping the originals aside (`backend/mpi/aside.rs`):
+//! every way the step can fail afterwards must leave the gradients as they were, and a
+//! reduce-scatter step must leave the elements a rank does not own.
+
+use super::*;
+
+/// Through shared memory (whole buckets) with 2 and 3 ranks, and over MPI's ring pieces.
+#[test]
+fn early_results_go_back_when_the_step_fails() {
+    if under_mpirun() {
+        return;
+    }
+    launch("early_writes::early_writes_body", 2, 300, None);
+    launch("early_writes::early_writes_body", 3, 300, None);
+    let no_shm = Some(("DPSYNC_MPI_SHM", std::path::Path::new("0")));
+    launch("early_writes::early_writes_body", 2, 300, no_shm);
+}
+
+#[test]
+fn early_writes_body() {
+    let Some((rank, ranks)) = as_rank("early_writes_body") else {
+        return;
+    };
+    // Two gradients of 300 000 f32 (a bucket each: several pieces), one of 1000 (one piece off
+    // the ring).
+    let sizes = [300_000, 1000, 300_000];
+    let names = ["a", "b", "c"];
+    let o = world_options(1);
+    o.set_fusion_bytes(4 * 300_000);
+    let ctx = Context::new(&o);
+    let tag = |what: &str| format!("rank {rank}/{ranks}: {what}");
+    // Rank r holds (i % 1000) + 2r: the mean over the ranks is (i % 1000) + ranks - 1, exact.
+    let value = |r: usize, i: usize| (i % 1000 + 2 * r) as f32;
+    let mean = |i: usize| (i % 1000 + ranks - 1) as f32;
+    let mut g: Vec<Vec<f32>> = sizes.iter().map(|&n| vec![0.0; n]).collect();
+    let fill = |g: &mut Vec<Vec<f32>>| {
+        for buf in g.iter_mut() {
+            for (i, x) in buf.iter_mut().enumerate() {
+                *x = value(rank, i);
+            }
+        }
+    };
+    fill(&mut g);
+    for (t, buf) in g.iter_mut().enumerate() {
+        ctx.reg(names[t], GRAD, 0, buf, F32);
+    }
+    let before = g.clone();
+    let expect_mean = |g: &Vec<Vec<f32>>, what: &str| {
+        for (t, buf) in g.iter().enumerate() {
+            for (i, &x) in buf.iter().enumerate() {
+                assert_eq!(x, mean(i), "{}", tag(&format!("{what}: {}[{i}]", names[t])));
+            }
+        }
+    };
+    // Marks every gradient, then waits until every started bucket crossed the ranks: their
+    // results are in the gradients already, before the step's agreement.
+    let mark_and_cross = |what: &str| {
+        for name in names {
+            check(ctx.grad_ready(name, 0), &tag("grad_ready"));
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            let queue = ctx.describe_json()["world"]["early_buckets"].clone();
+            if queue["queued"] == names.len() && queue["pieces_done"] == queue["pieces"] {
+                break;
+            }
+            // Not a speed check: a hang guard well above any machine's time.
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{}",
+                tag(&format!("{what}: the early buckets stalled: {queue}"))
+            );
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+    };
+    let last = rank == ranks - 1;
+
+    // The first step sets the op (AVG) and the shape (allreduce) early buckets expect.
+    check(ctx.allreduce_grads(AVG), &tag("step 1"));
+    expect_mean(&g, "step 1");
+
+    // The step refused (the last rank's op is invalid): every rank drains, nothing changes.
+    fill(&mut g);
+    mark_and_cross("a refused step");
+    let st = ctx.allreduce_grads(if last { 7 } else { AVG });
+    let want = if last { INVALID_ARGUMENT } else { INCONSISTENT };
+    assert_eq!(st, want, "{}: {}", tag("a refused step"), last_error());
+    assert!(
+        g == before,
+        "{}",
+        tag("a refused step changed the gradients")
+    );
+    check(ctx.allreduce_grads(AVG), &tag("the step again"));
+    expect_mean(&g, "the step again");
+
+    // Another call on the last rank: the buckets stay started for the next step, and the
+    // refused call changes nothing.
+    fill(&mut g);
+    mark_and_cross("another call");
+    let st = match last {
+        true => ctx.average(STATE),
+        false => ctx.allreduce_grads(AVG),
+    };
+    assert_eq!(
+        st,
+        INCONSISTENT,
+        "{}: {}",
+        tag("another call"),
+        last_error()
+    );
+    assert!(g == before, "{}", tag("another call changed the gradients"));
+    check(
+        ctx.allreduce_grads(AVG),
+        &tag("the step after another call"),
+    );
+    expect_mean(&g, "the step after another call");
+
+    // A reduce-scatter step although the last step was an allreduce: each rank's piece of
+    // every gradient reduced, the rest as it was.
+    fill(&mut g);
+    mark_and_cross("a reduce-scatter step");
+    // SAFETY: a live context.
+    check(
+        unsafe { dpsync_reduce_scatter_grads(ctx.0, AVG) },
+        &tag("a reduce-scatter step"),
+    );
+    for (t, buf) in g.iter().enumerate() {
+        let n = sizes[t];
+        let (lo, hi) = (n * rank / ranks, n * (rank + 1) / ranks);
+        for (i, &x) in buf.iter().enumerate() {
+            let want = if (lo..hi).contains(&i) {
+                mean(i)
+            } else {
+                value(rank, i)
+            };
+            assert_eq!(
+                x,
+                want,
+                "{}",
+                tag(&format!("reduce-scatter: {}[{i}]", names[t]))
+            );
+        }
+    }
+}
