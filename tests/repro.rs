@@ -9,7 +9,9 @@
 //! - Accuracy against the exact sum (integer arithmetic) on data spanning 40 binades with
 //!   cancelling elements; NaN and infinities propagate; integers are untouched.
 //! - CUDA replicas (where a driver is found: scripts/fake-cuda.sh runs this file on the fake
-//!   driver and NCCL, synchronous and asynchronous streams) give the host's bytes.
+//!   driver and NCCL, synchronous and asynchronous streams) give the host's bytes: on one GPU,
+//!   over 2-4 GPUs (raw blocks to their owners), and 7, 8 and 9 replicas on two GPUs (exponent
+//!   fields and integer sums across the GPUs); the fake NCCL's counts show each route's bytes.
 //! - Worlds (`--features mpi`): 8 replicas as 2 ranks of 5+3, 3 of 3+3+2, 4 of 2 and 8 of 1
 //!   give the bytes of one process of 8; ranks that disagree on the option create no context.
 // Per-replica buffers indexed by replica: indexed loops read best.
@@ -501,39 +503,96 @@ fn cuda_replicas_across_gpus_give_the_hosts_bytes() {
     }
 }
 
+#[test]
+fn many_replicas_across_two_gpus_give_the_hosts_bytes() {
+    let _alone = gpus_alone();
+    let Some(Place::Gpu(streams)) = Place::gpu("many_replicas_across_two_gpus") else {
+        return;
+    };
+    if streams.len() < 2 {
+        eprintln!("many_replicas_across_two_gpus: skipped: one GPU");
+        return;
+    }
+    // Replicas alternate over two GPUs: 4 + 4, 5 + 4, 4 + 3. F64 sums its integers over NCCL
+    // in all three, F32 with 8 and 9 (above 3.5 replicas per GPU).
+    let place = Place::Gpu(streams[..2].to_vec());
+    for w in [8, 9, 7] {
+        for op in [SUM, AVG] {
+            let host = grads(&Place::Host, &permutation(w, 6), op, true, DEFAULT_FUSION);
+            let ctx = context_over(&place, "many", w, (true, DEFAULT_FUSION), T_AUTO);
+            let run = Run::new(ctx, &place, &permutation(w, 7), w);
+            let sent = fake_nccl::sent_by(&run.ctx, "allreduce_grads (CUDA)", || {
+                run.ctx.allreduce_grads(op)
+            });
+            assert_eq!(run.result(0), host, "{w} CUDA replicas on 2 GPUs, op {op}");
+            if let Some(sent) = sent.filter(|s| s[fake_nccl::ALLREDUCE].1 > 0) {
+                over_nccl_moves_the_plain_bytes(&sent, 2, w);
+            }
+        }
+    }
+}
+
+/// Whether a float bucket of `size`-byte elements over `w` replicas on `gpus` GPUs sums its
+/// integers over NCCL (exponent fields by `ncclMax`, then i64 by `ncclSum`) rather than
+/// sending its raw blocks to their owners: where that moves fewer bytes (exec/repro_clique.rs
+/// `fields_pay`; a field is a byte for F32, two for F64).
+fn by_fields(size: usize, w: usize, gpus: usize) -> bool {
+    let field = if size == 8 { 2 } else { 1 };
+    (w + gpus) * size > 2 * gpus * (field + 8)
+}
+
 /// The fake NCCL's counts of one reproducible `allreduce_grads` over an NCCL clique of
-/// `gpus` GPUs holding `w` replicas (the integers took `ncclAllReduce`): the F32 and F64
-/// buckets went to their owners by `ncclSend`/`ncclRecv` and back by `ncclAllGather`, moving
-/// at most 2.25 times what the plain ring allreduce of those buckets moves (2 (n-1)/n of a
-/// bucket per GPU), none through the host stage.
+/// `gpus` GPUs holding `w` replicas (the I32 bucket took the plain `ncclAllReduce`): each
+/// float bucket went either raw to its owners by `ncclSend`/`ncclRecv` and back by
+/// `ncclAllGather`, or as exponent fields (`ncclMax`) and i64 sums (`ncclSum`), moving at most
+/// 2.25 times what the plain ring allreduce of those buckets moves (2 (n-1)/n of a bucket per
+/// GPU), none through the host stage.
 fn over_nccl_moves_the_plain_bytes(sent: &[(u64, u64); 6], gpus: usize, w: usize) {
-    use fake_nccl::{ALLGATHER, RECV, SEND};
-    let (sends, recvs, gathers) = (sent[SEND], sent[RECV], sent[ALLGATHER]);
-    assert!(
-        sends.1 > 0,
-        "no ncclSend: the route over NCCL was not taken"
+    use fake_nccl::{ALLGATHER, ALLREDUCE, RECV, SEND};
+    let (sends, recvs, gathers, reduces) =
+        (sent[SEND], sent[RECV], sent[ALLGATHER], sent[ALLREDUCE]);
+    let (g, n) = (gpus as u64, N as u64);
+    // The fake's count of one allreduce of `bytes` over the clique: 2 (g-1)/g of it per rank.
+    let ring = |bytes: u64| g * (2 * (g - 1) * bytes / g);
+    let (mut plain, mut calls, mut fields_bytes) = (0, (0, 0, g), 0);
+    let mut routes = Vec::new();
+    for (name, size) in [("F32", 4u64), ("F64", 8)] {
+        plain += ring(n * size);
+        if by_fields(size as usize, w, gpus) {
+            calls.2 += 2 * g;
+            let bytes = ring(n * if size == 8 { 2 } else { 1 }) + ring(n * 8);
+            fields_bytes += bytes;
+            let ratio = bytes as f64 / ring(n * size) as f64;
+            routes.push(format!("{name}: fields and integers, {ratio:.2}x"));
+        } else {
+            calls.0 += w as u64 * (g - 1);
+            calls.1 += g;
+            routes.push(format!("{name}: to the owners"));
+        }
+    }
+    assert_eq!(
+        sends.1, calls.0,
+        "ncclSend calls (each replica's foreign blocks)"
     );
     assert_eq!(sends.1, recvs.1, "every ncclSend meets an ncclRecv");
-    // Every replica's owned blocks but the owner GPU's own, for both float buckets.
-    let floats = (N * (4 + 8)) as u64;
     assert_eq!(
-        sends.1,
-        2 * (w as u64) * (gpus as u64 - 1),
-        "sends per float bucket"
+        gathers.1, calls.1,
+        "one allgather per GPU per float bucket sent raw"
     );
     assert_eq!(
-        gathers.1,
-        2 * gpus as u64,
-        "one allgather per GPU per float bucket"
+        reduces,
+        (fields_bytes + ring(n * 4), calls.2),
+        "ncclAllReduce: the I32 bucket, and the fields and integers of the others"
     );
-    let plain = 2 * (gpus as u64 - 1) * floats;
-    let moved = sends.0 + gathers.0;
+    let moved = sends.0 + gathers.0 + fields_bytes;
     println!(
         "reproducible over NCCL, {w} replicas on {gpus} GPUs: {moved} bytes \
-         (send {} + allgather {}), the plain ring allreduce {plain} ({:.2}x)",
+         (send {} + allgather {} + fields and integers {fields_bytes}), the plain ring \
+         allreduce {plain} ({:.2}x; {})",
         sends.0,
         gathers.0,
-        moved as f64 / plain as f64
+        moved as f64 / plain as f64,
+        routes.join("; ")
     );
     assert!(
         4 * moved <= 9 * plain,

@@ -36,6 +36,12 @@ pub(crate) trait Collective {
     /// `buffers[g] := Σ buffers` for `count` elements of `dtype`, on every group.
     fn allreduce(&self, dtype: DType, count: usize, buffers: &[u64]) -> Result<()>;
 
+    /// `buffers[g] := max over buffers`, element by element, of the exponent fields of
+    /// `count` elements of an F32 bucket (a byte each: `ncclUint8`) or an F64 bucket (two
+    /// bytes each, the bits of a positive normal half `0x400 + field`: `ncclFloat16`, since
+    /// NCCL has no 16-bit integer; the max of such halves is the max of their bits).
+    fn max_fields(&self, dtype: DType, count: usize, buffers: &[u64]) -> Result<()>;
+
     /// `buffers[g] := buffers[root]` for `count` elements of `dtype`.
     fn broadcast(&self, dtype: DType, count: usize, root: usize, buffers: &[u64]) -> Result<()>;
 

@@ -103,6 +103,19 @@ pub enum Slot {
     Staging,
 }
 
+/// One pass of a reproducible sum whose contributions stay on their devices
+/// ([`Links::repro_stage`]; kernels/dense.cu `repro_stage`), per bucket element.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReproStage {
+    /// `fields := ` the largest exponent field over the group's replicas.
+    Fields = 0,
+    /// `sums := ` the group's replicas cut onto the grid of `fields` (the clique's by then),
+    /// summed as integers.
+    Cut = 1,
+    /// Every replica of the group := `sums` (the clique's by then) converted back.
+    Uncut = 2,
+}
+
 /// Which replicas of a group [`Links::pack`] reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Members {
@@ -468,6 +481,24 @@ pub(crate) trait Links {
         dtype: DType,
         layout: Layout,
         count: usize,
+        avg: Option<usize>,
+    ) -> Result<()>;
+
+    /// One pass of the reproducible sum over every replica of `group` (`layout` of every
+    /// member of `bucket`, F32 or F64): `buffers` = (sums, fields): a u64 per bucket element,
+    /// and a field per element (a byte for F32; for F64 two, as [`Collective::max_fields`] takes
+    /// them). The host's arithmetic, so the host's bytes once the fields and sums crossed.
+    ///
+    /// # Safety
+    /// As for [`Links::unpack`]; both buffers hold the bucket's elements on `group`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn repro_stage(
+        &self,
+        group: usize,
+        bucket: &BucketView<'_>,
+        layout: Layout,
+        buffers: (u64, u64),
+        stage: ReproStage,
         avg: Option<usize>,
     ) -> Result<()>;
 

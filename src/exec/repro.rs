@@ -13,7 +13,8 @@
 //! and so do F32 and F64 replicas of one device in one process, in a kernel. A world of host
 //! replicas may hand the bucket to the engine's own reproducible sum (`direct`). F32 and F64
 //! over an NCCL clique (several GPUs in one process, NCCL across the ranks) stay on the GPUs:
-//! each block raw to its owner GPU, summed there by the same kernel, gathered back
+//! each block raw to its owner GPU, summed there by the same kernel, gathered back, or, where
+//! GPUs hold many replicas, each GPU's exponent fields and integer sums across the clique
 //! (exec/repro_clique.rs). Other device memory (F16/BF16, peer copies, CUDA replicas staged
 //! across ranks) goes through the host stage, every replica's bucket to the host and the
 //! result back (docs/ARCHITECTURE.md, "Reproducible sums", says why).

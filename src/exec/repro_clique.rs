@@ -1,29 +1,36 @@
 //! Reproducible sums over an NCCL clique (several GPUs in one process, or NCCL across the
-//! ranks of a world), on the GPUs: the design of the host memory's all-to-all across ranks
-//! (backend/mpi/alltoall.rs) on the device.
+//! ranks of a world), on the GPUs, by one of two routes, whichever moves fewer bytes
+//! (`fields_pay`, from the levels: alike on every process).
 //!
-//! The bucket's elements, segment after segment, are cut into one even block per clique rank
-//! (`width` elements, the last one shorter): clique rank q owns block q. Each GPU packs each of
-//! its replicas' buckets into its fusion buffer; one NCCL group of `ncclSend`/`ncclRecv` moves
-//! every replica's block q raw to clique rank q (a GPU's own blocks stay where they are); each
-//! owner sums its K contributions (every replica of the world) with the one-device kernel
-//! (kernels/dense.cu `repro`: exponent max, exact integer sum, one conversion, AVG divided),
-//! which writes the sum over its first replica's block; `ncclAllGather` over the first
-//! replicas' packed buckets gives every GPU every owner's sums, and one unpack writes them to
-//! its replicas. The same arithmetic as the host's (backend/host/repro.rs) on the same
-//! contributions, in whatever order they arrive (the integer sums are exact): the host path's
-//! bytes.
+//! **To the owners** (the design of the host memory's all-to-all across ranks,
+//! backend/mpi/alltoall.rs, on the device). The bucket's elements, segment after segment, are
+//! cut into one even block per clique rank (`width` elements, the last one shorter): clique
+//! rank q owns block q. Each GPU packs each of its replicas' buckets into its fusion buffer;
+//! one NCCL group of `ncclSend`/`ncclRecv` moves every replica's block q raw to clique rank q
+//! (a GPU's own blocks stay where they are); each owner sums its K contributions (every
+//! replica of the world) with the one-device kernel (kernels/dense.cu `repro`: exponent max,
+//! exact integer sum, one conversion, AVG divided), which writes the sum over its first
+//! replica's block; `ncclAllGather` over the first replicas' packed buckets gives every GPU
+//! every owner's sums, and one unpack writes them to its replicas. Bytes per GPU with R
+//! replicas in a clique of N: R (N-1) blocks sent, then N-1 blocks gathered: (R+1)/2 times the
+//! plain ring allreduce's 2 (N-1)/N of the bucket.
 //!
-//! Bytes, per GPU with R replicas in a clique of N: R (N-1) blocks sent, then N-1 blocks
-//! gathered; with one replica per GPU, the plain ring allreduce's 2 (N-1)/N of the bucket.
+//! **Fields, then integers** (`by_fields`), where GPUs hold many replicas: each GPU writes the
+//! largest exponent field per element over its replicas, `ncclMax` makes it the clique's, each
+//! GPU cuts its replicas onto that grid and sums them as integers, `ncclSum` of those i64
+//! sums, and each GPU converts the sum back into its replicas (kernels/dense.cu
+//! `repro_stage`). Two ring allreduces of (field + 8) bytes per element whatever R: 2.25 times
+//! the plain bytes for F32 (a byte per field), 1.25 for F64 (two).
 //!
-//! F32 and F64 only (the kernel's dtypes; F16 and BF16 keep the host stage, exec/repro.rs).
+//! Both are the host's arithmetic (backend/host/repro.rs) on the same contributions with the
+//! integers summed exactly in another grouping: the host path's bytes. F32 and F64 only (the
+//! kernels' dtypes; F16 and BF16 keep the host stage, exec/repro.rs).
 
 use serde_json::json;
 
 use super::clique::owners;
 use super::Site;
-use crate::backend::{BucketView, Layout, Members, PeerOp, Slot};
+use crate::backend::{BucketView, Collective, Layout, Links, Members, PeerOp, ReproStage, Slot};
 use crate::error::Result;
 use crate::timeline;
 use crate::types::DType;
@@ -53,10 +60,14 @@ pub(super) unsafe fn allreduce(
     };
     let groups = &site.levels.groups;
     let (n, total, size) = (blocks.len(), bucket.elements(), bucket.dtype.size());
+    let k: usize = blocks.iter().map(Vec::len).sum();
+    if fields_pay(bucket.dtype, k, n) {
+        by_fields(site, bucket, avg, (links, collective), (n, k))?;
+        return Ok(true);
+    }
     let width = total.div_ceil(n);
     // Owner q's elements: [q width, q width + count(q)).
     let count = |q: usize| total.saturating_sub(q * width).min(width);
-    let k: usize = blocks.iter().map(Vec::len).sum();
     let _span = timeline::span(
         site.trace,
         "reproducible sum over NCCL",
@@ -100,6 +111,73 @@ pub(super) unsafe fn allreduce(
         links.unpack(*g, bucket, *layout, *at, None)?;
     }
     Ok(true)
+}
+
+/// Bytes of one exponent field as [`Collective::max_fields`] takes it.
+fn field_bytes(dtype: DType) -> usize {
+    if dtype == DType::F64 {
+        2
+    } else {
+        1
+    }
+}
+
+/// Whether the fields-then-integers route moves fewer bytes than the all-to-all for `k`
+/// replicas over a clique of `n`: over the clique the all-to-all sends `(k + n) (n-1)/n`
+/// buckets (every replica's foreign blocks, then the allgather), the other route two ring
+/// allreduces (`2 (n-1)/n` each per GPU) of the fields and the i64 sums. So `k + n` against
+/// `2 n (field + 8) / size`: above 3.5 replicas per GPU on average for F32, 1.5 for F64. The
+/// levels give every process the same `k` and `n`, so every process takes the same route.
+fn fields_pay(dtype: DType, k: usize, n: usize) -> bool {
+    (k + n) * dtype.size() > 2 * n * (field_bytes(dtype) + 8)
+}
+
+/// Every local replica := the reproducible sum over the clique, the contributions staying on
+/// their GPUs: each GPU's largest exponent field per element over its replicas, `ncclMax`
+/// of those across the clique, each GPU's replicas cut onto that grid and summed as integers,
+/// `ncclSum` of the i64 sums, each GPU's conversion back written to its replicas. The host's
+/// arithmetic in another grouping of an exact integer sum: the host's bytes.
+///
+/// # Safety
+/// As for [`allreduce`].
+unsafe fn by_fields(
+    site: Site<'_>,
+    bucket: &BucketView<'_>,
+    avg: Option<usize>,
+    (links, collective): (&dyn Links, &dyn Collective),
+    (n, k): (usize, usize),
+) -> Result<()> {
+    let (dtype, total) = (bucket.dtype, bucket.elements());
+    let _span = timeline::span(
+        site.trace,
+        "reproducible sum over NCCL (fields, then integers)",
+        || json!({"clique": n, "contributions": k, "bytes": total * dtype.size()}),
+    );
+    if total == 0 {
+        return Ok(());
+    }
+    // Group g's buffer: a u64 sum per element, then a field per element.
+    let mut sums = Vec::new();
+    let mut fields = Vec::new();
+    let mut layouts = Vec::new();
+    for g in 0..site.levels.groups.len() {
+        let buffer = links.buffer(g, Slot::Fusion, total * (8 + field_bytes(dtype)))?;
+        sums.push(buffer);
+        fields.push(buffer + (total * 8) as u64);
+        layouts.push(links.layout(g, bucket, Members::All)?);
+    }
+    let stage = |stage: ReproStage, avg: Option<usize>| -> Result<()> {
+        for (g, layout) in layouts.iter().enumerate() {
+            // SAFETY: the layout is of the bucket's replicas on g; both buffers hold `total`.
+            unsafe { links.repro_stage(g, bucket, *layout, (sums[g], fields[g]), stage, avg)? };
+        }
+        Ok(())
+    };
+    stage(ReproStage::Fields, None)?;
+    collective.max_fields(dtype, total, &fields)?;
+    stage(ReproStage::Cut, None)?;
+    collective.allreduce(DType::I64, total, &sums)?;
+    stage(ReproStage::Uncut, avg)
 }
 
 /// The sends and receives of the all-to-all, in one order on every process: owner after owner,

@@ -55,37 +55,62 @@ fn world_context(
 }
 
 /// This process's fake NCCL counts of one reproducible `allreduce_grads` over a clique
-/// across `ranks` ranks, this one's replicas on `gpus` GPUs: the float buckets went by
-/// `ncclSend`/`ncclRecv` and `ncclAllGather`, and, where this process holds at most 3
-/// replicas per GPU, moved at most 2.25 times what its GPUs' share of the plain ring
-/// allreduce of them moves (2 (n-1)/n of a bucket per GPU, n the clique's GPUs).
+/// across `ranks` ranks, this one's replicas on `gpus` GPUs (8 replicas in the world): each
+/// float bucket went by `ncclSend`/`ncclRecv` and `ncclAllGather`, or as exponent fields and
+/// i64 sums by `ncclAllReduce` where that moves fewer bytes (`by_fields`), and, where this
+/// process holds at most 3 replicas per GPU, moved at most 2.25 times what its GPUs' share of
+/// the plain ring allreduce of them moves (2 (n-1)/n of a bucket per GPU, n the clique's GPUs).
 fn nccl_across_ranks_moves_the_plain_bytes(
     sent: &[(u64, u64); 6],
     gpus: usize,
     ranks: usize,
     mine: &[usize],
 ) {
-    use fake_nccl::{ALLGATHER, RECV, SEND};
-    let (sends, recvs, gathers) = (sent[SEND], sent[RECV], sent[ALLGATHER]);
-    assert!(
-        sends.1 > 0,
-        "no ncclSend: the route over NCCL was not taken"
-    );
-    assert!(recvs.1 > 0, "no ncclRecv");
-    assert_eq!(
-        gathers.1,
-        2 * gpus as u64,
-        "one allgather per GPU per float bucket"
-    );
+    use fake_nccl::{ALLGATHER, ALLREDUCE, RECV, SEND};
+    let (sends, recvs, gathers, reduces) =
+        (sent[SEND], sent[RECV], sent[ALLGATHER], sent[ALLREDUCE]);
     // Every rank's replicas spread over its GPUs alike (tests: two fake GPUs a rank).
-    let n = (ranks * gpus) as u64;
-    let floats = (N * (4 + 8)) as u64;
-    let plain = gpus as u64 * 2 * (n - 1) * floats / n;
-    let moved = sends.0 + gathers.0;
+    let (g, n) = (gpus as u64, (ranks * gpus) as u64);
+    // The fake's count of this process's share of one allreduce of `bytes`.
+    let ring = |bytes: u64| g * (2 * (n - 1) * bytes / n);
+    let (mut plain, mut gathered, mut fields_bytes, mut calls) = (0, 0, 0, g);
+    for size in [4u64, 8] {
+        plain += ring(N as u64 * size);
+        if by_fields(size as usize, 8, n as usize) {
+            calls += 2 * g;
+            let field = if size == 8 { 2 } else { 1 };
+            fields_bytes += ring(N as u64 * field) + ring(N as u64 * 8);
+        } else {
+            gathered += g;
+        }
+    }
+    assert_eq!(
+        sends.1 > 0,
+        gathered > 0,
+        "ncclSend where a bucket went raw"
+    );
+    assert_eq!(
+        recvs.1 > 0,
+        gathered > 0,
+        "ncclRecv where a bucket went raw"
+    );
+    assert_eq!(
+        gathers.1, gathered,
+        "one allgather per GPU per float bucket sent raw"
+    );
+    assert_eq!(
+        reduces,
+        (fields_bytes + ring(N as u64 * 4), calls),
+        "ncclAllReduce: the I32 bucket, and the fields and integers of the others"
+    );
+    let moved = sends.0 + gathers.0 + fields_bytes;
     println!(
         "reproducible over NCCL, {} replicas on {gpus} of {n} GPUs: {moved} bytes sent \
-         here, the plain ring allreduce {plain} ({:.2}x)",
+         here (send {} + allgather {} + fields and integers {fields_bytes}), the plain ring \
+         allreduce {plain} ({:.2}x)",
         mine.len(),
+        sends.0,
+        gathers.0,
         moved as f64 / plain as f64
     );
     if mine.len() <= 3 * gpus {

@@ -641,3 +641,7 @@ fn run_sums_and_divide_give_the_host_coalesced_bytes() {
         );
     }
 }
+
+/// The passes of reproducible sums over several devices.
+#[path = "emulate_stages.rs"]
+mod stages;

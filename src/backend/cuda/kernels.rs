@@ -15,6 +15,7 @@ use cudarc::driver::sys;
 use parking_lot::Mutex;
 
 use super::driver::{check, PrimaryContext};
+use crate::backend::ReproStage;
 use crate::error::{Error, ErrorKind, Result};
 use crate::types::DType;
 
@@ -57,6 +58,7 @@ const NAMED: &[(&str, &[DType])] = &[
     ("sum_runs", &FLOATS),
     ("divide", &DType::ALL),
     ("repro", &[DType::F32, DType::F64]),
+    ("repro_stage", &[DType::F32, DType::F64]),
     ("owned", &DType::ALL),
     ("index_check", &[DType::I32, DType::I64]),
     ("index_report", &[DType::I32, DType::I64]),
@@ -263,8 +265,8 @@ impl Kernels {
         let mut total_u = total as u64;
         let mut avg = i32::from(divisor.is_some());
         let mut div = divisor.unwrap_or(1) as f64;
-        // At most two in between (walk's): a fixed array, no allocation per launch.
-        let mut params = [std::ptr::null_mut(); 9];
+        // At most three in between (repro_stage's): a fixed array, no allocation per launch.
+        let mut params = [std::ptr::null_mut(); 10];
         let head = [
             arg(&mut segs),
             arg(&mut ptrs),
@@ -294,6 +296,27 @@ impl Kernels {
     ) -> Result<()> {
         let f = self.named("repro", dtype)?;
         self.launch_table(f, stream, (table, dims), &[], divisor, "repro")
+    }
+
+    /// One pass (`stage`) of the reproducible sum over several devices (kernels/dense.cu
+    /// `repro_stage`) over `nrep` replicas of a table of `nseg` segments over `total` elements
+    /// (`dims`) of an F32 or F64 bucket: `sums` holds `total` u64, `fields` `total` of the
+    /// dtype's field type (u8, or u16 for F64). On `stream` (the context is current).
+    #[allow(clippy::too_many_arguments)]
+    pub fn repro_stage(
+        &self,
+        stream: sys::CUstream,
+        dtype: DType,
+        table: sys::CUdeviceptr,
+        dims: (usize, usize, usize),
+        (sums, fields): (sys::CUdeviceptr, sys::CUdeviceptr),
+        stage: ReproStage,
+        divisor: Option<usize>,
+    ) -> Result<()> {
+        let f = self.named("repro_stage", dtype)?;
+        let (mut sums, mut fields, mut mode) = (sums, fields, stage as i32);
+        let between = [arg(&mut sums), arg(&mut fields), arg(&mut mode)];
+        self.launch_table(f, stream, (table, dims), &between, divisor, "repro_stage")
     }
 
     /// The shards of `nrep` replicas of a table of `nseg` segments over `total` elements
@@ -509,6 +532,7 @@ mod tests {
             names.push(format!("owned_{n}"));
             if matches!(dtype, DType::F32 | DType::F64) {
                 names.push(format!("repro_{n}"));
+                names.push(format!("repro_stage_{n}"));
             }
             if dtype.is_float() {
                 names.push(format!("bmuf_{n}"));

@@ -16,7 +16,7 @@ use super::nccl::{self, CommSet};
 use super::queue::setup_deadline;
 use super::{CudaBackend, Group};
 use crate::backend::{
-    BucketView, Collective, Layout, Links, Members, Move, PeerOp, Slot, WorldCollective,
+    BucketView, Collective, Layout, Links, Members, Move, PeerOp, ReproStage, Slot, WorldCollective,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::plan::TransportChoice;
@@ -159,6 +159,22 @@ impl Links for CudaBackend {
         (g.kernels).reproducible(g.stream.0, dtype, layout.table, dims, avg)
     }
 
+    unsafe fn repro_stage(
+        &self,
+        group: usize,
+        bucket: &BucketView<'_>,
+        layout: Layout,
+        buffers: (u64, u64),
+        stage: ReproStage,
+        avg: Option<usize>,
+    ) -> Result<()> {
+        let g = &self.groups[group];
+        let _bound = g.ctx.bind()?;
+        let dims = (bucket.segments.len(), layout.replicas, bucket.elements());
+        let table = layout.table;
+        (g.kernels).repro_stage(g.stream.0, bucket.dtype, table, dims, buffers, stage, avg)
+    }
+
     unsafe fn add(
         &self,
         group: usize,
@@ -246,6 +262,18 @@ impl Collective for CudaBackend {
         let issued = Instant::now();
         (self.comms(issued))
             .and_then(|c| c.allreduce(dtype, count, buffers, &self.launch(issued)))
+            .map_err(|e| self.nccl_failed(e))
+    }
+
+    fn max_fields(&self, dtype: DType, count: usize, buffers: &[u64]) -> Result<()> {
+        let ty = if dtype == DType::F64 {
+            nccl::HALF
+        } else {
+            nccl::BYTES
+        };
+        let issued = Instant::now();
+        (self.comms(issued))
+            .and_then(|c| c.allreduce_as((ty, nccl::MAX), count, buffers, &self.launch(issued)))
             .map_err(|e| self.nccl_failed(e))
     }
 

@@ -33,7 +33,8 @@ use crate::types::DType;
 mod api;
 
 pub use api::load;
-use api::{api, check, nccl_type, text, Api, Comm, BYTES, IN_PROGRESS, SUCCESS, SUM};
+use api::{api, check, nccl_type, text, Api, Comm, IN_PROGRESS, SUCCESS, SUM};
+pub(super) use api::{BYTES, HALF, MAX};
 
 /// Closes an NCCL group if `issue` unwinds: NCCL's group depth is per thread, and a group left
 /// open would make every later group call on this thread launch nothing (the panic itself
@@ -354,10 +355,21 @@ impl CommSet {
         bufs: &[u64],
         launch: &Launch<'_>,
     ) -> Result<()> {
+        self.allreduce_as((nccl_type(dtype), SUM), count, bufs, launch)
+    }
+
+    /// [`CommSet::allreduce`] of NCCL element type `ty` with reduction `op`.
+    pub fn allreduce_as(
+        &self,
+        (ty, op): (u32, u32),
+        count: usize,
+        bufs: &[u64],
+        launch: &Launch<'_>,
+    ) -> Result<()> {
         self.per_rank("ncclAllReduce", launch, |api, rank, comm, stream| {
             let buf = bufs[rank] as *mut c_void;
             // SAFETY: a live communicator; the buffer holds `count` elements on rank's device.
-            unsafe { (api.all_reduce)(buf, buf, count, nccl_type(dtype), SUM, comm, stream) }
+            unsafe { (api.all_reduce)(buf, buf, count, ty, op, comm, stream) }
         })
     }
 

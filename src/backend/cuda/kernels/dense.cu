@@ -248,3 +248,87 @@ __device__ void repro(const Seg* segs, const u64* ptrs, int nseg, int nrep, u64 
 
 REPRO_KERNEL(float, f32)
 REPRO_KERNEL(double, f64)
+
+// Reproducible sums over several devices (exec/repro_clique.rs, where many replicas share a
+// GPU): the same arithmetic as `repro` in three passes over a device's local replicas, around
+// two NCCL allreduces (ncclMax of the fields, ncclSum of the i64 sums), so only the fields and
+// the integers cross the devices. Per bucket element e:
+//   mode 0: fields[e] := the largest field over the local replicas (at least 1);
+//   mode 1: sums[e] := Σ over the local replicas of x cut onto the grid of fields[e] (now the
+//           clique's maximum), wrapping as `repro`'s: its integer sum is exact in any grouping;
+//   mode 2: every local replica := sums[e] (now the clique's) converted back, AVG divided.
+// A field travels as F: f32's 8 bits as a byte (ncclUint8); f64's 11 bits as the bits of a
+// positive normal half, 0x400 + field (ncclFloat16: NCCL has no 16-bit integer, and the max of
+// such halves is the max of their bits).
+template <class T> struct Field;
+template <> struct Field<float> {
+  typedef unsigned char F;
+  static __device__ __forceinline__ int get(F f) { return (int)f; }
+  static __device__ __forceinline__ F put(int e) { return (F)e; }
+};
+template <> struct Field<double> {
+  typedef unsigned short F;
+  static __device__ __forceinline__ int get(F f) { return (int)f - 0x400; }
+  static __device__ __forceinline__ F put(int e) { return (F)(0x400 + e); }
+};
+
+// N elements of one segment (as walk_items; e0 the first's bucket element).
+template <int N, class T>
+__device__ __forceinline__ void stage_items(const u64* p, int nrep, u64* sums,
+                                            typename Field<T>::F* fields, int mode, int avg,
+                                            double divisor, u64 e0, u64 i0, u64 step) {
+  int f[N];
+  if (mode == 0) {
+    for (int k = 0; k < N; ++k) f[k] = 1;
+    for (int r = 0; r < nrep; ++r)
+      for (int k = 0; k < N; ++k) {
+        const int x = field(((const T*)p[r])[i0 + k * step]);
+        f[k] = x > f[k] ? x : f[k];
+      }
+    for (int k = 0; k < N; ++k) fields[e0 + k * step] = Field<T>::put(f[k]);
+    return;
+  }
+  for (int k = 0; k < N; ++k) f[k] = Field<T>::get(fields[e0 + k * step]);
+  if (mode == 1) {
+    u64 acc[N];
+    for (int k = 0; k < N; ++k) acc[k] = 0;
+    for (int r = 0; r < nrep; ++r)
+      for (int k = 0; k < N; ++k) {
+        const T x = ((const T*)p[r])[i0 + k * step];
+        acc[k] += f[k] == Cut<T>::SPECIAL ? cut_special(x) : cut(x, f[k]);
+      }
+    for (int k = 0; k < N; ++k) sums[e0 + k * step] = acc[k];
+    return;
+  }
+  T out[N];
+  for (int k = 0; k < N; ++k) out[k] = uncut<T>((i64)sums[e0 + k * step], f[k], avg, divisor);
+  for (int r = 0; r < nrep; ++r)
+    for (int k = 0; k < N; ++k) ((T*)p[r])[i0 + k * step] = out[k];
+}
+
+template <class T>
+__device__ void repro_stage(const Seg* segs, const u64* ptrs, int nseg, int nrep, u64 total,
+                            u64* sums, typename Field<T>::F* fields, int mode, int avg,
+                            double divisor) {
+  for_each_chunk(
+      segs, nseg, total,
+      [&](int s, u64 e0, u64 i0) {
+        stage_items<ITEMS_PER_THREAD, T>(ptrs + (u64)s * nrep, nrep, sums, fields, mode, avg,
+                                         divisor, e0, i0, blockDim.x);
+      },
+      [&](int s, u64 e, u64 i) {
+        stage_items<1, T>(ptrs + (u64)s * nrep, nrep, sums, fields, mode, avg, divisor, e, i, 0);
+      });
+}
+
+#define REPRO_STAGE_KERNEL(T, NAME)                                                            \
+  extern "C" __global__ void repro_stage_##NAME(const Seg* segs, const u64* ptrs, int nseg,   \
+                                                int nrep, u64 total, u64* sums,               \
+                                                Field<T>::F* fields, int mode, int avg,       \
+                                                double divisor) {                             \
+    repro_stage<T>(segs, ptrs, nseg, nrep, total, sums, fields, mode, avg, divisor);          \
+  }                                                                                            \
+  DPSYNC_KERNEL(repro_stage_##NAME)
+
+REPRO_STAGE_KERNEL(float, f32)
+REPRO_STAGE_KERNEL(double, f64)

@@ -15,8 +15,11 @@ pub(super) type Comm = *mut c_void;
 pub(super) const SUCCESS: u32 = 0;
 pub(super) const IN_PROGRESS: u32 = 7;
 pub(super) const SUM: u32 = 0;
+pub(crate) const MAX: u32 = 2;
+/// `ncclFloat16`: F64's exponent fields travel as halves' bits (`Collective::max_fields`).
+pub(crate) const HALF: u32 = 6;
 /// `ncclUint8`: point-to-point transfers move raw bytes.
-pub(super) const BYTES: u32 = 1;
+pub(crate) const BYTES: u32 = 1;
 
 pub(super) struct Api {
     _lib: Library,
