@@ -23,6 +23,8 @@
 //! own. Every survivor's call answers alike: OK with every replica's new bytes, or RANK_LOST
 //! with every replica's bytes as before the call; the survivors lost it at the same call; and
 //! the redone `bmuf_step` matches a model of the filter that never saw the interrupted step.
+//!
+//! Sparse gathers' outputs through a loss: tests/world_lost_parts/sparse.rs.
 #![cfg(feature = "mpi")]
 #![allow(clippy::needless_range_loop)]
 
@@ -31,6 +33,7 @@ mod common {
     pub mod context;
     pub mod mpi;
     pub mod skip;
+    pub mod sparse;
 }
 
 use common::mpi::{as_rank, launch_ulfm, ulfm_venv, under_mpirun};
@@ -548,3 +551,7 @@ fn kept_body() {
     drop(ctx);
     println!("SURVIVED kept_body");
 }
+
+/// Sparse gathers' outputs through a loss (tests/world_lost_parts/sparse.rs).
+#[path = "world_lost_parts/sparse.rs"]
+mod sparse;

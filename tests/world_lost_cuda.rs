@@ -10,7 +10,9 @@
 //! of its own. Every survivor's call answers alike: OK with every replica's new bytes, or
 //! RANK_LOST naming rank 2 with every replica's PARAM bytes as before the call; the survivors
 //! lost the same call; they are renumbered (rank, world replicas, epoch, describe's "lost"),
-//! and the redone step sums exactly their replicas, a broadcast goes on over them.
+//! and the redone step sums exactly their replicas, a broadcast goes on over them. Each step
+//! also gathers a sparse gradient (slices in device memory): after RANK_LOST, every survivor's
+//! `dpsync_sparse_get` answers the last completed step's gathered slice at the same addresses.
 #![cfg(feature = "mpi")]
 #![allow(clippy::needless_range_loop)]
 
@@ -24,12 +26,14 @@ mod common {
     pub mod mpi;
     pub mod place;
     pub mod skip;
+    pub mod sparse;
 }
 
 use std::ptr;
 
 use common::mpi::{as_rank, launch_ulfm, ulfm_venv, under_mpirun};
-use common::place::{synchronize, Mem, Place};
+use common::place::{read_at, synchronize, Mem, Place};
+use common::sparse::SparseOut;
 use common::{abi::*, context::*, cuda_context::*};
 
 use dpsync::*;
@@ -120,6 +124,61 @@ fn die() -> ! {
     unreachable!("SIGKILL returned");
 }
 
+/// Rows of the sparse gradient "e" per replica, and floats per row.
+const E_ROWS: usize = 2;
+const E_ROW: usize = 4;
+
+/// Row `j`'s value on world replica `w` (at creation) in the slices set before call `i`.
+fn e_value(i: usize, w: usize, j: usize) -> f32 {
+    (i * 1000 + w * 10 + j) as f32
+}
+
+/// The slices of "e" before call `i` over the world replicas `from`: indices and values bytes.
+fn e_bytes(i: usize, from: &[usize]) -> (Vec<u8>, Vec<u8>) {
+    let indices = (from.iter()).flat_map(|&w| [w as i64, (100 + i) as i64]);
+    let values =
+        (from.iter()).flat_map(|&w| (0..E_ROWS).flat_map(move |j| [e_value(i, w, j); E_ROW]));
+    (
+        indices.flat_map(i64::to_ne_bytes).collect(),
+        values.flat_map(f32::to_ne_bytes).collect(),
+    )
+}
+
+/// This rank's slices of "e", in each replica's device memory.
+struct Slices {
+    indices: Vec<Mem>,
+    values: Vec<Mem>,
+    offset: usize,
+}
+
+impl Slices {
+    /// Sets the slices of call `i` on every local replica.
+    fn set(&mut self, ctx: &Context, i: usize) {
+        for k in 0..self.indices.len() {
+            let (indices, values) = e_bytes(i, &[self.offset + k]);
+            self.indices[k].write(&indices);
+            self.values[k].write(&values);
+            let (at, values) = (self.indices[k].ptr(), self.values[k].ptr());
+            let st = ctx.sparse_set_raw("e", k, at as *const _, values as *const _, E_ROWS);
+            check(st, "sparse_set e");
+        }
+    }
+}
+
+/// Every local replica's gathered "e" holds the slices of call `i` over `from`; replica 0's.
+fn expect_sparse(ctx: &Context, place: &Place, i: usize, from: &[usize], tag: &str) -> SparseOut {
+    let (indices, values) = e_bytes(i, from);
+    for k in 0..ctx.replica_count() {
+        let out = ctx.gathered("e", k);
+        assert_eq!(out.rows, E_ROWS * from.len(), "{tag}: rows on replica {k}");
+        let got = read_at(place, out.indices as usize, indices.len());
+        assert_eq!(got, indices, "{tag}: indices on replica {k}");
+        let got = read_at(place, out.values as usize, values.len());
+        assert_eq!(got, values, "{tag}: values on replica {k}");
+    }
+    ctx.gathered("e", 0)
+}
+
 /// Every replica's GRAD is the sum over the world replicas `from` (at creation).
 fn expect_grads(g: &[Mem], from: &[usize], tag: &str) {
     for (k, mem) in g.iter().enumerate() {
@@ -188,12 +247,28 @@ fn cuda_lost_body() {
         let st = register_raw(ctx.0, "n", COMPUTED, k, n[k].ptr() as *mut _, 1, F32);
         check(st, &tag("register n"));
     }
+    ctx.reg_sparse_all("e", E_ROW, F32, I64, 0);
+    let mut e = Slices {
+        indices: (0..local)
+            .map(|k| place.mem_on(ordinals[k], &[0; 8 * E_ROWS]))
+            .collect(),
+        values: (0..local)
+            .map(|k| place.mem_on(ordinals[k], &[0; 4 * E_ROWS * E_ROW]))
+            .collect(),
+        offset,
+    };
 
     // 1. A step of all three ranks.
+    e.set(&ctx, 0);
     let st = ctx.allreduce_grads(SUM);
     assert_eq!(st, OK, "{}: {}", tag("first step"), last_error());
     assert_eq!(synchronize(&ctx), OK, "{}", tag("synchronize"));
     expect_grads(&g, &below(3), &tag("first step"));
+    // The last completed step's gathered slice, and the call that set it.
+    let mut gathered = (
+        expect_sparse(&ctx, &place, 0, &below(3), &tag("first step")),
+        0,
+    );
 
     // 2. Rank 2 dies at a moment of its own while the ranks alternate calls.
     if rank == 2 {
@@ -216,6 +291,9 @@ fn cuda_lost_body() {
         for k in 0..local {
             q[k].write(&q_bytes(i, offset + k));
             g[k].write(&g_bytes(offset + k));
+        }
+        if i % 3 == 2 {
+            e.set(&ctx, i);
         }
         let (st, what) = match i % 3 {
             0 => (ctx.broadcast(PARAM, 0), "broadcast"),
@@ -248,10 +326,14 @@ fn cuda_lost_body() {
         }
         if st == OK && what == "allreduce_grads" {
             expect_grads(&g, &present, &tag("a step before the loss"));
+            gathered = (expect_sparse(&ctx, &place, i, &present, &tag("a step")), i);
         }
         if st == RANK_LOST {
             let msg = last_error();
             assert!(msg.contains("rank 2"), "{}: {msg}", tag("names rank 2"));
+            let what_lost = format!("sparse_get after a lost {what}");
+            let kept = expect_sparse(&ctx, &place, gathered.1, &present, &tag(&what_lost));
+            assert_eq!(kept, gathered.0, "{}", tag("the kept outputs' addresses"));
             lost_at = Some((i, what));
             break;
         }
@@ -308,12 +390,14 @@ fn cuda_lost_body() {
         g[k].write(&g_bytes(offset + k));
         q[k].write(&q_bytes(i + 1, offset + k));
     }
+    e.set(&ctx, i + 1);
     let st = ctx.allreduce_grads(SUM);
     assert_eq!(st, OK, "{}: {}", tag("redo"), last_error());
     let st = ctx.broadcast(PARAM, 0);
     assert_eq!(st, OK, "{}: {}", tag("broadcast after"), last_error());
     assert_eq!(synchronize(&ctx), OK, "{}", tag("synchronize"));
     expect_grads(&g, &remaining, &tag("redo"));
+    expect_sparse(&ctx, &place, i + 1, &remaining, &tag("redo's gather"));
     for k in 0..local {
         let got = f64s(&q[k].read());
         assert!(

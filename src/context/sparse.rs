@@ -177,10 +177,17 @@ impl Context {
     }
 
     /// The step succeeded: its outputs replace the previous ones and its slices are consumed.
+    /// In an elastic world the previous outputs and the slices are kept until the call's vote
+    /// (context/undo.rs): on a loss they come back, as after a failed step.
     pub(super) fn install_sparse(&mut self, outputs: SparseOutputs) {
         let old = std::mem::replace(&mut self.sparse_out, outputs);
-        self.executor.retire_outputs(old);
-        self.sparse.consume_slices();
+        if self.keeps_undo() {
+            let slices = self.sparse.take_slices();
+            self.keep_sparse(old, slices);
+        } else {
+            self.executor.retire_outputs(old);
+            self.sparse.consume_slices();
+        }
     }
 }
 

@@ -6,6 +6,11 @@
 //! tensors are not kept (the contract has the caller compute them again). Plain worlds copy
 //! nothing.
 //!
+//! Sparse gathers' outputs are library-owned and new each step: nothing is copied, the previous
+//! step's outputs (and the slices the step consumed) are only kept alive until the vote instead
+//! of being retired at once, and on a loss they are swapped back and the new ones retired, so
+//! `dpsync_sparse_get` answers what it answered before the call, on host and CUDA replicas alike.
+//!
 //! On CUDA replicas the copy waits for the work the callers queued before the call (it may be
 //! what writes those bytes), then device memory is copied to the host on the backend's streams
 //! and waited for; after a loss the backend's failure is forgotten (`Streams::recover`: the
@@ -13,7 +18,9 @@
 
 use super::Context;
 use crate::error::Result;
+use crate::exec::SparseOutputs;
 use crate::log;
+use crate::registry::sparse::ConsumedSlices;
 use crate::registry::TensorView;
 use crate::types::{Memory, Role};
 
@@ -29,6 +36,8 @@ struct Kept {
 #[derive(Default)]
 pub(super) struct Undo {
     regions: Vec<Kept>,
+    /// The sparse outputs from before a step that completed here, and the slices it consumed.
+    sparse: Option<(SparseOutputs, ConsumedSlices)>,
 }
 
 impl Context {
@@ -108,16 +117,41 @@ impl Context {
         Ok(())
     }
 
-    /// Forgets what was kept (the call completed, or answered without a loss).
+    /// Keeps the sparse outputs a step replaced and the slices it consumed (see the module).
+    pub(super) fn keep_sparse(&self, old: SparseOutputs, slices: ConsumedSlices) {
+        let earlier = self.membership.undo.lock().sparse.replace((old, slices));
+        if let Some((outputs, _)) = earlier {
+            self.executor.retire_outputs(outputs); // not reached: one step per call
+        }
+    }
+
+    /// Forgets what was kept (the call completed, or answered without a loss): the sparse
+    /// outputs kept are retired as a step retires those it replaces.
     pub(super) fn forget_undo(&self) {
-        self.membership.undo.lock().regions.clear();
+        let mut undo = self.membership.undo.lock();
+        undo.regions.clear();
+        let sparse = undo.sparse.take();
+        drop(undo);
+        if let Some((outputs, _)) = sparse {
+            self.executor.retire_outputs(outputs);
+        }
     }
 
     /// Puts back what was kept, latest first (a region kept twice ends as first kept). On CUDA
     /// replicas the backend first forgets the failure the loss left (`Streams::recover`); an
     /// error means this process's devices cannot go on.
-    pub(super) fn undo_written(&self) -> Result<()> {
-        let regions = std::mem::take(&mut self.membership.undo.lock().regions);
+    pub(super) fn undo_written(&mut self) -> Result<()> {
+        let (regions, sparse) = {
+            let mut undo = self.membership.undo.lock();
+            (std::mem::take(&mut undo.regions), undo.sparse.take())
+        };
+        if let Some((outputs, slices)) = sparse {
+            // Retiring is safe with the failed call's device work still queued (as for a
+            // failed step's outputs): their memory is reused only in stream order.
+            let new = std::mem::replace(&mut self.sparse_out, outputs);
+            self.executor.retire_outputs(new);
+            self.sparse.restore_slices(slices);
+        }
         let streams = self.executor.streams();
         if let Some(s) = streams {
             // Every stream drained first: nothing of the failed call writes after the copies.

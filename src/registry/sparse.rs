@@ -58,6 +58,10 @@ pub struct SparseSlice {
     pub rows: usize,
 }
 
+/// The slices a successful step consumed, by name ([`SparseRegistry::consume_slices`]).
+#[derive(Debug, Default)]
+pub struct ConsumedSlices(Vec<(String, Vec<Option<SparseSlice>>)>);
+
 #[derive(Clone, Debug)]
 struct Entry {
     name: String,
@@ -274,6 +278,31 @@ impl SparseRegistry {
         }
     }
 
+    /// As [`Self::consume_slices`], returning them by name for [`Self::restore_slices`] (an
+    /// elastic world's undo).
+    pub fn take_slices(&mut self) -> ConsumedSlices {
+        let replicas = self.replicas;
+        let taken = (self.entries.iter_mut())
+            .map(|e| {
+                (
+                    e.name.clone(),
+                    std::mem::replace(&mut e.slices, vec![None; replicas]),
+                )
+            })
+            .collect();
+        ConsumedSlices(taken)
+    }
+
+    /// Sets again the slices a step consumed (it answered RANK_LOST: no slice is consumed by a
+    /// step that did not complete); names unregistered since are skipped.
+    pub fn restore_slices(&mut self, consumed: ConsumedSlices) {
+        for (name, slices) in consumed.0 {
+            if let Some(e) = self.entries.iter_mut().find(|e| e.name == name) {
+                e.slices = slices;
+            }
+        }
+    }
+
     /// Every name with its spec when the replicas agree, or the error a step would return.
     pub fn checked(&self) -> impl Iterator<Item = (&str, Result<SparseSpec>)> {
         self.entries
@@ -376,6 +405,25 @@ mod tests {
             !r.contains("x"),
             "a refused registration leaves nothing behind"
         );
+    }
+
+    #[test]
+    fn taken_slices_come_back_but_for_names_unregistered_since() {
+        let mut r = SparseRegistry::new(2);
+        for name in ["emb", "other"] {
+            for replica in 0..2 {
+                r.register(name, replica, spec(4)).unwrap();
+                r.set(name, replica, slice(replica + 1)).unwrap();
+            }
+        }
+        let before = r.step().unwrap();
+        let taken = r.take_slices();
+        assert!(r.step().is_err(), "taken slices are consumed");
+        assert!(r.unregister("other"));
+        r.restore_slices(taken);
+        let after = r.step().unwrap();
+        assert_eq!(after.len(), 1);
+        assert_eq!(after[0], before[0], "emb's slices set again");
     }
 
     #[test]

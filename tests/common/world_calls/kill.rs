@@ -124,8 +124,9 @@ impl World<'_> {
         (self.bmuf.iter()).any(|b| b.params.iter().cloned().collect::<BTreeSet<_>>() == now)
     }
 
-    /// After RANK_LOST: every tensor but the GRADs holds its bytes from before the call
-    /// (sparse outputs and GRADs are unspecified until the call is made again).
+    /// After RANK_LOST: every tensor but the GRADs holds its bytes from before the call (GRADs
+    /// are unspecified until the call is made again; the sparse outputs, as before the call,
+    /// are checked by tests/world_lost_parts/sparse.rs, not here).
     fn check_kept(&self, what: &str) {
         for t in self.dense.iter().filter(|t| t.role != GRAD) {
             for k in 0..self.local {
