@@ -129,13 +129,23 @@ impl Context {
             }
         };
         if lost.is_empty() {
-            // Voted a loss, yet every rank survived: a failed transfer (e.g. a timeout).
+            // Voted a loss, yet every rank survived: a failed transfer (e.g. a timeout). The
+            // engine says why the vote found one.
+            let failed = self
+                .executor
+                .ranks()
+                .map(|r| r.describe()["failed"].clone());
+            let why = match failed {
+                Some(Value::String(why)) => format!(" ({why}; every rank survived)"),
+                _ => String::new(),
+            };
             return match outcome {
-                Err(e) => {
+                Err(mut e) => {
+                    e.message.push_str(&why);
                     self.membership.departed = Some(e.message.clone());
                     Err(e)
                 }
-                Ok(()) => fail(self, "a transfer of the world failed".to_owned()),
+                Ok(()) => fail(self, format!("a transfer of the world failed{why}")),
             };
         }
         let before = self.topology.world_size;

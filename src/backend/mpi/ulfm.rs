@@ -116,21 +116,40 @@ impl MpiRanks {
                 (u.revoke)(self.steps.0);
             }
             let known = failures_known(u, self.comm.0)?;
-            let mut flag: c_int = c_int::from(known == 0 && !failed);
+            let mine = c_int::from(known == 0 && !failed);
+            let mut flag = mine;
             let mut request = MaybeUninit::<ffi::MPI_Request>::uninit();
             let rc = (u.iagree)(self.comm.0, &mut flag, request.as_mut_ptr());
             if PROC_FAILED.contains(&rc) {
-                return Ok(true);
+                return Ok(self.voted_loss(format!("MPIX_Comm_iagree answered {rc} at once")));
             }
             check("MPIX_Comm_iagree", rc)?;
             let mut request = request.assume_init();
             let rc = self.wait_one(&mut request, "the elastic world's vote (MPIX_Comm_iagree)")?;
             if PROC_FAILED.contains(&rc) {
-                return Ok(true);
+                return Ok(self.voted_loss(format!("MPIX_Comm_iagree completed with {rc}")));
             }
             check("MPIX_Comm_iagree", rc)?;
-            Ok(flag == 0)
+            if flag != 0 {
+                return Ok(false);
+            }
+            let why = match (failed, known, mine) {
+                (true, _, _) => "this rank's engine had failed".to_owned(),
+                (_, k, 0) => format!("this rank knew of {k} failed process(es)"),
+                _ => "another rank voted it (its engine failed, or it knew of a failed \
+                      process)"
+                    .to_owned(),
+            };
+            Ok(self.voted_loss(why))
         }
+    }
+
+    /// A vote that found a loss: why, kept as the engine's failure (describe's world
+    /// `failed`) unless it failed already; true.
+    fn voted_loss(&self, why: String) -> bool {
+        (self.failed.lock())
+            .get_or_insert_with(|| format!("the elastic world's vote found a loss: {why}"));
+        true
     }
 
     /// Waits for `request` within the world's timeout; its return code.
