@@ -144,10 +144,12 @@ impl Engine {
         Ring::new(self.comm_of(channel), self.rank, self.size, slots)
     }
 
-    /// Marks the world failed (a timeout or an MPI error mid-transfer) and names the call.
+    /// Marks the world failed (a timeout or an MPI error mid-transfer) and names the call. The
+    /// first failure stays the world's: later ones are often its effects (a revoked
+    /// communicator after an elastic world's vote).
     fn failing(&self, mut e: Error) -> Error {
         e.message = format!("{}: {}", self.call.lock(), e.message);
-        *self.failed.lock() = Some(e.message.clone());
+        self.failed.lock().get_or_insert_with(|| e.message.clone());
         e
     }
 
