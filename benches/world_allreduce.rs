@@ -193,7 +193,12 @@ fn resnet(world: &SimpleCommunicator, rank0: bool, quick: bool) {
 /// barrier. Target: marked <= 1.25x the longer of backward and allreduce alone, and <= unmarked.
 fn overlap(world: &SimpleCommunicator, rank0: bool, quick: bool, replicas: usize) {
     let reps = if quick { 2 } else { 7 };
-    let per_tensor = Duration::from_micros(if quick { 20 } else { 250 });
+    // DPSYNC_OVERLAP_US: another backward per tensor (0: every mark at once, the buckets'
+    // own pace through the steps queue).
+    let us = std::env::var("DPSYNC_OVERLAP_US")
+        .ok()
+        .and_then(|v| v.parse().ok());
+    let per_tensor = Duration::from_micros(us.unwrap_or(if quick { 20 } else { 250 }));
     let params = load_param_set("resnet50_params.tsv");
     let ctx = world_context(replicas);
     let mut grads: Vec<Vec<Vec<f32>>> = (0..replicas)
@@ -216,6 +221,8 @@ fn overlap(world: &SimpleCommunicator, rank0: bool, quick: bool, replicas: usize
     // registrations (buckets start early from the second on).
     let step = || check(ctx.allreduce_grads(AVG));
     step();
+    // The marked step's backward (its marks' cost to the caller).
+    let marked_backward = std::cell::RefCell::new(Vec::new());
     // In the order printed: backward alone, allreduce alone, the step without marks, with.
     let runs: [&dyn Fn(); 4] = [
         &|| backward(false),
@@ -225,7 +232,9 @@ fn overlap(world: &SimpleCommunicator, rank0: bool, quick: bool, replicas: usize
             step();
         },
         &|| {
+            let t = Instant::now();
             backward(true);
+            marked_backward.borrow_mut().push(t.elapsed());
             step();
         },
     ];
@@ -241,10 +250,12 @@ fn overlap(world: &SimpleCommunicator, rank0: bool, quick: bool, replicas: usize
         }
     }
     let t: Vec<f64> = times.into_iter().map(|v| ms(median(v))).collect();
+    let mut marked = marked_backward.into_inner();
+    marked.remove(0); // the warm-up's
     if rank0 {
         let longer = t[0].max(t[1]);
         println!(
-            "overlap, ResNet-50 step ({} tensors x {} us sleep), 2 ranks x {replicas} replica(s){}: backward alone {:.2} ms | allreduce_grads alone {:.2} ms | step without marks {:.2} ms | step with marks {:.2} ms | marked/unmarked {:.2} (target <= 1) | marked/longer {:.2} (target <= 1.25) | unmarked/longer {:.2}",
+            "overlap, ResNet-50 step ({} tensors x {} us sleep), 2 ranks x {replicas} replica(s){}: backward alone {:.2} ms | allreduce_grads alone {:.2} ms | step without marks {:.2} ms | step with marks {:.2} ms (its backward {:.2} ms) | marked/unmarked {:.2} (target <= 1) | marked/longer {:.2} (target <= 1.25) | unmarked/longer {:.2}",
             params.len(),
             per_tensor.as_micros(),
             if std::env::var_os("DPSYNC_MPI_SHM").is_some_and(|v| v == "0") { ", no shared memory" } else { "" },
@@ -252,6 +263,7 @@ fn overlap(world: &SimpleCommunicator, rank0: bool, quick: bool, replicas: usize
             t[1],
             t[2],
             t[3],
+            ms(median(marked)),
             t[3] / t[2],
             t[3] / longer,
             t[2] / longer,

@@ -29,8 +29,10 @@ pub(super) struct Aside {
     spans: Vec<(usize, usize)>,
     size: usize,
     walk: Walk,
-    /// Elements `[0, saved)` are saved.
+    /// Elements `[0, saved)` are saved,
     saved: usize,
+    /// and these `(start, n)`, saved out of order by a whole bucket's pieces (`whole.rs`).
+    ranges: Vec<(usize, usize)>,
     /// Results are still written into the output as the pieces complete.
     pub(super) live: bool,
     /// The output may differ from the originals over `[0, saved)`.
@@ -48,6 +50,7 @@ impl Aside {
             size,
             walk: Walk::default(),
             saved: 0,
+            ranges: Vec::new(),
             live: true,
             dirty: false,
         }
@@ -79,6 +82,18 @@ impl Aside {
         unsafe { self.bytes.as_mut_ptr().cast::<u8>().add(start * self.size) }
     }
 
+    /// Where a whole bucket's pieces save the originals themselves, element `e` at
+    /// `e * size` bytes on ([`Aside::saved`] then counts them).
+    pub(super) fn base(&mut self) -> *mut u8 {
+        self.bytes.as_mut_ptr().cast()
+    }
+
+    /// Elements a whole bucket saved at [`Aside::base`], in any order.
+    pub(super) fn saved(&mut self, ranges: Vec<(usize, usize)>) {
+        self.dirty |= !ranges.is_empty();
+        self.ranges.extend(ranges);
+    }
+
     /// The originals back over everything saved, once; the early writes stop.
     ///
     /// # Safety
@@ -89,9 +104,15 @@ impl Aside {
             return;
         }
         let from = self.bytes.as_mut_ptr().cast::<u8>();
-        let range = (0, self.saved * self.size);
         let way = Way::Out { streaming: false };
-        copy_spans((&self.spans, &mut Walk::default()), range, from, way);
+        let mut ranges = std::mem::take(&mut self.ranges);
+        ranges.push((0, self.saved));
+        ranges.sort_unstable();
+        let walk = &mut Walk::default();
+        for (start, n) in ranges.into_iter().filter(|r| r.1 > 0) {
+            let range = (start * self.size, n * self.size);
+            copy_spans((&self.spans, walk), range, from.add(range.0), way);
+        }
         self.dirty = false;
     }
 }

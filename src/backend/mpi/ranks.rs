@@ -405,7 +405,9 @@ impl Ranks for MpiRanks {
             (avg, ring.piece_of(size), whole),
             (held, aside),
         );
-        self.drive(&mut queue, Until::Idle)?;
+        if !self.thread_moves() {
+            self.drive(&mut queue, Until::Idle)?;
+        }
         drop(queue);
         self.wake_progress();
         Ok(Ticket(Box::new(handle)))
@@ -422,7 +424,7 @@ impl Ranks for MpiRanks {
     }
 
     fn poke(&self) {
-        if self.refuse_if_failed().is_ok() {
+        if !self.thread_moves() && self.refuse_if_failed().is_ok() {
             // Busy: the progress thread is moving the queue. A failure is kept in `failed`:
             // the step's allreduce_grads reports it.
             if let Some(mut queue) = self.queue.try_lock() {

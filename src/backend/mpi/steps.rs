@@ -238,14 +238,13 @@ impl Queue {
                 let data = (item.dtype, item.count, item.inputs.clone());
                 let held = item.held.as_mut_ptr().cast::<u8>();
                 let into = (held, item.avg.take(), item.abandoned.clone());
-                // Released already: straight into the outputs; early: into both.
+                // Released already: straight into the outputs; early: into both, the pieces
+                // saving the originals as they stage them.
                 let early =
                     item.direct_from.is_none() && item.aside.as_ref().is_some_and(|a| a.live);
-                if let Some(aside) = item.aside.as_mut().filter(|_| early) {
-                    aside.save((0, item.count));
-                }
+                let aside = item.aside.as_mut().filter(|_| early).map(|a| a.base());
                 let direct =
-                    (item.direct_from.is_some() || early).then(|| (item.outs.clone(), early));
+                    (item.direct_from.is_some() || early).then(|| (item.outs.clone(), aside));
                 let numbers = (item.piece, &mut self.ring_pieces);
                 let whole = Whole::new(slots, data, into, direct, numbers);
                 self.inflight
@@ -383,7 +382,7 @@ impl Queue {
             // ring piece's result is in its flight's parts, a collective's in the receive
             // stage (or already in `held`).
             let recv = (self.stages.as_ptr().cast::<u8>()).add((DEPTH + self.done % DEPTH) * PIECE);
-            let (_, _, transfer) = self.inflight.pop_front().expect("the front");
+            let (_, _, mut transfer) = self.inflight.pop_front().expect("the front");
             self.done += 1;
             let item = self.items.iter_mut().find(|i| i.seq == seq);
             let Some(item) = item else {
@@ -392,6 +391,9 @@ impl Queue {
                 }
                 continue;
             };
+            if let (Transfer::Whole(whole), Some(aside)) = (&mut transfer, item.aside.as_mut()) {
+                aside.saved(whole.take_saved());
+            }
             item.done += 1;
             let (start, n) = item.range(piece);
             let direct = item.direct_from.is_some_and(|d| piece >= d);
@@ -474,7 +476,11 @@ impl Queue {
         let of = |s: u64| seq.is_none_or(|q| q == s);
         for (s, _, transfer) in self.inflight.iter_mut() {
             if let (true, Transfer::Whole(whole)) = (of(*s), transfer) {
-                whole.stop_early();
+                let saved = whole.stop_early();
+                let item = self.items.iter_mut().find(|i| i.seq == *s);
+                if let Some(aside) = item.and_then(|i| i.aside.as_mut()) {
+                    aside.saved(saved);
+                }
             }
         }
         for item in self.items.iter_mut().filter(|i| of(i.seq)) {

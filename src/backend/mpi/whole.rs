@@ -41,11 +41,15 @@ pub(super) struct Whole {
     inputs: Vec<(Vec<usize>, usize)>,
     abandoned: Arc<AtomicBool>,
     held: *mut u8,
-    /// The step agreed before the bucket went, or (`early`) is expected to: the sums are
+    /// The step agreed before the bucket went, or is expected to (`aside`): the sums are
     /// written straight into these outputs ([`Item`](super::steps::Item)'s), `held` keeping
     /// only this rank's own (`aside.rs`: what stops early writes copies the rest there).
     direct: Option<Outputs>,
-    early: bool,
+    /// Written early: where the originals go ([`Aside::base`](super::aside::Aside)), each
+    /// piece's as it is staged (hot in cache, rather than the bucket's at once before it
+    /// goes), and the ranges saved so far.
+    aside: Option<*mut u8>,
+    saved: Vec<(usize, usize)>,
     /// Per rank, per output: where writing that rank's sums has got to.
     walks_out: Vec<Vec<Walk>>,
     avg: Option<usize>,
@@ -76,12 +80,12 @@ impl Whole {
         slots: Slots,
         (dtype, count, inputs): (DType, usize, Vec<(Vec<usize>, usize)>),
         (held, avg, abandoned): (*mut u8, Option<usize>, Arc<AtomicBool>),
-        direct: Option<(Outputs, bool)>,
+        direct: Option<(Outputs, Option<*mut u8>)>,
         (ring_piece, numbers): (usize, &mut usize),
     ) -> Whole {
-        let (direct, early) = match direct {
-            Some((outs, early)) => (Some(outs), early),
-            None => (None, false),
+        let (direct, aside) = match direct {
+            Some((outs, aside)) => (Some(outs), aside),
+            None => (None, None),
         };
         let n = slots.ranks();
         let size = dtype.size();
@@ -105,7 +109,8 @@ impl Whole {
                 })
                 .collect(),
             direct,
-            early,
+            aside,
+            saved: Vec::new(),
             avg,
             ring_piece: ring_piece.min(count),
             phase: 0,
@@ -122,11 +127,31 @@ impl Whole {
         self.phase == 2
     }
 
-    /// Written early ([`Whole::new`]'s `early`): from now on only into `held` (the caller
-    /// copies what the outputs got so far there).
-    pub(super) fn stop_early(&mut self) {
-        if self.early {
+    /// Written early ([`Whole::new`]'s `aside`): from now on only into `held` (the caller
+    /// copies what the outputs got so far there). The ranges saved, for the caller to put
+    /// back.
+    pub(super) fn stop_early(&mut self) -> Vec<(usize, usize)> {
+        if self.aside.take().is_some() {
             self.direct = None;
+        }
+        self.take_saved()
+    }
+
+    /// The ranges of originals saved so far ([`Aside::saved`](super::aside::Aside)).
+    pub(super) fn take_saved(&mut self) -> Vec<(usize, usize)> {
+        std::mem::take(&mut self.saved)
+    }
+
+    /// Written early: the originals of elements `[e, e + l)`, just staged at `from`, saved
+    /// before any sum is written over them.
+    unsafe fn keep(&mut self, (e, l): (usize, usize), from: *const u8) {
+        if let Some(base) = self
+            .aside
+            .filter(|_| !self.abandoned.load(Ordering::Relaxed))
+        {
+            let size = self.dtype.size();
+            std::ptr::copy_nonoverlapping(from, base.add(e * size), l * size);
+            self.saved.push((e, l));
         }
     }
 
@@ -213,6 +238,7 @@ impl Whole {
             if let Some((s, len)) = range_of(i, c, l) {
                 let into = slot.add(section(q, me) * c * size);
                 self.local_sum(q, (o + s, len), into);
+                self.keep((o + s, len), into);
             }
         }
     }
@@ -245,6 +271,7 @@ impl Whole {
         let e = o + s;
         let mine = self.held.add(e * size);
         self.local_sum(me, (e, len), mine);
+        self.keep((e, len), mine);
         let mut from: Vec<*const u8> = Vec::with_capacity(n);
         let mut at = 0;
         for (b, l) in blocks((e, len), (self.ring_piece, self.count), n) {
