@@ -20,7 +20,8 @@
 //!    receive buffers). Alone: `--part shards`.
 //! 6. Overlap: a ResNet-50 step whose backward sleeps 250 µs per tensor (a GPU's backward
 //!    leaves the CPU free), 2 ranks x 1 and x 2 replicas: backward alone, allreduce alone, the
-//!    step without and with `dpsync_grad_ready`. Alone: `--part overlap`.
+//!    step without and with `dpsync_grad_ready`. Alone: `--part overlap`; `DPSYNC_OVERLAP_US`
+//!    sets the sleep per tensor (0: every mark at once, the buckets' own pace).
 //! 7. Elastic worlds (only alone, under an MPI with ULFM: `--part elastic`): 2 ranks x 1
 //!    replica, one 64 MiB f32 GRAD, `dpsync_allreduce_grads` of a plain world against an
 //!    elastic one.
