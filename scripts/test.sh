@@ -75,14 +75,10 @@ if [ -n "${DPSYNC_ULFM:-}" ]; then
   DPSYNC_TEST_RANKS=2 LD_LIBRARY_PATH="$DPSYNC_ULFM/lib" timeout 300 "$DPSYNC_ULFM/bin/mpirun" --allow-run-as-root \
     --oversubscribe --with-ft ulfm -n 2 "$exe" leave_body --exact --test-threads=1
 fi
-step "randomized cross-rank test: tests/world_random.rs (mpirun -n 2 and -n 3, default seeds; with --full, under Open MPI 5 with ULFM, also its kill variant: 3 seeds of an elastic world on 3 ranks where one rank SIGKILLs itself at a random call; more: scripts/world-random.sh, --kills for the kill variant)"
-# The kill variant runs only with --full: it has failed twice (a vote that found a loss with no
-# lost rank, after a refused call with early buckets in flight; docs/ARCHITECTURE.md, Known gaps).
-kills=(env -u DPSYNC_ULFM)
-if [ -n "$full" ]; then kills=(env); fi
-"${kills[@]}" cargo test --release --features mpi --target-dir target/mpi --test world_random
+step "randomized cross-rank test: tests/world_random.rs (mpirun -n 2 and -n 3, default seeds; under Open MPI 5 with ULFM, also its kill variant: 3 seeds of an elastic world on 3 ranks where one rank SIGKILLs itself at a random call; more: scripts/world-random.sh, --kills for the kill variant)"
+cargo test --release --features mpi --target-dir target/mpi --test world_random
 step "the same without shared memory between the ranks (DPSYNC_MPI_SHM=0: every piece over MPI messages, the ring's halves for reduce-scatter and allgather)"
-"${kills[@]}" DPSYNC_MPI_SHM=0 cargo test --release --features mpi --target-dir target/mpi --test world_random
+DPSYNC_MPI_SHM=0 cargo test --release --features mpi --target-dir target/mpi --test world_random
 step "CUDA replicas across ranks on the fake CUDA driver and NCCL (two fake GPUs per rank; tests/world_cuda.rs: NCCL across the ranks and the staged path; tests/world_random_cuda.rs: the randomized cross-rank test on CUDA replicas, seeds 0-9 x 150 calls per layout and transport, 0-4 synchronous and 5-9 asynchronous (--full: all ten in both); tests/world_leave.rs: a rank leaves, the others' clique is made again): synchronous, then asynchronous streams"
 for async in "" 1; do
   seeds=""  # the test's default: 10
