@@ -142,8 +142,8 @@ impl Whole {
         std::mem::take(&mut self.saved)
     }
 
-    /// Written early: the originals of elements `[e, e + l)`, just staged at `from`, saved
-    /// before any sum is written over them.
+    /// Written early: the originals of the other ranks' elements `[e, e + l)`, just staged
+    /// at `from`, saved before any sum is written over them.
     unsafe fn keep(&mut self, (e, l): (usize, usize), from: *const u8) {
         if let Some(base) = self
             .aside
@@ -270,13 +270,24 @@ impl Whole {
         };
         let e = o + s;
         let mine = self.held.add(e * size);
-        self.local_sum(me, (e, len), mine);
-        self.keep((e, len), mine);
+        // Written early, this rank's contribution is staged where its originals are kept:
+        // the saved copy is the stage, and the sum goes to `held` (no copy more).
+        let own = match self
+            .aside
+            .filter(|_| !self.abandoned.load(Ordering::Relaxed))
+        {
+            Some(base) => base.add(e * size),
+            None => mine,
+        };
+        self.local_sum(me, (e, len), own);
+        if own != mine {
+            self.saved.push((e, len));
+        }
         let mut from: Vec<*const u8> = Vec::with_capacity(n);
         let mut at = 0;
         for (b, l) in blocks((e, len), (self.ring_piece, self.count), n) {
             let of = |r: usize| match r == me {
-                true => mine.add(at * size) as *const u8,
+                true => own.add(at * size) as *const u8,
                 false => (self.slots.slot(r, k)).add((section(me, r) * c + at) * size) as *const u8,
             };
             from.clear();
