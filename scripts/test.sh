@@ -79,12 +79,13 @@ step "randomized cross-rank test: tests/world_random.rs (mpirun -n 2 and -n 3, d
 cargo test --release --features mpi --target-dir target/mpi --test world_random
 step "the same without shared memory between the ranks (DPSYNC_MPI_SHM=0: every piece over MPI messages, the ring's halves for reduce-scatter and allgather)"
 DPSYNC_MPI_SHM=0 cargo test --release --features mpi --target-dir target/mpi --test world_random
-step "CUDA replicas across ranks on the fake CUDA driver and NCCL (two fake GPUs per rank; tests/world_cuda.rs: NCCL across the ranks and the staged path; tests/world_random_cuda.rs: the randomized cross-rank test on CUDA replicas, seeds 0-9 x 150 calls per layout and transport, 0-4 synchronous and 5-9 asynchronous (--full: all ten in both); tests/world_leave.rs: a rank leaves, the others' clique is made again): synchronous, then asynchronous streams"
+step "CUDA replicas across ranks on the fake CUDA driver and NCCL (two fake GPUs per rank; tests/world_cuda.rs: NCCL across the ranks and the staged path; tests/world_random_cuda.rs: the randomized cross-rank test on CUDA replicas, seeds 0-9 x 150 calls per layout and transport, 0-4 synchronous and 5-9 asynchronous (--full: all ten in both), and with asynchronous streams under Open MPI 5 its kill variant, seed 0 per transport (--full: seeds 0 and 1); tests/world_leave.rs: a rank leaves, the others' clique is made again): synchronous, then asynchronous streams"
 for async in "" 1; do
-  seeds=""  # the test's default: 10
-  if [ -z "$full" ]; then seeds=$([ -z "$async" ] && echo 0..4 || echo 5..9); fi
+  seeds="" kill_seeds=""  # the test's defaults: 10 and 2
+  if [ -z "$full" ]; then seeds=$([ -z "$async" ] && echo 0..4 || echo 5..9) kill_seeds=1; fi
   DPSYNC_FAKE_CUDA=1 DPSYNC_REQUIRE_GPU=1 FAKE_CUDA_DEVICES=2 FAKE_CUDA_ASYNC=$async \
     LD_LIBRARY_PATH="$PWD/target/fakecuda:${LD_LIBRARY_PATH:-}" DPSYNC_RANDOM_SEEDS=$seeds \
+    DPSYNC_RANDOM_KILL_SEEDS=$kill_seeds \
     cargo test --release --features mpi --target-dir target/mpi --test world_cuda --test world_random_cuda --test repro
   DPSYNC_FAKE_CUDA=1 DPSYNC_REQUIRE_GPU=1 FAKE_CUDA_DEVICES=2 FAKE_CUDA_ASYNC=$async \
     LD_LIBRARY_PATH="$PWD/target/fakecuda:${LD_LIBRARY_PATH:-}" \

@@ -31,6 +31,14 @@
 //!   (buckets started early on the NCCL clique there would be a case of its own; tests/world_leave.rs
 //!   has a leave while host replicas' buckets were started early).
 //!
+//! `random_kills_across_ranks_on_cuda` (under an MPI with ULFM named by `DPSYNC_ULFM`, else
+//! skipped) runs `kill_cuda_body`: tests/world_random.rs's kill variant on CUDA replicas, one
+//! mpirun per seed and transport (`DPSYNC_RANDOM_KILL_SEEDS`, default 2; 3 ranks), one rank
+//! SIGKILLing itself at a call drawn from the seed, the survivors checking RANK_LOST, the
+//! bytes kept and the redo, the NCCL clique made again over them. Not with synchronous fake
+//! streams: there a fake NCCL collective completes inside the call only once every rank
+//! queued it, and a dead rank's never comes.
+//!
 //! Environment: as tests/world_random.rs (`DPSYNC_RANDOM_SEEDS`, `DPSYNC_RANDOM_CALLS`,
 //! `DPSYNC_RANDOM_NO`, `DPSYNC_RANDOM_RANKS`, `DPSYNC_RANDOM_LIMIT_S`, `DPSYNC_RANDOM_TIMEOUT_MS`,
 //! `DPSYNC_RANDOM_TRACE`), and `DPSYNC_RANDOM_TRANSPORTS` (`nccl,peer_copy`).
@@ -52,10 +60,10 @@ mod common {
 }
 
 use common::abi::{T_NCCL, T_PEER_COPY};
-use common::mpi::{as_rank, launch, under_mpirun};
+use common::mpi::{as_rank, launch, launch_ulfm, ulfm_venv, under_mpirun};
 use common::place::{device_count, Place};
 use common::world_calls::{layout, run, Setup};
-use common::world_model::{env, env_num, Config, Where};
+use common::world_model::{env, env_num, seeds_from, Config, Where};
 
 fn flag(key: &str) -> bool {
     std::env::var(key).as_deref() == Ok("1")
@@ -90,11 +98,65 @@ fn ordinals(rank: usize, ranks: usize) -> Vec<i32> {
 }
 
 #[test]
+fn random_kills_across_ranks_on_cuda() {
+    const TEST: &str = "random_kills_across_ranks_on_cuda (the kill variant on CUDA replicas)";
+    if under_mpirun() {
+        return; // a rank runs kill_cuda_body only
+    }
+    let Some(venv) = ulfm_venv(TEST) else {
+        return;
+    };
+    if flag("DPSYNC_FAKE_CUDA") && !flag("FAKE_CUDA_ASYNC") {
+        println!("{TEST}: skipped with synchronous fake streams (FAKE_CUDA_ASYNC=1 runs it)");
+        return;
+    }
+    if Place::gpus(TEST, 1).is_none() {
+        return; // it said it was skipped
+    }
+    let limit = env_num("DPSYNC_RANDOM_LIMIT_S", 300);
+    let transports = env("DPSYNC_RANDOM_TRANSPORTS").unwrap_or("nccl,peer_copy".into());
+    for n in env("DPSYNC_RANDOM_RANKS").unwrap_or("3".into()).split(',') {
+        let n: usize = n.trim().parse().expect("DPSYNC_RANDOM_RANKS: e.g. 3");
+        for seed in seeds_from("DPSYNC_RANDOM_KILL_SEEDS", 2) {
+            for transport in transports.split(',').map(str::trim) {
+                let seeds = format!("{seed}..{seed}");
+                // The lost rank's process is gone, and MPI_COMM_WORLD with it: one seed and
+                // transport per mpirun.
+                let env = [
+                    ("DPSYNC_RANDOM_SEEDS", seeds.as_str()),
+                    ("DPSYNC_RANDOM_TRANSPORTS", transport),
+                    ("DPSYNC_RANDOM_KILL", "1"),
+                ];
+                launch_ulfm("kill_cuda_body", n, limit, &venv, &env, n - 1);
+            }
+        }
+    }
+}
+
+#[test]
 fn random_cuda_body() {
     let Some((rank, ranks)) = as_rank("random_cuda_body") else {
         return;
     };
-    let cfg = Config::from_env(10, 150);
+    cuda_body(rank, ranks, &Config::from_env(10, 150));
+}
+
+#[test]
+fn kill_cuda_body() {
+    let Some((rank, ranks)) = as_rank("kill_cuda_body") else {
+        return;
+    };
+    let cfg = Config {
+        kill: true,
+        ..Config::from_env(1, 150)
+    };
+    cuda_body(rank, ranks, &cfg);
+    // On a line of its own: launch_ulfm counts them.
+    println!("\nSURVIVED kill_cuda_body");
+}
+
+/// Every transport of `DPSYNC_RANDOM_TRANSPORTS` in turn, on this rank's GPUs.
+fn cuda_body(rank: usize, ranks: usize, cfg: &Config) {
     let transports = env("DPSYNC_RANDOM_TRANSPORTS").unwrap_or("nccl,peer_copy".into());
     for transport in transports.split(',').map(str::trim) {
         let (transport, test) = match transport {
@@ -128,7 +190,7 @@ fn random_cuda_body() {
             lockstep: nccl && flag("DPSYNC_FAKE_CUDA") && !flag("FAKE_CUDA_ASYNC"),
             replay,
         };
-        run(rank, &layout(ranks), &cfg, &setup);
+        run(rank, &layout(ranks), cfg, &setup);
     }
 }
 
@@ -151,9 +213,17 @@ fn replay(setup: &Setup, seed: u64, calls: usize, ranks: usize) -> String {
         }
         false => String::new(),
     };
+    // The kill variant: its launcher, under Open MPI 5 with ULFM.
+    let (seeds, test) = match env("DPSYNC_RANDOM_KILL") {
+        Some(_) => (
+            "DPSYNC_ULFM=<venv> DPSYNC_RANDOM_KILL_SEEDS",
+            " random_kills_across_ranks_on_cuda",
+        ),
+        None => ("DPSYNC_RANDOM_SEEDS", ""),
+    };
     format!(
-        "{fake}DPSYNC_RANDOM_SEEDS={seed}..{seed} DPSYNC_RANDOM_CALLS={calls} \
+        "{fake}{seeds}={seed}..{seed} DPSYNC_RANDOM_CALLS={calls} \
          DPSYNC_RANDOM_RANKS={ranks} DPSYNC_RANDOM_TRANSPORTS={transport} DPSYNC_RANDOM_NO={no} \
-         cargo test --release --features mpi --target-dir target/mpi --test world_random_cuda"
+         cargo test --release --features mpi --target-dir target/mpi --test world_random_cuda{test}"
     )
 }

@@ -73,25 +73,39 @@ bool whole_io(bool write, int fd, void* buf, size_t n) {
   return true;
 }
 
-// Waits until every rank's `field` reaches `round`; "" or why not (a rank aborted). 60 s: a hang.
+// Waits until every rank's `field` reaches `round`; "" or why not. While any rank is behind,
+// every rank is looked at: one aborted (this process's own included: ncclCommAbort ends its
+// kernels) or whose process is gone ends the wait, wherever it is in the clique (a wait on a
+// live rank that is behind must not hide a dead one after it). 60 s: a hang.
 std::string wait_all(Clique* q, std::atomic<uint64_t> Slot::*field, uint64_t round,
                      const char* what) {
   auto start = std::chrono::steady_clock::now();
-  for (int r = 0; r < q->nranks;) {
-    Slot& s = q->shared->slot[r];
-    if ((s.*field).load(std::memory_order_acquire) >= round) { r++; continue; }
-    if (s.aborted.load()) return fmt("fake NCCL: rank %d was aborted or destroyed in its process "
-                                     "while rank(s) here waited for it (%s)", r, what);
-    if (process_gone(s)) return fmt("fake NCCL: rank %d's process is gone (it ended without "
-                                    "aborting its rank) while rank(s) here waited for it (%s)", r, what);
+  auto first_behind = [&] {
+    for (int r = 0; r < q->nranks; r++)
+      if ((q->shared->slot[r].*field).load(std::memory_order_acquire) < round) return r;
+    return -1;
+  };
+  for (;;) {
+    int behind = first_behind();
+    if (behind < 0) return "";
+    for (int r = 0; r < q->nranks; r++) {
+      Slot& s = q->shared->slot[r];
+      // A rank that ended after every rank reached the round (a context destroyed once its
+      // last collective went) ends nothing.
+      if ((s.aborted.load() || process_gone(s)) && first_behind() < 0) return "";
+      if (s.aborted.load()) return fmt("fake NCCL: rank %d was aborted or destroyed in its process "
+                                       "while rank(s) here waited for rank %d (%s)", r, behind, what);
+      if (process_gone(s)) return fmt("fake NCCL: rank %d's process is gone (it ended without "
+                                      "aborting its rank) while rank(s) here waited for rank %d (%s)",
+                                      r, behind, what);
+    }
     if (std::chrono::steady_clock::now() - start > std::chrono::seconds(60)) {
       std::fprintf(stderr, "fake NCCL: round %llu waited 60 s for rank %d (%s): a hang in real "
-                   "NCCL\n", (unsigned long long)round, r, what);
+                   "NCCL\n", (unsigned long long)round, behind, what);
       std::abort();
     }
     std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
-  return "";
 }
 
 // One collective across processes: `local` are this process's ranks' ops (all alike).

@@ -54,9 +54,17 @@ impl CudaBackend {
     /// [`crate::backend::Streams::recover`]: the failure forgotten, then every stream and
     /// pending collective waited for (also without a failure: a call that completed here may
     /// still be writing); whatever fails then is recorded again. The NCCL
-    /// communicators the failure aborted stay aborted: a clique across the ranks is joined anew
+    /// communicators are aborted first and stay so: a clique across the ranks is joined anew
     /// by the world's rebuild, a local one made again when next needed.
     pub(super) fn recover_from_world(&self) -> Result<()> {
+        // A rank was lost (or left): the communicators are aborted before the streams are
+        // drained, whether or not this process's failure aborted them. Real NCCL may report a
+        // dead peer to none of the survivors (ranks sharing a GPU, NVLink) and then waits for
+        // it until aborted, and a survivor whose own call failed only in MPI would drain into
+        // its timeout (the randomized test's CUDA kill variant, seed 4).
+        if let Some(comms) = self.comms.lock().take() {
+            comms.abort();
+        }
         let was = self.state.lock().failed.take();
         let sound = self.wait_all_groups().and_then(|()| self.observe(true));
         sound.map_err(|e| {
