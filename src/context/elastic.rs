@@ -98,6 +98,11 @@ impl Context {
         let Some(ranks) = self.executor.ranks() else {
             return outcome;
         };
+        if self.membership.departed.is_some() {
+            // Left (or failed): no world to vote in. A leaver's `dpsync_leave` began a call
+            // that never voted, and a vote now would wait alone on the old communicator.
+            return outcome;
+        }
         let lost = match ranks.vote_lost() {
             Ok(None | Some(false)) => return outcome,
             Ok(Some(true)) => ranks.shrunk(),

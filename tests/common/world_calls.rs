@@ -245,8 +245,9 @@ impl<'a> World<'a> {
             .expect("a CUDA context (the run checked for a GPU)"),
         };
         let mut lg = Lcg::new(seed ^ 0x6c65_6176_6573);
-        // Kills: no leaves (a leave below min_ranks would be a case of its own).
-        let on = cfg.on("leave") && !cfg.kill;
+        // Kills and leaves mix: a leave is not bound by min_ranks, a later kill counts the
+        // ranks that remain (`World::lost_at`).
+        let on = cfg.on("leave");
         let leaves = World::draw_leaves(&mut lg, per_rank.len(), cfg.calls, on);
         let mut w = World {
             ctx,
