@@ -107,7 +107,9 @@ fn random_kills_across_ranks_on_cuda() {
         return;
     };
     if flag("DPSYNC_FAKE_CUDA") && !flag("FAKE_CUDA_ASYNC") {
-        println!("{TEST}: skipped with synchronous fake streams (FAKE_CUDA_ASYNC=1 runs it)");
+        common::skip::skip(format_args!(
+            "{TEST}: skipped with synchronous fake streams (FAKE_CUDA_ASYNC=1 runs it)"
+        ));
         return;
     }
     if Place::gpus(TEST, 1).is_none() {
