@@ -179,9 +179,9 @@ impl Engine {
             .filter(|(_, w)| w.len() >= words)
             .min_by_key(|(_, w)| w.len());
         let pick = fits.or_else(|| spare.iter().enumerate().max_by_key(|(_, w)| w.len()));
-        let mut words = pick.map(|(i, _)| i).map(|i| spare.swap_remove(i));
+        let at = pick.map(|(i, _)| i);
+        let mut words = at.map(|i| spare.swap_remove(i)).unwrap_or_default();
         drop(spare);
-        let mut words = words.take().unwrap_or_default();
         stage(&mut words, bytes);
         words
     }

@@ -30,12 +30,6 @@ impl Progress {
 }
 
 impl MpiRanks {
-    /// Wakes the progress thread for a bucket just queued, starting it the first time. It
-    /// runs even where this process may use one CPU only (`mpirun` binds each of 2 ranks to a
-    /// core by default): a GPU's backward, or any caller waiting for its data, leaves that CPU
-    /// free, and only a thread of dpsync's own then moves the buckets while the caller is
-    /// outside dpsync. Where the caller computes on that CPU, the thread yields to it as soon
-    /// as a test finds nothing to do ([`Idle`]).
     /// Whether the progress thread moves the queue: the caller's marks then leave the
     /// queue to it. A pass on the caller's thread stages and sums pieces for hundreds of
     /// microseconds, which delays the caller's next work (a GPU's next kernels, the next
@@ -45,6 +39,12 @@ impl MpiRanks {
         matches!(*self.progress.lock(), Progress::Running(_))
     }
 
+    /// Wakes the progress thread for a bucket just queued, starting it the first time. It
+    /// runs even where this process may use one CPU only (`mpirun` binds each of 2 ranks to a
+    /// core by default): a GPU's backward, or any caller waiting for its data, leaves that CPU
+    /// free, and only a thread of dpsync's own then moves the buckets while the caller is
+    /// outside dpsync. Where the caller computes on that CPU, the thread yields to it as soon
+    /// as a test finds nothing to do ([`Idle`]).
     pub(super) fn wake_progress(&self) {
         let mut progress = self.progress.lock();
         if let Progress::NotYet = *progress {

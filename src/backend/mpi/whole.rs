@@ -142,13 +142,17 @@ impl Whole {
         std::mem::take(&mut self.saved)
     }
 
+    /// Where the originals go while they are saved: written early, and the caller's memory
+    /// still ours (a dropped ticket's is not read).
+    fn saving(&self) -> Option<*mut u8> {
+        self.aside
+            .filter(|_| !self.abandoned.load(Ordering::Relaxed))
+    }
+
     /// Written early: the originals of the other ranks' elements `[e, e + l)`, just staged
     /// at `from`, saved before any sum is written over them.
     unsafe fn keep(&mut self, (e, l): (usize, usize), from: *const u8) {
-        if let Some(base) = self
-            .aside
-            .filter(|_| !self.abandoned.load(Ordering::Relaxed))
-        {
+        if let Some(base) = self.saving() {
             let size = self.dtype.size();
             std::ptr::copy_nonoverlapping(from, base.add(e * size), l * size);
             self.saved.push((e, l));
@@ -272,10 +276,7 @@ impl Whole {
         let mine = self.held.add(e * size);
         // Written early, this rank's contribution is staged where its originals are kept:
         // the saved copy is the stage, and the sum goes to `held` (no copy more).
-        let own = match self
-            .aside
-            .filter(|_| !self.abandoned.load(Ordering::Relaxed))
-        {
+        let own = match self.saving() {
             Some(base) => base.add(e * size),
             None => mine,
         };
