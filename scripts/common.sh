@@ -33,7 +33,8 @@ ensure_tools() {
 # libclang, which rsmpi's build needs to generate its bindings.
 ensure_mpi() {
   local missing=()
-  command -v mpicc >/dev/null 2>&1 || missing+=(libopenmpi-dev)
+  # The headers, not just the wrapper: python3-mpi4py brings mpicc without them.
+  echo '#include <mpi.h>' | mpicc -E -x c - >/dev/null 2>&1 || missing+=(libopenmpi-dev)
   command -v mpirun >/dev/null 2>&1 || missing+=(openmpi-bin)
   compgen -G '/usr/lib/llvm-*/lib/libclang.so' >/dev/null || missing+=(libclang-dev)
   apt_install "${missing[@]}"
