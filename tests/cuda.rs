@@ -213,3 +213,7 @@ mod overlap;
 /// The fake NCCL's sends and receives between processes.
 #[path = "cuda_parts/fake_nccl_p2p.rs"]
 mod fake_nccl_p2p;
+
+/// The fake NCCL's shrink.
+#[path = "cuda_parts/fake_nccl_shrink.rs"]
+mod fake_nccl_shrink;

@@ -53,6 +53,8 @@
 // their communicators report ncclInProgress until aborted (a stuck collective); "error" = the ops
 // do not run and the communicators report ncclSystemError ("fake NCCL: injected failure").
 // FAKE_NCCL_INIT_FAULT=1: every communicator init fails with ncclSystemError.
+// FAKE_NCCL_QUIET_PEERS=1: a rank whose process is gone is not reported (process_gone says how).
+// ncclCommShrink (NCCL 2.27+) makes the survivors' child clique as an init of it (see there).
 // Several ranks of a clique on one device are refused, as by NCCL, unless
 // NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL >= 2.30; this fake reports 2.30.0).
 #include <dlfcn.h>
@@ -103,6 +105,7 @@ struct Comm {
   int rank, device;
   bool blocking;
   bool dead = false, finalized = false, hang = false, pending = false;
+  bool shrunk_abort = false;  // ncclCommShrink with NCCL_SHRINK_ABORT ended its ops: only free it
   bool connected = false;  // its first group with ops ran (FAKE_NCCL_SETUP_MS)
   std::chrono::steady_clock::time_point busy_until{};
   int error = Success;
@@ -285,6 +288,10 @@ int check_op(const Op& o, void* stream) {
   const char* what = kind_name[o.kind];
   if (c->finalized)
     return fail(c, InvalidUsage, fmt("fake NCCL: rank %d's %s after ncclCommFinalize", c->rank, what));
+  if (c->shrunk_abort)
+    return fail(c, InvalidUsage, fmt("fake NCCL: rank %d's %s after ncclCommShrink with "
+                                     "NCCL_SHRINK_ABORT (only ncclCommAbort or ncclCommDestroy may "
+                                     "follow)", c->rank, what));
   if (c->error != Success) return c->error;  // errors stick, as in real NCCL
   if (o.dtype < 0 || o.dtype > 9)
     return fail(c, InvalidArgument,
@@ -446,6 +453,8 @@ int finish(int rc) {
   return rc != Success ? rc : end;
 }
 
+#include "fake_nccl_shrink.hpp"
+
 template <class T> int comm_info(void* comm, T* out, T value_of(Comm*)) {
   std::lock_guard<std::mutex> guard(mu);
   if (!comm || !out) return fail(nullptr, InvalidArgument, "fake NCCL: null argument");
@@ -523,6 +532,10 @@ int ncclCommDestroy(void* comm) {
   return Success;
 }
 int ncclCommAbort(void* comm) { return ncclCommDestroy(comm); }
+int ncclCommShrink(void* comm, int* exclude, int count, void** newcomm, const ConfigHead* config,
+                   int flags) {
+  return shrink(comm, exclude, count, newcomm, config, flags);
+}
 int ncclCommGetAsyncError(void* comm, int* state) {
   std::lock_guard<std::mutex> guard(mu);
   if (!comm || !state)
@@ -578,6 +591,8 @@ uint64_t fake_nccl_sent_bytes(const char* kind) {
     if (!kind || !std::strcmp(kind, kind_name[k])) total += sent[k];
   return total;
 }
+// Test aid: this process dies (SIGKILL) before it posts its next round across processes.
+void fake_nccl_die_at_next_round() { die_next.store(true); }
 uint64_t fake_nccl_calls(const char* kind) {
   uint64_t total = 0;
   for (int k = 0; k < 6; k++)

@@ -30,8 +30,15 @@ void create_data_file(Clique* q, int r) {
 
 // Whether rank r's process ended without aborting or destroying its rank (killed, crashed): real
 // NCCL then fails the others' collectives with ncclRemoteError where its proxy sees the peer's
-// connection close (or hangs until they are aborted); this fake always fails them.
+// connection close, or hangs until they are aborted (ranks sharing a GPU, NVLink, shared
+// memory); this fake fails them, or under FAKE_NCCL_QUIET_PEERS=1 hangs (until aborted or shrunk
+// with NCCL_SHRINK_ABORT on their own process, or the 60 s abort).
 bool process_gone(const Slot& s) {
+  static const bool quiet = [] {
+    const char* v = std::getenv("FAKE_NCCL_QUIET_PEERS");
+    return v && !std::strcmp(v, "1");
+  }();
+  if (quiet) return false;
   int pid = s.pid.load();
   return pid > 0 && kill(pid, 0) != 0 && errno == ESRCH;
 }
@@ -108,8 +115,16 @@ std::string wait_all(Clique* q, std::atomic<uint64_t> Slot::*field, uint64_t rou
   }
 }
 
+// fake_nccl_die_at_next_round: this process SIGKILLs itself before it posts its next round
+// (a rank dead inside a collective the others have queued).
+std::atomic<bool> die_next{false};
+void die_if_asked() {
+  if (die_next.load()) kill(getpid(), SIGKILL);
+}
+
 // One collective across processes: `local` are this process's ranks' ops (all alike).
 std::string round_across(Clique* q, uint64_t round, const std::vector<const Op*>& local) {
+  die_if_asked();
   const Op& mine = *local[0];
   size_t n = send_bytes(mine, q->nranks);
   if (auto why = wait_all(q, &Slot::consumed, round - 1, "the previous round"); !why.empty())
@@ -172,6 +187,7 @@ void leave(Comm* c) {
 struct P2pEntry { int32_t kind, peer, dtype, pad; uint64_t count, offset; };
 
 std::string p2p_across(Clique* q, uint64_t round, const std::vector<const Op*>& ops) {
+  die_if_asked();
   int n = q->nranks;
   if (auto why = wait_all(q, &Slot::consumed, round - 1, "the previous round"); !why.empty())
     return why;
