@@ -2,8 +2,11 @@
 //! an Open MPI with User-Level Failure Mitigation named by `DPSYNC_ULFM`, with the fake CUDA
 //! driver's environment or a GPU, else skipped): 3 ranks, rank r with 1 + r % 2 CUDA replicas
 //! over two GPUs, elastic with min_ranks 2, crossing the ranks through host memory (transport
-//! PEER_COPY), then over an NCCL clique (aborted after the loss and made again over the
-//! survivors; the fake NCCL fails a collective whose peer's process is gone).
+//! PEER_COPY), then over an NCCL clique (shrunk over the survivors after the loss, its
+//! operations ended by the shrink; the fake NCCL fails a collective whose peer's process is
+//! gone), and again with the fake NCCL quiet about the dead rank (it never fails the
+//! survivors' collectives, as real NCCL between ranks sharing a GPU) and rank 2 dying inside
+//! an NCCL collective: the survivors' waits on the device watch the other ranks' processes.
 //!
 //! A step of all three ranks; then, while the ranks alternate `broadcast` and `average` of a
 //! device PARAM of 1 MiB per replica and `allreduce_grads`, a thread kills rank 2 at a moment
@@ -55,7 +58,23 @@ fn cuda_replicas_lose_a_rank_and_go_on() {
         ));
         return;
     }
-    for transport in ["peer_copy", "nccl"] {
+    // nccl_quiet: the fake NCCL does not report the dead rank (FAKE_NCCL_QUIET_PEERS=1, as
+    // real NCCL between ranks sharing a GPU): the survivors' waits on the device see it gone.
+    for variant in ["peer_copy", "nccl", "nccl_quiet"] {
+        let transport = variant.trim_end_matches("_quiet");
+        let fake = std::env::var_os("DPSYNC_FAKE_CUDA").is_some();
+        if variant == "nccl_quiet" && !fake {
+            continue; // real NCCL reports a dead peer as it does
+        }
+        if variant == "nccl_quiet" && std::env::var("FAKE_CUDA_ASYNC").as_deref() != Ok("1") {
+            // Synchronous fake streams run a round inside the call that queues it, so a
+            // survivor would wait there, where no watch runs (real NCCL never does).
+            common::skip::skip(format_args!(
+                "cuda_replicas_lose_a_rank_and_go_on: nccl_quiet skipped: it needs asynchronous \
+                 fake streams (FAKE_CUDA_ASYNC=1)"
+            ));
+            continue;
+        }
         let shared_gpu = common::place::device_count() == 1;
         let multi = std::env::var_os("NCCL_MULTI_RANK_GPU_ENABLE").is_some();
         if transport == "nccl" && shared_gpu && !multi {
@@ -65,7 +84,11 @@ fn cuda_replicas_lose_a_rank_and_go_on() {
             ));
             continue;
         }
-        let env = [("DPSYNC_TEST_TRANSPORT", transport)];
+        let quiet = if variant == "nccl_quiet" { "1" } else { "0" };
+        let env = [
+            ("DPSYNC_TEST_TRANSPORT", transport),
+            ("FAKE_NCCL_QUIET_PEERS", quiet),
+        ];
         launch_ulfm("cuda_lost_body", 3, 300, &venv, &env, 2);
     }
 }
@@ -270,8 +293,18 @@ fn cuda_lost_body() {
         0,
     );
 
-    // 2. Rank 2 dies at a moment of its own while the ranks alternate calls.
-    if rank == 2 {
+    // 2. Rank 2 dies at a moment of its own while the ranks alternate calls; with the fake
+    // NCCL quiet, inside its next NCCL collective, which the survivors then wait for on their
+    // devices (the case their watch of its process is for).
+    let quiet = std::env::var("FAKE_NCCL_QUIET_PEERS").as_deref() == Ok("1");
+    if rank == 2 && quiet {
+        // SAFETY: the fake NCCL this process loaded; `void fake_nccl_die_at_next_round()`.
+        unsafe {
+            let lib = libloading::Library::new("libnccl.so.2").expect("the fake NCCL");
+            let die = lib.get::<unsafe extern "C" fn()>(b"fake_nccl_die_at_next_round");
+            die.expect("the fake NCCL's fake_nccl_die_at_next_round")();
+        }
+    } else if rank == 2 {
         std::thread::spawn(|| {
             let nanos = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
@@ -369,6 +402,16 @@ fn cuda_lost_body() {
         "{}",
         tag("across the ranks after")
     );
+    if nccl {
+        // The clique was shrunk over the survivors (ncclCommShrink: the fake NCCL and NCCL
+        // 2.27+), not made anew.
+        let shrinks = &ctx.describe_json()["backend"]["nccl_shrinks"];
+        if std::env::var_os("DPSYNC_FAKE_CUDA").is_some() {
+            assert_eq!(shrinks, 1, "{}", tag("the NCCL clique shrunk"));
+        } else {
+            println!("rank {rank}: NCCL clique shrinks: {shrinks}");
+        }
+    }
 
     // 4. The survivors lost the same call: the sum of its number over their replicas.
     for k in 0..local {

@@ -20,7 +20,7 @@ pub(crate) use collective::Collective;
 pub use collective::{Move, PeerOp};
 #[cfg(feature = "mpi")]
 pub(crate) use ranks::allgather_packed;
-pub(crate) use ranks::{Channel, EveryRank, Ranks, Ticket};
+pub(crate) use ranks::{process_gone, Channel, EveryRank, Ranks, Ticket};
 
 use crate::error::{Error, Result};
 use crate::types::{DType, Memory};
@@ -357,14 +357,32 @@ pub(crate) trait WorldCollective {
     /// A new clique's id (one process makes it; every process joins with it).
     fn new_id(&self) -> Result<Vec<u8>>;
 
-    /// Issues this process's members, ranks `first..` of `total`, without waiting.
-    fn issue(&self, id: &[u8], first: usize, total: usize) -> Result<()>;
+    /// Issues this process's members, ranks `first..` of `total`, without waiting: the clique
+    /// [`WorldCollective::shrink`] made where `shrunk`, else a new one (`id`).
+    fn issue(&self, id: &[u8], first: usize, total: usize, shrunk: bool) -> Result<()>;
 
     /// Waits until the issued members are ready (the setup deadline bounds it).
     fn ready(&self) -> Result<()>;
 
     /// Gives the clique up (another process failed its part): collectives stay local.
     fn leave(&self);
+
+    /// Whether a clique shrunk after a loss waits to be joined as ranks `first..` of `total`.
+    fn shrunk(&self, first: usize, total: usize) -> bool;
+
+    /// An elastic world's call begins (`on`) or ends: meanwhile a failure keeps the clique
+    /// alive for a shrink; once it ended, what a failure kept is aborted.
+    fn hold(&self, on: bool);
+
+    /// While an elastic call is under way: waits on the device fail (BACKEND_ERROR) once one
+    /// of `peers` (rank, process id; ranks on this host) is gone, which NCCL may never report.
+    /// Empty: none (once the vote found the loss, before the streams are drained).
+    fn watch(&self, peers: Vec<(usize, u32)>);
+
+    /// After a loss, before the streams are drained: this process's members shrunk over the
+    /// survivors (clique ranks `lost` of `total` excluded; issued, not waited for) and the old
+    /// clique's operations ended. False where NCCL cannot shrink: the rebuild makes a new one.
+    fn shrink(&self, lost: &[usize], total: usize) -> bool;
 }
 
 /// The stream protocol of a device backend: the executor brackets every collective with

@@ -164,6 +164,12 @@ pub(crate) trait Ranks: Send {
     /// the last vote, or the world is not elastic.
     fn vote_lost(&self) -> Result<Option<bool>>;
 
+    /// An elastic world's other ranks on this host and their process ids: the CUDA backend
+    /// watches them in its waits on the device (`WorldCollective::watch`).
+    fn neighbours(&self) -> Vec<(usize, u32)> {
+        Vec::new()
+    }
+
     /// After a vote found a loss: the engine of the survivors (renumbered in their order) and
     /// the lost ranks (this engine's numbers), alike on every survivor.
     fn shrunk(&self) -> Result<(Box<dyn Ranks>, Vec<usize>)>;
@@ -246,3 +252,19 @@ pub(crate) enum Channel {
 // Read by the engine only (the MPI one is built with the `mpi` feature).
 #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 pub(crate) struct Ticket(pub(crate) Box<dyn std::any::Any + Send>);
+
+/// Whether process `pid` of this host is gone (a world's rank that died: MPI may not report it
+/// where a survivor waits). Without worlds (no `mpi` feature) there is none to ask about.
+pub(crate) fn process_gone(pid: u32) -> bool {
+    #[cfg(feature = "mpi")]
+    {
+        // SAFETY: signal 0 only asks whether the process exists.
+        let rc = unsafe { libc::kill(pid as libc::pid_t, 0) };
+        rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+    }
+    #[cfg(not(feature = "mpi"))]
+    {
+        let _ = pid;
+        false
+    }
+}

@@ -47,7 +47,29 @@ impl Membership {
 impl Context {
     /// A collective call (`body`), made again when ranks left at its agreement and every
     /// remaining rank had passed it: then the world is first made over the remaining ranks.
-    pub fn world_call(&mut self, mut body: impl FnMut(&mut Context) -> Result<()>) -> Result<()> {
+    pub fn world_call(&mut self, body: impl FnMut(&mut Context) -> Result<()>) -> Result<()> {
+        // An elastic world's NCCL clique outlives a failure until the vote (world.rs there).
+        let held = self.options.elastic > 0 && self.topology.world_nccl.is_some();
+        let hold = |ctx: &Context, on: bool| {
+            if let Some(c) = ctx.executor.world_collective() {
+                c.hold(on);
+                if let (true, Some(ranks)) = (on, ctx.executor.ranks()) {
+                    c.watch(ranks.neighbours());
+                }
+            }
+        };
+        if held {
+            hold(self, true);
+        }
+        let outcome = self.world_calls(body);
+        if held {
+            hold(self, false);
+        }
+        outcome
+    }
+
+    /// [`Context::world_call`]'s loop.
+    fn world_calls(&mut self, mut body: impl FnMut(&mut Context) -> Result<()>) -> Result<()> {
         loop {
             self.forget_undo();
             let outcome = body(self);
@@ -80,7 +102,9 @@ impl Context {
     /// An elastic world over an NCCL clique: the call's device work waited for before the vote
     /// (the host blocks until it completed). A collective in the clique whose peer dies after
     /// the call answered OK would otherwise leave its tensors half-written with nothing to
-    /// undo them; waited for, its failure is the call's and the vote finds the loss.
+    /// undo them; waited for, its failure is the call's and the vote finds the loss. Like
+    /// every wait on the device during the call, it watches the other ranks on this host
+    /// (`WorldCollective::watch`).
     fn device_done(&self, outcome: Result<()>) -> Result<()> {
         if outcome.is_err() || self.options.elastic == 0 || self.topology.world_nccl.is_none() {
             return outcome;
@@ -108,6 +132,14 @@ impl Context {
             Ok(Some(true)) => ranks.shrunk(),
             Err(e) => Err(e),
         };
+        if let Some(c) = self.executor.world_collective() {
+            c.watch(Vec::new()); // the dead are known: the drains below must not fail on them
+        }
+        if let Ok((_, gone)) = &lost {
+            if !gone.is_empty() && self.topology.world_size - gone.len() >= self.options.elastic {
+                self.shrink_collective(gone);
+            }
+        }
         // Every survivor voted alike: none keeps what the call wrote (BMUF's state included,
         // before its recount below).
         if let Err(e) = self.undo_written() {
@@ -186,6 +218,18 @@ impl Context {
                 self.membership.epoch
             ),
         ))
+    }
+
+    /// The NCCL clique shrunk over the survivors, `gone` (ranks before the loss) excluded,
+    /// before the streams are drained: the shrink ends what waits on the dead. Where NCCL
+    /// cannot, the rebuild makes a new clique.
+    fn shrink_collective(&self, gone: &[usize]) {
+        let (Some(groups), Some(c)) = (&self.topology.world_nccl, self.executor.world_collective())
+        else {
+            return;
+        };
+        let lost: Vec<usize> = gone.iter().flat_map(|&r| groups.ranks_of(r)).collect();
+        c.shrink(&lost, groups.total());
     }
 
     /// Refuses a collective on a context that left its world.

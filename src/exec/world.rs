@@ -141,8 +141,12 @@ pub fn join_collective(
     (groups, id): &(WorldGroups, Vec<u8>),
     transport: Transport,
 ) -> Result<bool> {
-    let me = ranks.rank();
-    let mut outcome = collective.issue(id, groups.first(me), groups.total());
+    let (first, total) = (groups.first(ranks.rank()), groups.total());
+    // The clique shrunk after a loss, where every rank holds its part (a shrink that failed on
+    // one leaves the others' waiting for it): else a new one.
+    let shrunk = collective.shrunk(first, total);
+    let shrunk = (ranks.allgather(&[shrunk as u8])?.iter()).all(|b| b[..] == [1]);
+    let mut outcome = collective.issue(id, first, total, shrunk);
     let mut failed = outcomes(ranks, &outcome, "issuing")?;
     if failed.is_none() {
         outcome = collective.ready();

@@ -103,6 +103,11 @@ impl WorldGroups {
         (0..rank).map(|r| self.groups(r)).sum()
     }
 
+    /// The NCCL ranks of rank `rank`.
+    pub fn ranks_of(&self, rank: usize) -> std::ops::Range<usize> {
+        self.first(rank)..self.first(rank) + self.groups(rank)
+    }
+
     /// NCCL ranks in the whole clique.
     pub fn total(&self) -> usize {
         self.first(self.group_of.len())

@@ -16,7 +16,7 @@ use super::nccl::{self, CommSet};
 use super::queue::setup_deadline;
 use super::{CudaBackend, Group};
 use crate::backend::{
-    BucketView, Collective, Layout, Links, Members, Move, PeerOp, ReproStage, Slot, WorldCollective,
+    BucketView, Collective, Layout, Links, Members, Move, PeerOp, ReproStage, Slot,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::plan::TransportChoice;
@@ -221,36 +221,6 @@ impl Links for CudaBackend {
         let world = self.world.load(Ordering::Relaxed);
         (self.transport == TransportChoice::Nccl && (self.groups.len() > 1 || world))
             .then_some(self)
-    }
-}
-
-/// NCCL across the ranks of a world: this process's groups are ranks `first..` of the clique.
-impl WorldCollective for CudaBackend {
-    fn new_id(&self) -> Result<Vec<u8>> {
-        nccl::unique_id_bytes()
-    }
-
-    fn issue(&self, id: &[u8], first: usize, total: usize) -> Result<()> {
-        let ctxs: Vec<&PrimaryContext> = self.groups.iter().map(|g| g.ctx.as_ref()).collect();
-        let set = CommSet::world(&ctxs, id, total, first)?;
-        // Replaces the local set AUTO may have tried at open (dropped: finalized).
-        *self.comms.lock() = Some(Arc::new(set));
-        self.world.store(true, Ordering::Relaxed);
-        Ok(())
-    }
-
-    fn ready(&self) -> Result<()> {
-        // After `issue`: the slot holds the world's set (or it was aborted since).
-        let set = self.comms(Instant::now())?;
-        set.ready(setup_deadline(Instant::now(), self.timeout))
-    }
-
-    fn leave(&self) {
-        if self.world.swap(false, Ordering::Relaxed) {
-            if let Some(set) = self.comms.lock().take() {
-                set.abort();
-            }
-        }
     }
 }
 

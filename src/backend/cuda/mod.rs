@@ -36,6 +36,7 @@ mod queue;
 mod sparse;
 mod stage;
 mod trace;
+mod world;
 
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -91,6 +92,8 @@ pub(crate) struct CudaBackend {
     /// `comms` is this process's part of a clique across the ranks of a world
     /// ([`super::WorldCollective`]): never replaced by a local set, even after an abort.
     world: AtomicBool,
+    /// An elastic world's clique across a loss (world.rs).
+    shrinking: world::Shrinking,
     state: Mutex<State>,
     dropped: Arc<Mutex<Dropped>>,
     timeout: Option<Duration>,
@@ -364,6 +367,7 @@ impl Backend for CudaBackend {
             "caller_streams": streams,
             "nccl": self.nccl_library,
             "nccl_communicators": self.comms.lock().as_ref().map(|c| c.ranks()),
+            "nccl_shrinks": self.shrinking.count.load(std::sync::atomic::Ordering::Relaxed),
             "timeout_ms": self.timeout.map(|t| t.as_millis() as u64),
             "nvrtc_compiles": kernels::nvrtc_compiles(),
         })
@@ -415,6 +419,8 @@ impl Drop for CudaBackend {
                 comms.abort();
             }
         }
+        // A shrunk clique not joined, and its parent: aborted (never ready, a finalize would wait).
+        self.give_up_shrink(true);
         // The communicators go first (finalized and destroyed if this was their last context),
         // while the streams NCCL queued on and the contexts' references are still alive; the
         // fields would drop them after `groups`.

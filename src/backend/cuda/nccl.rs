@@ -31,6 +31,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::types::DType;
 
 mod api;
+mod shrink;
 
 pub use api::load;
 use api::{api, check, nccl_type, text, Api, Comm, IN_PROGRESS, SUCCESS, SUM};

@@ -114,6 +114,7 @@ impl CudaBackend {
             nccl_library,
             comms: Mutex::new(None),
             world: Default::default(),
+            shrinking: Default::default(),
             state: Mutex::new(State::default()),
             dropped: Arc::default(),
             timeout,

@@ -121,7 +121,7 @@ impl CudaBackend {
         mut done: impl FnMut() -> Result<bool>,
         late: impl Fn(u128) -> String,
     ) -> Result<bool> {
-        let mut spins = 0u32;
+        let (mut spins, mut looked) = (0u32, None);
         loop {
             let complete = done()?;
             if let Some(comms) = self.comms.lock().as_ref() {
@@ -137,6 +137,7 @@ impl CudaBackend {
             if !wait {
                 return Ok(false);
             }
+            self.watch_peers(&mut looked)?;
             back_off(&mut spins);
         }
     }
@@ -205,10 +206,13 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Records a failure that makes the context unusable, aborting the communicators.
+    /// Records a failure that makes the context unusable, aborting the communicators (during
+    /// an elastic world's call, once it ended: a shrink needs them, world.rs).
     pub(super) fn fail(&self, state: &mut State, err: Error) -> Error {
-        if let Some(comms) = self.comms.lock().take() {
-            comms.abort();
+        if !self.holds_clique() {
+            if let Some(comms) = self.comms.lock().take() {
+                comms.abort();
+            }
         }
         // The first failure is the one to report to every later call.
         state.failed.get_or_insert_with(|| err.clone());

@@ -282,14 +282,15 @@ impl MpiRanks {
             shared_note: String::new(),
             elastic,
             begun: AtomicBool::new(false),
+            neighbours: Vec::new(),
         };
         let mut ranks = MpiRanks {
             engine: Arc::new(engine),
             progress: Mutex::new(Progress::NotYet),
         };
-        let (shared, note) = ranks.share_memory()?;
+        let (shared, note, neighbours) = ranks.share_memory()?;
         let engine = Arc::get_mut(&mut ranks.engine).expect("not shared before join returns");
-        (engine.shared, engine.shared_note) = (shared, note);
+        (engine.shared, engine.shared_note, engine.neighbours) = (shared, note, neighbours);
         Ok(ranks)
     }
 }

@@ -116,6 +116,9 @@ pub(crate) struct Engine {
     shared_note: String,
     /// An elastic world's engine (`ulfm.rs`): MPI messages only, a vote after every call.
     elastic: bool,
+    /// An elastic world's other ranks on this host and their processes (negotiate.rs), watched
+    /// while a survivor waits on a device ([`Ranks::neighbours`](super::Ranks::neighbours)).
+    neighbours: Vec<(usize, u32)>,
     /// A collective began (its agreement) since the last vote: its ranks vote after it.
     begun: AtomicBool,
 }

@@ -26,8 +26,9 @@ impl MpiRanks {
     /// Sets up the shared memory of a world whose ranks all run on this host (collective): two
     /// exchanges of a small record. Off where `DPSYNC_MPI_SHM=0` on any rank, across hosts,
     /// beyond [`shm::MAX_RANKS`] ranks, or where a rank cannot map rank 0's object (another
-    /// user, a container with its own /dev/shm): MPI carries the pieces then.
-    pub(super) fn share_memory(&self) -> Result<(Option<Shared>, String)> {
+    /// user, a container with its own /dev/shm): MPI carries the pieces then. Also an elastic
+    /// world's other ranks on this host, with their processes (`Ranks::neighbours`).
+    pub(super) fn share_memory(&self) -> Result<(Option<Shared>, String, Neighbours)> {
         const WILLING: u64 = 1;
         const CREATED: u64 = 2;
         static OBJECTS: AtomicUsize = AtomicUsize::new(0);
@@ -56,6 +57,10 @@ impl MpiRanks {
         let record = [host_key(), pid, nonce, flags];
         let records = self.allgather_fixed(&record).inspect_err(|_| unlink())?;
         let of = |r: usize| &records[r * record.len()..(r + 1) * record.len()];
+        let neighbours: Neighbours = (0..n)
+            .filter(|&r| self.elastic && r != me && of(r)[0] == record[0])
+            .map(|r| (r, of(r)[1] as u32))
+            .collect();
         let why_not = if n < 2 {
             Some("off: one rank".to_owned())
         } else if n > shm::MAX_RANKS {
@@ -85,17 +90,24 @@ impl MpiRanks {
         unlink();
         let mapped = mapped?;
         if let Some(why) = why_not {
-            return Ok((None, why));
+            return Ok((None, why, neighbours));
         }
         Ok(match mapped.iter().position(|&m| m == 0) {
-            Some(r) if r == me => (None, note),
-            Some(r) => (None, format!("off: rank {r} could not map rank 0's object")),
+            Some(r) if r == me => (None, note, neighbours),
+            Some(r) => (
+                None,
+                format!("off: rank {r} could not map rank 0's object"),
+                neighbours,
+            ),
             None => {
                 if let (true, Some(shared)) = (self.elastic, mine.as_mut()) {
                     shared.watch((0..n).map(|r| of(r)[1] as libc::pid_t).collect());
                 }
-                (mine, format!("on: all {n} ranks on this host"))
+                (mine, format!("on: all {n} ranks on this host"), neighbours)
             }
         })
     }
 }
+
+/// Other ranks on this host and their process ids.
+type Neighbours = Vec<(usize, u32)>;

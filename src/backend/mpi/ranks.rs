@@ -190,10 +190,13 @@ impl Ranks for MpiRanks {
     fn describe(&self) -> serde_json::Value {
         let (queued, pieces, done) = self.queue.lock().state();
         json!({"engine": "mpi", "mpi_library": self.library,
-               "failed": *self.failed.lock(),
-               "progress_thread": self.progress.lock().describe(),
+               "failed": *self.failed.lock(), "progress_thread": self.progress.lock().describe(),
                "shared_memory": self.shared_note,
                "early_buckets": {"queued": queued, "pieces": pieces, "pieces_done": done}})
+    }
+
+    fn neighbours(&self) -> Vec<(usize, u32)> {
+        self.neighbours.clone()
     }
 
     fn begin(&self, call: &str) {
@@ -205,11 +208,8 @@ impl Ranks for MpiRanks {
         if !self.elastic || !self.begun.swap(false, Ordering::Relaxed) {
             return Ok(None);
         }
-        // The progress thread stays out of MPI meanwhile (it moves the queue under its
-        // lock): with it testing the early buckets' requests while the vote's
-        // MPIX_Comm_iagree was polled, Open MPI 5.0 answered a loss on every rank although
-        // every rank had voted none (the randomized test's kill variant, twice in about 45
-        // launches, always with buckets started early). The vote's own polls move MPI.
+        // The progress thread stays out of MPI meanwhile (it moves the queue under its lock):
+        // else Open MPI 5.0 answered false losses (docs/ARCHITECTURE.md, "Pitfalls seen").
         let _queue = self.queue.lock();
         MpiRanks::vote_lost(self).map(Some)
     }

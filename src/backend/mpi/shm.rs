@@ -204,11 +204,9 @@ impl Slots {
     pub(super) fn gone(&self) -> Option<usize> {
         // SAFETY: the engine's vector, which outlives every use of `self`.
         let peers = unsafe { std::slice::from_raw_parts(self.peers.0, self.peers.1) };
-        (0..peers.len()).filter(|&r| r != self.me).find(|&r| {
-            // SAFETY: signal 0 only asks whether the process exists.
-            let rc = unsafe { libc::kill(peers[r], 0) };
-            rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
-        })
+        (0..peers.len())
+            .filter(|&r| r != self.me)
+            .find(|&r| crate::backend::process_gone(peers[r] as u32))
     }
 
     fn header(&self, rank: usize, offset: usize) -> *mut u8 {

@@ -21,6 +21,11 @@ pub(crate) const HALF: u32 = 6;
 /// `ncclUint8`: point-to-point transfers move raw bytes.
 pub(crate) const BYTES: u32 = 1;
 
+pub(super) type Shrink =
+    unsafe extern "C" fn(Comm, *mut c_int, c_int, *mut Comm, *mut ncclConfig_t, c_int) -> u32;
+/// `NCCL_SHRINK_ABORT`: the parent's operations are ended before the child is made.
+pub(super) const SHRINK_ABORT: c_int = 1;
+
 pub(super) struct Api {
     _lib: Library,
     pub(super) path: String,
@@ -32,6 +37,8 @@ pub(super) struct Api {
     pub(super) comm_finalize: unsafe extern "C" fn(Comm) -> u32,
     pub(super) comm_destroy: unsafe extern "C" fn(Comm) -> u32,
     pub(super) comm_abort: unsafe extern "C" fn(Comm) -> u32,
+    /// `ncclCommShrink(comm, exclude, count, newcomm, config, flags)`: NCCL 2.27+ only.
+    pub(super) comm_shrink: Option<Shrink>,
     pub(super) all_reduce:
         unsafe extern "C" fn(*const c_void, *mut c_void, usize, u32, u32, Comm, CUstream) -> u32,
     pub(super) broadcast:
@@ -104,6 +111,10 @@ fn bind(lib: Library, path: String) -> Result<Api, String> {
         comm_finalize: sym!("ncclCommFinalize"),
         comm_destroy: sym!("ncclCommDestroy"),
         comm_abort: sym!("ncclCommAbort"),
+        // SAFETY: as `sym!`; absent before NCCL 2.27 (the world's clique is then made anew).
+        comm_shrink: unsafe { lib.get::<Shrink>(b"ncclCommShrink\0") }
+            .ok()
+            .map(|f| *f),
         all_reduce: sym!("ncclAllReduce"),
         broadcast: sym!("ncclBroadcast"),
         reduce_scatter: sym!("ncclReduceScatter"),
