@@ -67,7 +67,8 @@ bundle() (
   # reproducible sums as repro_bench: its test is mpi/repro).
   cargo test --release --features mpi --target-dir target/mpi --no-run \
     --message-format=json --test world_cuda --test world_mpi --test world_comm \
-    --test world_agreement --test world_random --test world_random_cuda --test repro --test shard \
+    --test world_agreement --test world_random --test world_random_cuda --test world_lost_cuda \
+    --test repro --test shard \
     2>/dev/null | executables test |
     while read -r exe; do cp "$exe" "$BUNDLE/mpi/$(basename "${exe%-*}")"; done
   cargo bench --features mpi --target-dir target/mpi --bench world_allreduce --bench repro \
@@ -341,6 +342,17 @@ run() {
       timed "$dir/mpi/$t" --test-threads=1 || failures=$((failures + 1))
       endsection
     done
+    # An elastic world on CUDA replicas that loses a rank (3 ranks on the one GPU; NCCL's clique
+    # shrunk over the survivors), under Open MPI 5 with ULFM: the venv scripts/test.sh makes in
+    # target/ulfm, carried to this machine and named by DPSYNC_ULFM (docs/GPU-VALIDATION.md).
+    section "test binary world_lost_cuda (elastic worlds, ULFM)"
+    if [ -x "${DPSYNC_ULFM:-/nonexistent}/bin/mpirun" ]; then
+      NCCL_MULTI_RANK_GPU_ENABLE=1 timed "$dir/mpi/world_lost_cuda" --test-threads=1 --nocapture ||
+        failures=$((failures + 1))
+    else
+      echo "skipped: DPSYNC_ULFM names no Open MPI 5 with ULFM (carry target/ulfm)" >>"$report"
+    fi
+    endsection
     # Without shared memory between the ranks: the ring's halves for shards (scripts/test.sh
     # runs it so too).
     section "test binary world_random, DPSYNC_MPI_SHM=0"
