@@ -53,25 +53,40 @@ impl Context {
         let hold = |ctx: &Context, on: bool| {
             if let Some(c) = ctx.executor.world_collective() {
                 c.hold(on);
-                if let (true, Some(ranks)) = (on, ctx.executor.ranks()) {
-                    c.watch(ranks.neighbours());
-                }
             }
         };
         if held {
             hold(self, true);
         }
-        let outcome = self.world_calls(body);
+        let outcome = self.world_calls(body, held);
         if held {
             hold(self, false);
         }
         outcome
     }
 
+    /// The other ranks on this host, watched in the backend's waits on the device during the
+    /// call (`held`): the present engine's, made again with each world (a rank that left may
+    /// end its process once it left).
+    fn watch_neighbours(&self, held: bool) {
+        if let (true, Some(c), Some(ranks)) = (
+            held,
+            self.executor.world_collective(),
+            self.executor.ranks(),
+        ) {
+            c.watch(ranks.neighbours());
+        }
+    }
+
     /// [`Context::world_call`]'s loop.
-    fn world_calls(&mut self, mut body: impl FnMut(&mut Context) -> Result<()>) -> Result<()> {
+    fn world_calls(
+        &mut self,
+        mut body: impl FnMut(&mut Context) -> Result<()>,
+        held: bool,
+    ) -> Result<()> {
         loop {
             self.forget_undo();
+            self.watch_neighbours(held);
             let outcome = body(self);
             let left = std::mem::take(&mut *self.membership.pending.lock());
             if !left.is_empty() {
