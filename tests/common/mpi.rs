@@ -17,11 +17,13 @@ pub fn under_mpirun() -> bool {
 #[allow(dead_code)]
 pub fn launch(body: &str, ranks: usize, limit_s: u64, env: Option<(&str, &Path)>) {
     let exe = std::env::current_exe().expect("the test binary's path");
+    let tmp = own_tmpdir();
     let mut command = Command::new("timeout");
     if let Some((key, value)) = env {
         command.env(key, value);
     }
     let output = command
+        .env("TMPDIR", &tmp)
         .args([
             &limit_s.to_string(),
             "mpirun",
@@ -34,6 +36,7 @@ pub fn launch(body: &str, ranks: usize, limit_s: u64, env: Option<(&str, &Path)>
         .env("DPSYNC_TEST_RANKS", ranks.to_string())
         .output()
         .expect("mpirun (Open MPI) must be installed: scripts/common.sh ensure_mpi");
+    let _ = std::fs::remove_dir_all(&tmp);
     // Written whole past the harness's capture, as the ranks did before (skips show), and the
     // ranks' failures repeated in the launcher's own message, which a log cut to its tail
     // still shows.
@@ -141,6 +144,20 @@ fn library_path(venv: &Path) -> std::ffi::OsString {
     path
 }
 
+/// A temporary directory of one launch's own, for mpirun's session directory (`TMPDIR`): Open
+/// MPI 4.1 makes the shared `/tmp/ompi.<host>.<uid>` with a test then a mkdir, which two
+/// mpiruns started at once can race ("unable to create the desired directory ... File exists",
+/// orte_init fails and mpirun exits 1: seen with a test binary's launches in parallel threads
+/// on a busy machine). Open MPI's issue 7393 has the same workaround.
+#[allow(dead_code)]
+fn own_tmpdir() -> std::path::PathBuf {
+    static LAUNCHES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("dpsync-mpirun-{}-{n}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a temporary directory");
+    dir
+}
+
 /// Like [`launch`], under the ULFM `mpirun` of `venv` (`--with-ft ulfm`), where ranks kill
 /// themselves: mpirun then reports their deaths, so the run is judged by the survivors:
 /// exactly `survivors` lines `SURVIVED <body>` (each printed by a rank whose body passed) and
@@ -179,6 +196,7 @@ pub fn launch_ulfm(
         .args([body, "--exact", "--nocapture", "--test-threads=1"])
         .env("DPSYNC_TEST_RANKS", ranks.to_string())
         .env("LD_LIBRARY_PATH", library_path(venv))
+        .env("TMPDIR", &dir) // as `own_tmpdir`'s
         .stdout(file(&out_path))
         .stderr(file(&err_path))
         .spawn()
