@@ -1,55 +1,79 @@
-//! Buckets started early with one replica per rank write their results into the gradients as
-//! they cross, before the step agreed, keeping the originals aside (`backend/mpi/aside.rs`):
+//! Buckets started early write their results into the gradients as they cross, before the
+//! step agreed, keeping the originals of every local replica aside (`backend/mpi/aside.rs`):
 //! every way the step can fail afterwards must leave the gradients as they were, and a
-//! reduce-scatter step must leave the elements a rank does not own.
+//! reduce-scatter step must leave the elements a replica does not own.
 
 use super::*;
 
-/// Through shared memory (whole buckets) with 2 and 3 ranks, and over MPI's ring pieces.
+/// Through shared memory (whole buckets) with 2 and 3 ranks, and over MPI's ring pieces; one
+/// and two replicas per rank.
 #[test]
 fn early_results_go_back_when_the_step_fails() {
     if under_mpirun() {
         return;
     }
+    let no_shm = Some(("DPSYNC_MPI_SHM", std::path::Path::new("0")));
     launch("early_writes::early_writes_body", 2, 300, None);
     launch("early_writes::early_writes_body", 3, 300, None);
-    let no_shm = Some(("DPSYNC_MPI_SHM", std::path::Path::new("0")));
     launch("early_writes::early_writes_body", 2, 300, no_shm);
+    launch("early_writes::early_writes_two_body", 2, 300, None);
+    launch("early_writes::early_writes_two_body", 2, 300, no_shm);
 }
 
 #[test]
 fn early_writes_body() {
-    let Some((rank, ranks)) = as_rank("early_writes_body") else {
-        return;
-    };
+    if let Some((rank, ranks)) = as_rank("early_writes_body") {
+        early_writes(rank, ranks, 1);
+    }
+}
+
+#[test]
+fn early_writes_two_body() {
+    if let Some((rank, ranks)) = as_rank("early_writes_two_body") {
+        early_writes(rank, ranks, 2);
+    }
+}
+
+fn early_writes(rank: usize, ranks: usize, replicas: usize) {
     // Two gradients of 300 000 f32 (a bucket each: several pieces), one of 1000 (one piece off
     // the ring).
     let sizes = [300_000, 1000, 300_000];
     let names = ["a", "b", "c"];
-    let o = world_options(1);
+    let o = world_options(replicas);
     o.set_fusion_bytes(4 * 300_000);
     let ctx = Context::new(&o);
-    let tag = |what: &str| format!("rank {rank}/{ranks}: {what}");
-    // Rank r holds (i % 1000) + 2r: the mean over the ranks is (i % 1000) + ranks - 1, exact.
-    let value = |r: usize, i: usize| (i % 1000 + 2 * r) as f32;
-    let mean = |i: usize| (i % 1000 + ranks - 1) as f32;
-    let mut g: Vec<Vec<f32>> = sizes.iter().map(|&n| vec![0.0; n]).collect();
-    let fill = |g: &mut Vec<Vec<f32>>| {
-        for buf in g.iter_mut() {
-            for (i, x) in buf.iter_mut().enumerate() {
-                *x = value(rank, i);
+    let tag = |what: &str| format!("rank {rank}/{ranks} x {replicas}: {what}");
+    // World replica w holds (i % 1000) + 2w: the mean over the world is (i % 1000) + W - 1,
+    // exact.
+    let world = ranks * replicas;
+    let value = |w: usize, i: usize| (i % 1000 + 2 * w) as f32;
+    let mean = |i: usize| (i % 1000 + world - 1) as f32;
+    let mut g: Vec<Vec<Vec<f32>>> = (0..replicas)
+        .map(|_| sizes.iter().map(|&n| vec![0.0; n]).collect())
+        .collect();
+    let fill = |g: &mut Vec<Vec<Vec<f32>>>| {
+        for (r, set) in g.iter_mut().enumerate() {
+            for buf in set.iter_mut() {
+                for (i, x) in buf.iter_mut().enumerate() {
+                    *x = value(rank * replicas + r, i);
+                }
             }
         }
     };
     fill(&mut g);
-    for (t, buf) in g.iter_mut().enumerate() {
-        ctx.reg(names[t], GRAD, 0, buf, F32);
+    for (r, set) in g.iter_mut().enumerate() {
+        for (t, buf) in set.iter_mut().enumerate() {
+            ctx.reg(names[t], GRAD, r, buf, F32);
+        }
     }
     let before = g.clone();
-    let expect_mean = |g: &Vec<Vec<f32>>, what: &str| {
-        for (t, buf) in g.iter().enumerate() {
-            for (i, &x) in buf.iter().enumerate() {
-                assert_eq!(x, mean(i), "{}", tag(&format!("{what}: {}[{i}]", names[t])));
+    let expect_mean = |g: &Vec<Vec<Vec<f32>>>, what: &str| {
+        for (r, set) in g.iter().enumerate() {
+            for (t, buf) in set.iter().enumerate() {
+                for (i, &x) in buf.iter().enumerate() {
+                    let at = format!("{what}: replica {r} {}[{i}]", names[t]);
+                    assert_eq!(x, mean(i), "{}", tag(&at));
+                }
             }
         }
     };
@@ -57,7 +81,9 @@ fn early_writes_body() {
     // results are in the gradients already, before the step's agreement.
     let mark_and_cross = |what: &str| {
         for name in names {
-            check(ctx.grad_ready(name, 0), &tag("grad_ready"));
+            for r in 0..replicas {
+                check(ctx.grad_ready(name, r), &tag("grad_ready"));
+            }
         }
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
         loop {
@@ -125,21 +151,19 @@ fn early_writes_body() {
         unsafe { dpsync_reduce_scatter_grads(ctx.0, AVG) },
         &tag("a reduce-scatter step"),
     );
-    for (t, buf) in g.iter().enumerate() {
-        let n = sizes[t];
-        let (lo, hi) = (n * rank / ranks, n * (rank + 1) / ranks);
-        for (i, &x) in buf.iter().enumerate() {
-            let want = if (lo..hi).contains(&i) {
-                mean(i)
-            } else {
-                value(rank, i)
-            };
-            assert_eq!(
-                x,
-                want,
-                "{}",
-                tag(&format!("reduce-scatter: {}[{i}]", names[t]))
-            );
+    for (r, set) in g.iter().enumerate() {
+        let w = rank * replicas + r;
+        for (t, buf) in set.iter().enumerate() {
+            let n = sizes[t];
+            let (lo, hi) = (n * w / world, n * (w + 1) / world);
+            for (i, &x) in buf.iter().enumerate() {
+                let want = match (lo..hi).contains(&i) {
+                    true => mean(i),
+                    false => value(w, i),
+                };
+                let at = format!("reduce-scatter: replica {r} {}[{i}]", names[t]);
+                assert_eq!(x, want, "{}", tag(&at));
+            }
         }
     }
 }

@@ -398,8 +398,8 @@ impl Ranks for MpiRanks {
         self.refuse_if_failed()?;
         let size = mpi_type(dtype).1;
         let held = self.spare_stage(count * size);
-        let one = segments.first().is_some_and(|s| s.ptrs.len() == 1);
-        let aside = (early && one).then(|| self.spare_stage(count * dtype.size()));
+        let outputs = segments.first().map_or(0, |s| s.ptrs.len());
+        let aside = early.then(|| self.spare_stage(outputs * count * dtype.size()));
         let mut queue = self.queue.lock();
         // Cut as a waited transfer of the bucket would be (a bucket off the ring is below
         // either piece size: one piece). Through shared memory, a bucket the ring carries

@@ -282,6 +282,9 @@ pub(super) fn only_owned<'a>(
 pub(super) enum Way {
     /// Into the stage.
     In,
+    /// Into the stage with non-temporal stores: a copy kept for a rare use (`aside.rs`),
+    /// written without reading its lines from memory first.
+    Keep,
     /// Out of it into the spans; `streaming`: with non-temporal stores, so that a large
     /// transfer writes spans this core has not read without reading them from memory first.
     Out { streaming: bool },
@@ -310,6 +313,7 @@ pub(super) unsafe fn copy_spans(
             let span = (spans[k].0 as *mut u8).add(skip);
             match way {
                 Way::In => std::ptr::copy_nonoverlapping(span, stage.add(at), n),
+                Way::Keep => copy_streaming(span, stage.add(at), n),
                 Way::Out { streaming: false } => {
                     std::ptr::copy_nonoverlapping(stage.add(at), span, n)
                 }

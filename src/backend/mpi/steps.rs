@@ -22,6 +22,7 @@ use super::poll::Idle;
 use super::ring::{Flight, Ring, Sum};
 use super::staging::{mpi_type, only_owned, stage_in, stage_out};
 use super::whole::Whole;
+use crate::backend::host::copy_streaming;
 use crate::backend::Segment;
 use crate::error::Result;
 use crate::types::DType;
@@ -152,7 +153,7 @@ pub(super) struct Queue {
 enum Transfer {
     Collective(ffi::MPI_Request),
     Ring(Flight),
-    Whole(Whole),
+    Whole(Box<Whole>),
 }
 
 // SAFETY: requests, pointers and stages are plain data; MPI_THREAD_MULTIPLE lets any thread
@@ -162,8 +163,8 @@ unsafe impl Send for Queue {}
 impl Queue {
     /// Queues a bucket of `count` elements (its contributions per segment, or none for a
     /// stand-in) whose results go to `held`, `whole` or in pieces of `piece`; its handle.
-    /// With `aside` (a stage for the originals of a bucket of one contribution), the results
-    /// are also written into it early (`aside.rs`).
+    /// With `aside` (a stage for the originals of every output), the results are also
+    /// written into the outputs early (`aside.rs`).
     pub(super) fn push(
         &mut self,
         (dtype, segments, count): (DType, &[Segment<'_>], usize),
@@ -173,14 +174,12 @@ impl Queue {
         let abandoned = Arc::new(AtomicBool::new(false));
         let seq = self.next_seq;
         self.next_seq += 1;
-        let aside = match (aside, segments) {
-            (Some(bytes), [first, ..]) if first.ptrs.len() == 1 => {
-                let out: Vec<(usize, usize)> =
-                    segments.iter().map(|s| (s.ptrs[0], s.count)).collect();
-                Some(Aside::new(dtype, &out, bytes))
-            }
-            _ => None,
-        };
+        let outs: Vec<Vec<(usize, usize)>> = (0..segments.first().map_or(0, |s| s.ptrs.len()))
+            .map(|k| segments.iter().map(|s| (s.ptrs[k], s.count)).collect())
+            .collect();
+        let aside = aside
+            .filter(|_| !outs.is_empty())
+            .map(|bytes| Aside::new(dtype, &outs, count, bytes));
         self.items.push_back(Item {
             seq,
             dtype,
@@ -188,9 +187,7 @@ impl Queue {
                 .iter()
                 .map(|s| (s.ptrs.to_vec(), s.count))
                 .collect(),
-            outs: (0..segments.first().map_or(0, |s| s.ptrs.len()))
-                .map(|k| segments.iter().map(|s| (s.ptrs[k], s.count)).collect())
-                .collect(),
+            outs,
             count,
             avg,
             held,
@@ -248,7 +245,7 @@ impl Queue {
                 let numbers = (item.piece, &mut self.ring_pieces);
                 let whole = Whole::new(slots, data, into, direct, numbers);
                 self.inflight
-                    .push_back((item.seq, 0, Transfer::Whole(whole)));
+                    .push_back((item.seq, 0, Transfer::Whole(Box::new(whole))));
                 item.issued += 1;
                 self.issued += 1;
                 continue;
@@ -269,7 +266,7 @@ impl Queue {
             let mut send = send;
             let early = item.direct_from.is_none();
             if let Some(aside) = item.aside.as_mut().filter(|a| a.live && early) {
-                match !on_ring && !zeros && size == item.dtype.size() {
+                match !on_ring && !zeros && size == item.dtype.size() && aside.outputs() == 1 {
                     // Staged in the aside itself, which MPI only reads: saved at no cost.
                     true => send = aside.stage((start, n)),
                     false => aside.save((start, n)),
@@ -411,18 +408,26 @@ impl Queue {
                     stage_out(dtype, part, (out, walk), range, avg);
                 }
             };
+            let collective = matches!(transfer, Transfer::Collective(_));
             match transfer {
                 Transfer::Collective(_) if direct => write(recv, (start, n)),
                 Transfer::Collective(_) | Transfer::Whole(_) => {}
-                Transfer::Ring(flight) => flight.finish(ring, |part, at, len| match direct {
-                    true => write(part, (start + at, len)),
-                    false => {
+                Transfer::Ring(flight) => flight.finish(ring, |part, at, len| {
+                    if direct || early {
+                        write(part, (start + at, len));
+                    }
+                    if !direct {
+                        // Written early, `held` is read only if the early writes stop: kept
+                        // with non-temporal stores.
                         let into = held.add((start + at) * size);
-                        std::ptr::copy_nonoverlapping(part, into, len * size);
+                        match early {
+                            true => copy_streaming(part, into, len * size),
+                            false => std::ptr::copy_nonoverlapping(part, into, len * size),
+                        }
                     }
                 }),
             }
-            if early {
+            if early && collective {
                 write(held.add(start * size), (start, n));
             }
         }
@@ -486,9 +491,14 @@ impl Queue {
         for item in self.items.iter_mut().filter(|i| of(i.seq)) {
             let live = item.aside.as_ref().is_some_and(|a| a.live);
             if live && item.whole && item.direct_from.is_none() && item.issued > 0 {
-                // Its sums are all in the output so far (this rank's in `held` too), and
-                // `held` is where the rest will go: the output's into it first (its input).
-                let segments = segments(&item.inputs);
+                // Its sums are all in the outputs so far (this rank's in `held` too), and
+                // `held` is where the rest will go: the first output's into it first.
+                let segments: Vec<Segment<'_>> = (item.inputs.iter())
+                    .map(|(ptrs, count)| Segment {
+                        ptrs: &ptrs[..1],
+                        count: *count,
+                    })
+                    .collect();
                 let held = item.held.as_mut_ptr().cast::<u8>();
                 // SAFETY: the input is valid; `held` holds the bucket.
                 unsafe {

@@ -23,7 +23,8 @@ use super::pieces::{Walk, DEPTH};
 use super::ring::block;
 use super::scatter::{blocks, range_of, section, section_of, sum_in_order};
 use super::shm::{Slots, OUT, REDUCED, STAGED};
-use super::staging::{stage_in, stage_out};
+use super::staging::{copy_spans, stage_in, stage_out, Way};
+use crate::backend::host::copy_streaming;
 use crate::backend::Segment;
 use crate::types::DType;
 
@@ -50,6 +51,10 @@ pub(super) struct Whole {
     /// goes), and the ranges saved so far.
     aside: Option<*mut u8>,
     saved: Vec<(usize, usize)>,
+    /// Several local contributions, written early: per contribution its byte spans, and per
+    /// rank (whose owned elements are saved in order) per contribution where saving got to.
+    kept: Vec<Vec<(usize, usize)>>,
+    walks_kept: Vec<Vec<Walk>>,
     /// Per rank, per output: where writing that rank's sums has got to.
     walks_out: Vec<Vec<Walk>>,
     avg: Option<usize>,
@@ -89,6 +94,13 @@ impl Whole {
         };
         let n = slots.ranks();
         let size = dtype.size();
+        let contributions = inputs.first().map_or(0, |i| i.0.len());
+        let kept: Vec<Vec<(usize, usize)>> = match aside.is_some() && contributions > 1 {
+            true => (0..contributions)
+                .map(|k| inputs.iter().map(|(p, c)| (p[k], c * size)).collect())
+                .collect(),
+            false => Vec::new(),
+        };
         let c = [section_of(size, n), super::shm::PIECE / size];
         let most = block(count, n, 0).1;
         let pieces = [most.div_ceil(c[0]), most.div_ceil(c[1])];
@@ -111,6 +123,10 @@ impl Whole {
             direct,
             aside,
             saved: Vec::new(),
+            walks_kept: (0..n)
+                .map(|_| kept.iter().map(|_| Walk::default()).collect())
+                .collect(),
+            kept,
             avg,
             ring_piece: ring_piece.min(count),
             phase: 0,
@@ -149,14 +165,25 @@ impl Whole {
             .filter(|_| !self.abandoned.load(Ordering::Relaxed))
     }
 
-    /// Written early: the originals of the other ranks' elements `[e, e + l)`, just staged
-    /// at `from`, saved before any sum is written over them.
-    unsafe fn keep(&mut self, (e, l): (usize, usize), from: *const u8) {
-        if let Some(base) = self.saving() {
-            let size = self.dtype.size();
-            std::ptr::copy_nonoverlapping(from, base.add(e * size), l * size);
-            self.saved.push((e, l));
+    /// Written early: the originals of rank `q`'s elements `[e, e + l)`, just staged at
+    /// `from` (this rank's local sum), saved before any sum is written over them: the stage
+    /// itself with one local contribution, each contribution's (hot in cache: just read)
+    /// with several. Non-temporal stores: read again only if the step fails.
+    unsafe fn keep(&mut self, q: usize, (e, l): (usize, usize), from: *const u8) {
+        let Some(base) = self.saving() else {
+            return;
+        };
+        let size = self.dtype.size();
+        if self.kept.is_empty() {
+            copy_streaming(from, base.add(e * size), l * size);
+        } else {
+            for (k, spans) in self.kept.iter().enumerate() {
+                let to = base.add((k * self.count + e) * size);
+                let walk = &mut self.walks_kept[q][k];
+                copy_spans((spans, walk), (e * size, l * size), to, Way::Keep);
+            }
         }
+        self.saved.push((e, l));
     }
 
     /// Stages and reads every piece that can go now, without waiting; whether it moved.
@@ -242,7 +269,7 @@ impl Whole {
             if let Some((s, len)) = range_of(i, c, l) {
                 let into = slot.add(section(q, me) * c * size);
                 self.local_sum(q, (o + s, len), into);
-                self.keep((o + s, len), into);
+                self.keep(q, (o + s, len), into);
             }
         }
     }
@@ -274,21 +301,13 @@ impl Whole {
         };
         let e = o + s;
         let mine = self.held.add(e * size);
-        // Written early, this rank's contribution is staged where its originals are kept:
-        // the saved copy is the stage, and the sum goes to `held` (no copy more).
-        let own = match self.saving() {
-            Some(base) => base.add(e * size),
-            None => mine,
-        };
-        self.local_sum(me, (e, len), own);
-        if own != mine {
-            self.saved.push((e, len));
-        }
+        self.local_sum(me, (e, len), mine);
+        self.keep(me, (e, len), mine);
         let mut from: Vec<*const u8> = Vec::with_capacity(n);
         let mut at = 0;
         for (b, l) in blocks((e, len), (self.ring_piece, self.count), n) {
             let of = |r: usize| match r == me {
-                true => own.add(at * size) as *const u8,
+                true => mine.add(at * size) as *const u8,
                 false => (self.slots.slot(r, k)).add((section(me, r) * c + at) * size) as *const u8,
             };
             from.clear();
