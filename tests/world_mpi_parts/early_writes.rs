@@ -142,6 +142,36 @@ fn early_writes(rank: usize, ranks: usize, replicas: usize) {
     );
     expect_mean(&g, "the step after another call");
 
+    // The same while the buckets may still be crossing: the early writes stop wherever the
+    // pieces are, the rest of each bucket is held, and the refused call changes nothing.
+    fill(&mut g);
+    for name in names {
+        for r in 0..replicas {
+            check(ctx.grad_ready(name, r), &tag("grad_ready"));
+        }
+    }
+    let st = match last {
+        true => ctx.average(STATE),
+        false => ctx.allreduce_grads(AVG),
+    };
+    assert_eq!(
+        st,
+        INCONSISTENT,
+        "{}: {}",
+        tag("another call, crossing"),
+        last_error()
+    );
+    assert!(
+        g == before,
+        "{}",
+        tag("another call while crossing changed the gradients")
+    );
+    check(
+        ctx.allreduce_grads(AVG),
+        &tag("the step after another call, crossing"),
+    );
+    expect_mean(&g, "the step after another call, crossing");
+
     // A reduce-scatter step although the last step was an allreduce: each rank's piece of
     // every gradient reduced, the rest as it was.
     fill(&mut g);

@@ -55,6 +55,9 @@ pub(super) struct Whole {
     /// rank (whose owned elements are saved in order) per contribution where saving got to.
     kept: Vec<Vec<(usize, usize)>>,
     walks_kept: Vec<Vec<Walk>>,
+    /// Written early, this rank's sums of a piece are made here (hot in cache) and go to the
+    /// outputs only; the allgather stages them from there ([`PIECE`] bytes).
+    scratch: Vec<u64>,
     /// Per rank, per output: where writing that rank's sums has got to.
     walks_out: Vec<Vec<Walk>>,
     avg: Option<usize>,
@@ -127,6 +130,10 @@ impl Whole {
                 .map(|_| kept.iter().map(|_| Walk::default()).collect())
                 .collect(),
             kept,
+            scratch: match aside {
+                Some(_) => vec![0; super::shm::PIECE / 8],
+                None => Vec::new(),
+            },
             avg,
             ring_piece: ring_piece.min(count),
             phase: 0,
@@ -260,7 +267,23 @@ impl Whole {
         if self.phase == 1 {
             let (o, l) = self.owned(me);
             if let Some((s, len)) = range_of(i, c, l) {
-                std::ptr::copy_nonoverlapping(self.held.add((o + s) * size), slot, len * size);
+                match self.saving() {
+                    // Written early: this rank's sums are in the outputs only.
+                    Some(_) => {
+                        let first: Vec<Segment<'_>> = (self.inputs.iter())
+                            .map(|(ptrs, count)| Segment {
+                                ptrs: &ptrs[..1],
+                                count: *count,
+                            })
+                            .collect();
+                        let walk = &mut self.walks[me];
+                        stage_in(self.dtype, &first, walk, (o + s, len), slot);
+                    }
+                    None => {
+                        let from = self.held.add((o + s) * size);
+                        std::ptr::copy_nonoverlapping(from, slot, len * size);
+                    }
+                }
             }
             return;
         }
@@ -300,7 +323,13 @@ impl Whole {
             return;
         };
         let e = o + s;
-        let mine = self.held.add(e * size);
+        // Written early, the sums go to the outputs only, through the scratch (a held copy
+        // would be one more write and read of every element; what stops the early writes
+        // copies the outputs into `held`).
+        let mine = match self.saving() {
+            Some(_) => self.scratch.as_mut_ptr().cast::<u8>(),
+            None => self.held.add(e * size),
+        };
         self.local_sum(me, (e, len), mine);
         self.keep(me, (e, len), mine);
         let mut from: Vec<*const u8> = Vec::with_capacity(n);
