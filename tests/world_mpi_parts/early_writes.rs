@@ -77,13 +77,16 @@ fn early_writes(rank: usize, ranks: usize, replicas: usize) {
             }
         }
     };
-    // Marks every gradient, then waits until every started bucket crossed the ranks: their
-    // results are in the gradients already, before the step's agreement.
-    let mark_and_cross = |what: &str| {
+    // Marks every gradient, then (`cross`) waits until every started bucket crossed the
+    // ranks: their results are in the gradients already, before the step's agreement.
+    let mark = |what: &str, cross: bool| {
         for name in names {
             for r in 0..replicas {
                 check(ctx.grad_ready(name, r), &tag("grad_ready"));
             }
+        }
+        if !cross {
+            return;
         }
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
         loop {
@@ -108,7 +111,7 @@ fn early_writes(rank: usize, ranks: usize, replicas: usize) {
 
     // The step refused (the last rank's op is invalid): every rank drains, nothing changes.
     fill(&mut g);
-    mark_and_cross("a refused step");
+    mark("a refused step", true);
     let st = ctx.allreduce_grads(if last { 7 } else { AVG });
     let want = if last { INVALID_ARGUMENT } else { INCONSISTENT };
     assert_eq!(st, want, "{}: {}", tag("a refused step"), last_error());
@@ -121,61 +124,31 @@ fn early_writes(rank: usize, ranks: usize, replicas: usize) {
     expect_mean(&g, "the step again");
 
     // Another call on the last rank: the buckets stay started for the next step, and the
-    // refused call changes nothing.
-    fill(&mut g);
-    mark_and_cross("another call");
-    let st = match last {
-        true => ctx.average(STATE),
-        false => ctx.allreduce_grads(AVG),
-    };
-    assert_eq!(
-        st,
-        INCONSISTENT,
-        "{}: {}",
-        tag("another call"),
-        last_error()
-    );
-    assert!(g == before, "{}", tag("another call changed the gradients"));
-    check(
-        ctx.allreduce_grads(AVG),
-        &tag("the step after another call"),
-    );
-    expect_mean(&g, "the step after another call");
-
-    // The same while the buckets may still be crossing: the early writes stop wherever the
-    // pieces are, the rest of each bucket is held, and the refused call changes nothing.
-    fill(&mut g);
-    for name in names {
-        for r in 0..replicas {
-            check(ctx.grad_ready(name, r), &tag("grad_ready"));
-        }
+    // refused call changes nothing. Once after the buckets crossed, once while they may still
+    // be crossing (the early writes stop wherever the pieces are, the rest of each bucket is
+    // held).
+    for (what, cross) in [("another call", true), ("another call, crossing", false)] {
+        fill(&mut g);
+        mark(what, cross);
+        let st = match last {
+            true => ctx.average(STATE),
+            false => ctx.allreduce_grads(AVG),
+        };
+        assert_eq!(st, INCONSISTENT, "{}: {}", tag(what), last_error());
+        assert!(
+            g == before,
+            "{}",
+            tag(&format!("{what} changed the gradients"))
+        );
+        let after = format!("the step after {what}");
+        check(ctx.allreduce_grads(AVG), &tag(&after));
+        expect_mean(&g, &after);
     }
-    let st = match last {
-        true => ctx.average(STATE),
-        false => ctx.allreduce_grads(AVG),
-    };
-    assert_eq!(
-        st,
-        INCONSISTENT,
-        "{}: {}",
-        tag("another call, crossing"),
-        last_error()
-    );
-    assert!(
-        g == before,
-        "{}",
-        tag("another call while crossing changed the gradients")
-    );
-    check(
-        ctx.allreduce_grads(AVG),
-        &tag("the step after another call, crossing"),
-    );
-    expect_mean(&g, "the step after another call, crossing");
 
     // A reduce-scatter step although the last step was an allreduce: each rank's piece of
     // every gradient reduced, the rest as it was.
     fill(&mut g);
-    mark_and_cross("a reduce-scatter step");
+    mark("a reduce-scatter step", true);
     // SAFETY: a live context.
     check(
         unsafe { dpsync_reduce_scatter_grads(ctx.0, AVG) },
