@@ -612,3 +612,6 @@ mod shards;
 /// Host-memory tensors on CUDA replicas across the ranks (tests/world_cuda_parts/host_memory.rs).
 #[path = "world_cuda_parts/host_memory.rs"]
 mod host_memory;
+
+#[path = "world_cuda_parts/staged_overlap.rs"]
+mod staged_overlap;

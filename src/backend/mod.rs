@@ -20,7 +20,9 @@ pub(crate) use collective::Collective;
 pub use collective::{Move, PeerOp};
 #[cfg(feature = "mpi")]
 pub(crate) use ranks::allgather_packed;
-pub(crate) use ranks::{process_gone, Channel, EveryRank, Ranks, Ticket};
+pub(crate) use ranks::{process_gone, Channel, EveryRank, Gate, Ranks, Ticket};
+
+use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::types::{DType, Memory};
@@ -388,6 +390,17 @@ pub(crate) trait WorldCollective {
 /// The stream protocol of a device backend: the executor brackets every collective with
 /// [`Streams::begin`] and [`Streams::end`], so that its work runs after what the callers queued
 /// before it and what they queue afterwards runs after it.
+/// Page-locked host memory of one early bucket ([`Streams::bucket_stage`]), freed when
+/// dropped.
+pub(crate) struct BucketStage {
+    pub(crate) ptr: usize,
+    /// Held only: the memory goes when this is dropped.
+    pub(crate) _memory: Box<dyn std::any::Any + Send>,
+}
+
+/// [`Streams::queued_done`]: `Ok(true)` once the work is done, an error if the device failed.
+pub(crate) type Done = Arc<dyn Fn() -> Result<bool> + Send + Sync>;
+
 pub(crate) trait Streams {
     /// Which memory `ptr` (registered on `replica`) is in.
     fn memory_of(&self, replica: usize, ptr: usize) -> Result<Memory>;
@@ -419,6 +432,14 @@ pub(crate) trait Streams {
     /// A world's level 3 through host memory: page-locked host memory of at least `bytes`
     /// (contents undefined), the same buffer for every bucket until a larger one is needed.
     fn host_stage(&self, bytes: usize) -> Result<usize>;
+
+    /// Page-locked host memory of at least `bytes` of its own (contents undefined): a bucket
+    /// started early on the staged route keeps it until its transfer finished.
+    fn bucket_stage(&self, bytes: usize) -> Result<BucketStage>;
+
+    /// Whether everything queued so far on the backend's streams has run: an event recorded
+    /// on each stream now, asked without blocking, from any thread.
+    fn queued_done(&self) -> Result<Done>;
 
     /// Queues a copy of `bytes` from `src` to `dst` on `replica`'s stream: one range in
     /// [`Streams::host_stage`] (or other host memory that stays until [`Streams::wait_all`]:

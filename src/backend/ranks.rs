@@ -106,7 +106,8 @@ pub(crate) trait Ranks: Send {
     /// unfinished sends zeros for what is left. With `early` and one contribution per
     /// segment, the results may be written into it as the pieces complete, its original
     /// bytes kept aside and put back if the step fails (`finish` without `write`, or
-    /// [`Ranks::hold`]).
+    /// [`Ranks::hold`]). With `gate`, nothing of the contributions is read before the gate
+    /// says they are ready (a device-to-host copy still running into them).
     ///
     /// # Safety
     /// As for [`Ranks::allreduce`], until `finish` or until the ticket is dropped.
@@ -116,6 +117,7 @@ pub(crate) trait Ranks: Send {
         segments: &[Segment<'_>],
         count: usize,
         avg_early: (Option<usize>, bool),
+        gate: Option<Gate>,
     ) -> Result<Ticket>;
 
     /// A collective other than the started transfers' step is being agreed: results written
@@ -252,6 +254,10 @@ pub(crate) enum Channel {
 // Read by the engine only (the MPI one is built with the `mpi` feature).
 #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 pub(crate) struct Ticket(pub(crate) Box<dyn std::any::Any + Send>);
+
+/// Whether a started transfer's contributions are ready to be read ([`Ranks::start`]): asked
+/// by whichever thread moves the transfers, until it says yes; an error fails the world.
+pub(crate) type Gate = Box<dyn FnMut() -> Result<bool> + Send>;
 
 /// Whether process `pid` of this host is gone (a world's rank that died: MPI may not report it
 /// where a survivor waits). Without worlds (no `mpi` feature) there is none to ask about.

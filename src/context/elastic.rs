@@ -376,6 +376,8 @@ impl Context {
         self.membership.creation = creation;
         self.prepared = None;
         self.overlap.forget();
+        // Nothing starts early until a step succeeds in the new world.
+        self.overlap.agreed = None;
         let replicas = self.topology.world_replicas();
         if let Some(state) = self.bmuf.as_mut() {
             state.recount(replicas);

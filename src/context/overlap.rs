@@ -80,7 +80,7 @@ pub(super) struct Overlap {
     /// In a world: the registry generation the last successful `allreduce_grads` agreed on
     /// with every rank. Buckets start early only while it is current: every rank that starts
     /// one then has the same buckets.
-    agreed: Option<u64>,
+    pub(super) agreed: Option<u64>,
     /// In a world: buckets of this step started by `allreduce_grads` because other ranks
     /// started them early ([`Context::settle_world_step`]); not counted as early here.
     caught_up: usize,
@@ -264,9 +264,13 @@ impl Context {
         op: ReduceOp,
         upto: Option<usize>,
     ) -> Result<()> {
-        if (self.options.has_cuda_replicas() && self.topology.world_nccl.is_none())
-            || self.options.reproducible
-        {
+        // The staged route (CUDA replicas, no clique) starts early where every rank holds one
+        // replica: with several, levels 1–2 would change the replicas before the step agreed
+        // (ARCHITECTURE.md, "Known gaps"), and a rank that cannot start what others started
+        // would meet their transfers with a reduce-scatter step's own.
+        let staged = self.options.has_cuda_replicas() && self.topology.world_nccl.is_none();
+        let ones = self.topology.replicas_per_rank.iter().all(|&r| r == 1);
+        if (staged && !ones) || self.options.reproducible {
             return Ok(());
         }
         // Buckets another rank started are started once the step agreed: nothing early then.
@@ -532,7 +536,7 @@ impl Context {
         let reduced = self.overlap.reduced.iter().filter(|&&r| r).count();
         self.overlap.last_step_early = reduced - self.overlap.caught_up;
         // Early buckets follow the step's shape in one process, and serve either shape in a
-        // world (where nothing starts early on the staged path).
+        // world.
         let scatter = shape == Shape::ReduceScatter;
         let follows = !self.in_world() || self.executor.early_serves_either();
         self.overlap.op = (!scatter || follows).then_some(op);

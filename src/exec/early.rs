@@ -3,10 +3,11 @@
 //! memory), finished once the step agrees, or drained when it fails (context/overlap.rs).
 
 use super::shard::{owned_by, pieces_of, Place};
-use super::{dense, view, Executor};
-use crate::backend::Ticket;
+use super::{dense, staged, view, Executor};
+use crate::backend::{BucketStage, BucketView, Done, Ranks, Segment, Ticket};
 use crate::error::Result;
 use crate::plan::Bucket;
+use crate::plan::Route;
 use crate::registry::TensorView;
 use crate::types::{DType, Memory, ReduceOp};
 
@@ -15,6 +16,28 @@ use crate::types::{DType, Memory, ReduceOp};
 struct StartedInGroups {
     buffers: Vec<crate::backend::Allocation>,
     avg: Option<usize>,
+}
+
+/// A bucket of the one local CUDA replica started early on the staged route: copied into a
+/// page-locked stage of its own on the device's stream, the engine's transfer gated on that
+/// copy ([`Ranks::start`](crate::backend::Ranks)), the result copied back by
+/// [`Executor::finish_early`].
+struct StartedStaged {
+    ticket: Option<Ticket>,
+    stage: Option<BucketStage>,
+    copied: Done,
+}
+
+impl Drop for StartedStaged {
+    fn drop(&mut self) {
+        drop(self.ticket.take()); // the engine reads the stage no more
+        if !matches!((self.copied)(), Ok(true)) {
+            // The copy into it may still run (a failed world, a destroyed context): freed
+            // under it, the memory could be reused while the device writes it. Kept, not
+            // waited for: nothing hangs.
+            std::mem::forget(self.stage.take());
+        }
+    }
 }
 
 impl Executor {
@@ -46,8 +69,11 @@ impl Executor {
             })?;
             return Ok(Ticket(Box::new(StartedInGroups { buffers, avg })));
         }
+        if site.levels.route == Route::RanksStaged {
+            return self.start_staged(site, ranks, &view(bucket, tensors), avg);
+        }
         super::staged::contributions(&view(bucket, tensors), &site.levels.groups[0], |segments| {
-            ranks.start(bucket.dtype, segments, bucket.elements, (avg, early))
+            ranks.start(bucket.dtype, segments, bucket.elements, (avg, early), None)
         })
     }
 
@@ -67,6 +93,21 @@ impl Executor {
     ) -> Result<()> {
         let _span = self.bucket_span("allreduce bucket finished", b, bucket, tensors);
         let site = self.site(bucket.memory);
+        let ticket = match ticket.0.downcast::<StartedStaged>() {
+            Ok(mut started) => {
+                let ranks = site.ranks.expect("early transfers only in a world");
+                let inner = started.ticket.take().expect("finished once");
+                ranks.finish(inner, true)?;
+                let stage = started.stage.as_ref().expect("kept until finished").ptr;
+                let members: Vec<&TensorView> =
+                    bucket.tensors.iter().map(|&t| tensors[t]).collect();
+                let owned = scatter.map(|place| pieces_of(&members, &[0], place));
+                return self.bracket(|| {
+                    staged::stage_back(site, &view(bucket, tensors), stage, owned.as_deref())
+                });
+            }
+            Err(other) => Ticket(other),
+        };
         let ticket = match ticket.0.downcast::<StartedInGroups>() {
             Ok(started) => {
                 let view = view(bucket, tensors);
@@ -100,7 +141,8 @@ impl Executor {
         (bucket, tensors): (&Bucket, &[&TensorView]),
         scatter: Option<Place>,
     ) {
-        if let (Some(ranks), false) = (self.ranks(), ticket.0.is::<StartedInGroups>()) {
+        let own = ticket.0.is::<StartedInGroups>() || ticket.0.is::<StartedStaged>();
+        if let (Some(ranks), false) = (self.ranks(), own) {
             // A piece per contribution: the local replicas, as `start_early` gave them.
             let owned: Option<Vec<(usize, usize)>> = scatter.map(|place| {
                 let members: Vec<&TensorView> =
@@ -118,9 +160,12 @@ impl Executor {
     /// the bucket's summed buffers, as a reduce-scatter step's combine leaves them). In one
     /// process early buckets write at once, so they follow the previous step's shape.
     pub fn early_serves_either(&self) -> bool {
-        use crate::plan::Route;
         let route = &self.levels.route;
-        self.ranks.is_some() && matches!(route, Route::RanksFromHost | Route::RanksOverClique(_))
+        let either = matches!(
+            route,
+            Route::RanksFromHost | Route::RanksOverClique(_) | Route::RanksStaged
+        );
+        self.ranks.is_some() && either
     }
 
     /// One bucket reduce-scattered ahead of `dpsync_reduce_scatter_grads` (`dpsync_grad_ready`
@@ -179,12 +224,63 @@ impl Executor {
         let mut tickets = tickets;
         for &(dtype, elements) in stand_ins {
             // SAFETY: no memory of the caller is read or written.
-            tickets.push(unsafe { ranks.start(dtype, &[], elements, (None, false))? });
+            tickets.push(unsafe { ranks.start(dtype, &[], elements, (None, false), None)? });
         }
         for ticket in tickets {
+            let ticket = match ticket.0.downcast::<StartedStaged>() {
+                // Its stage goes once the engine is done with it.
+                Ok(mut started) => started.ticket.take().expect("finished once"),
+                Err(other) => Ticket(other),
+            };
             // SAFETY: nothing is written.
             unsafe { ranks.finish(ticket, false)? };
         }
         Ok(())
+    }
+
+    /// [`Executor::start_early`] on the staged route (one local replica): the bucket copied
+    /// into a page-locked stage of its own after the work the callers queued (which do not
+    /// wait for it), the engine's transfer started on it, gated on the copy.
+    fn start_staged(
+        &self,
+        site: super::Site<'_>,
+        ranks: &dyn Ranks,
+        bucket: &BucketView<'_>,
+        avg: Option<usize>,
+    ) -> Result<Ticket> {
+        let streams = site.backend.streams().expect("the staged route is CUDA's");
+        let stage = streams.bucket_stage(bucket.dtype.size() * bucket.elements())?;
+        let copied = self.bracket_joined(false, || {
+            // SAFETY: the stage holds the bucket; the replica's memory stays valid (the
+            // contract) until the step ends.
+            unsafe { staged::copy_out(streams, bucket, 0, stage.ptr)? };
+            streams.queued_done()
+        })?;
+        let gate = copied.clone();
+        let staged = [stage.ptr];
+        let segment = Segment {
+            ptrs: &staged,
+            count: bucket.elements(),
+        };
+        let data = (
+            bucket.dtype,
+            std::slice::from_ref(&segment),
+            bucket.elements(),
+        );
+        // SAFETY: the stage lives in the ticket until the transfer finished.
+        let ticket = unsafe {
+            ranks.start(
+                data.0,
+                data.1,
+                data.2,
+                (avg, false),
+                Some(Box::new(move || gate())),
+            )?
+        };
+        Ok(Ticket(Box::new(StartedStaged {
+            ticket: Some(ticket),
+            stage: Some(stage),
+            copied,
+        })))
     }
 }

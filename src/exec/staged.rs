@@ -216,3 +216,31 @@ pub(super) unsafe fn stage_in(
     }
     streams.wait_all()
 }
+
+/// A staged early bucket's result (at `stage`, the bucket laid end to end) copied back into
+/// the one local replica: whole, or only its `owned` pieces (`(first, count)` per segment, a
+/// reduce-scatter step); done when this returns.
+///
+/// # Safety
+/// As for [`allreduce`]; the stage holds the bucket.
+pub(super) unsafe fn stage_back(
+    site: Site<'_>,
+    bucket: &BucketView<'_>,
+    stage: usize,
+    owned: Option<&[(usize, usize)]>,
+) -> Result<()> {
+    let streams = site.backend.streams().expect("the staged route is CUDA's");
+    let Some(owned) = owned else {
+        return stage_in(streams, site.levels, bucket, stage);
+    };
+    let size = bucket.dtype.size();
+    let mut at = stage;
+    for (s, &(first, count)) in bucket.segments.iter().zip(owned) {
+        if count > 0 {
+            let from = at + first * size;
+            streams.stage_copy(0, s.ptrs[0] + first * size, from, count * size)?;
+        }
+        at += s.count * size;
+    }
+    streams.wait_all()
+}

@@ -16,7 +16,7 @@ use super::sparse::{CheckSlot, DeferredCheck};
 use super::trace::Timing;
 use super::{distinct_callers, CudaBackend, Group};
 use crate::backend::spares::Spares;
-use crate::backend::Streams;
+use crate::backend::{BucketStage, Done, Streams};
 use crate::error::{Error, ErrorKind, Result};
 use crate::types::Memory;
 
@@ -376,6 +376,14 @@ impl Streams for CudaBackend {
 
     fn host_stage(&self, bytes: usize) -> Result<usize> {
         self.host_stage_of(bytes)
+    }
+
+    fn bucket_stage(&self, bytes: usize) -> Result<BucketStage> {
+        self.bucket_stage_of(bytes)
+    }
+
+    fn queued_done(&self) -> Result<Done> {
+        self.queued_done_of()
     }
 
     unsafe fn stage_copy(

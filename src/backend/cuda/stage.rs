@@ -7,7 +7,9 @@ use cudarc::driver::sys;
 
 use super::driver::{self, PinnedMemory};
 use super::CudaBackend;
-use crate::backend::size_class;
+use std::sync::Arc;
+
+use crate::backend::{size_class, BucketStage, Done};
 use crate::error::Result;
 
 /// Page-locked buffers start at this size (a size class, as device scratch).
@@ -30,6 +32,37 @@ impl CudaBackend {
                 Ok(ptr)
             }
         }
+    }
+
+    /// [`Streams::bucket_stage`](crate::backend::Streams): page-locked memory of group 0's
+    /// device context, by size class.
+    pub(super) fn bucket_stage_of(&self, bytes: usize) -> Result<BucketStage> {
+        let mem = PinnedMemory::new(&self.groups[0].ctx, size_class(bytes, STAGE_FLOOR))?;
+        Ok(BucketStage {
+            ptr: mem.ptr as usize,
+            _memory: Box::new(mem),
+        })
+    }
+
+    /// [`Streams::queued_done`](crate::backend::Streams): an event recorded on every group's
+    /// stream; `cuEventQuery` needs no current context, so any thread may ask.
+    pub(super) fn queued_done_of(&self) -> Result<Done> {
+        let events = (self.groups.iter())
+            .map(|g| {
+                let _bound = g.ctx.bind()?;
+                let event = driver::Event::new()?;
+                event.record(g.stream.0)?;
+                Ok(event)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Arc::new(move || {
+            for e in &events {
+                if !e.query()? {
+                    return Ok(false);
+                }
+            }
+            Ok(true)
+        }))
     }
 
     /// `bytes` from `src` to `dst` on `replica`'s group stream, after the work queued there.

@@ -16,7 +16,7 @@ use super::scatter;
 use super::staging::{copy_spans, mpi_type, outputs, stage_in, stage_out, Way};
 use super::steps::{Handle, Queue, Until};
 use super::MpiRanks;
-use crate::backend::{allgather_packed, Channel, EveryRank, Ranks, Segment, Ticket};
+use crate::backend::{allgather_packed, Channel, EveryRank, Gate, Ranks, Segment, Ticket};
 use crate::error::{Error, ErrorKind, Result};
 use crate::types::DType;
 
@@ -131,8 +131,7 @@ impl MpiRanks {
         })
     }
 
-    /// [`MpiRanks::reduce_into`] of a bucket below the ring's size: one non-blocking
-    /// allreduce per piece, staged in and out.
+    /// [`MpiRanks::reduce_into`] below the ring's size: an allreduce per piece, staged.
     ///
     /// # Safety
     /// As for [`MpiRanks::reduce_into`].
@@ -394,12 +393,13 @@ impl Ranks for MpiRanks {
         segments: &[Segment<'_>],
         count: usize,
         (avg, early): (Option<usize>, bool),
+        gate: Option<Gate>,
     ) -> Result<Ticket> {
         self.refuse_if_failed()?;
         let size = mpi_type(dtype).1;
         let held = self.spare_stage(count * size);
-        let outputs = segments.first().map_or(0, |s| s.ptrs.len());
-        let aside = early.then(|| self.spare_stage(outputs * count * dtype.size()));
+        let outputs = segments.first().map_or(0, |s| s.ptrs.len()) * count;
+        let aside = early.then(|| self.spare_stage(outputs * dtype.size()));
         let mut queue = self.queue.lock();
         // Cut as a waited transfer of the bucket would be (a bucket off the ring is below
         // either piece size: one piece). Through shared memory, a bucket the ring carries
@@ -409,7 +409,7 @@ impl Ranks for MpiRanks {
         let handle = queue.push(
             (dtype, segments, count),
             (avg, ring.piece_of(size), whole),
-            (held, aside),
+            (held, aside, gate),
         );
         if !self.thread_moves() {
             self.drive(&mut queue, Until::Idle)?;

@@ -23,7 +23,7 @@ use super::ring::{Flight, Ring, Sum};
 use super::staging::{mpi_type, only_owned, stage_in, stage_out};
 use super::whole::Whole;
 use crate::backend::host::copy_streaming;
-use crate::backend::Segment;
+use crate::backend::{Gate, Segment};
 use crate::error::Result;
 use crate::types::DType;
 
@@ -63,6 +63,9 @@ pub(super) struct Item {
     /// Results written into the one output as the pieces complete, before the step agreed,
     /// its originals kept here (`aside.rs`); `held` is filled as well.
     pub(super) aside: Option<Aside>,
+    /// Asked before the first piece goes ([`Ranks::start`](crate::backend::Ranks)): the
+    /// inputs are not read before it opens.
+    gate: Option<Gate>,
 }
 
 impl Item {
@@ -169,7 +172,7 @@ impl Queue {
         &mut self,
         (dtype, segments, count): (DType, &[Segment<'_>], usize),
         (avg, piece, whole): (Option<usize>, usize, bool),
-        (held, aside): (Vec<u64>, Option<Vec<u64>>),
+        (held, aside, gate): (Vec<u64>, Option<Vec<u64>>, Option<Gate>),
     ) -> Handle {
         let abandoned = Arc::new(AtomicBool::new(false));
         let seq = self.next_seq;
@@ -201,6 +204,7 @@ impl Queue {
             walk_out: Vec::new(),
             abandoned: abandoned.clone(),
             aside,
+            gate,
         });
         Handle { seq, abandoned }
     }
@@ -226,6 +230,14 @@ impl Queue {
             let Some(item) = self.items.iter_mut().find(|i| i.issued < i.pieces) else {
                 return Ok(false);
             };
+            if let Some(gate) = item.gate.as_mut() {
+                // Waits like a piece waiting for its slot (the thread driving keeps asking,
+                // a waited drive within the timeout); a dropped ticket reads nothing.
+                if !item.abandoned.load(Ordering::Relaxed) && !gate()? {
+                    return Ok(true);
+                }
+                item.gate = None;
+            }
             if item.whole {
                 // Alone on the channel's slots: after the pieces before it.
                 if !self.inflight.is_empty() {

@@ -6,11 +6,13 @@ use super::*;
 impl World<'_> {
     /// Whether buckets started early serve a reduce-scatter step as well as an allreduce one:
     /// host replicas (the engine writes their results once the step agreed, for a
-    /// reduce-scatter each local replica's owned pieces alone) and NCCL across the ranks (the
-    /// owned pieces copied out of the started bucket's buffers). On the staged path nothing
-    /// starts early, and after a reduce-scatter step nothing would.
+    /// reduce-scatter each local replica's owned pieces alone), NCCL across the ranks (the
+    /// owned pieces copied out of the started bucket's buffers) and the staged path where
+    /// every rank holds one replica (its owned pieces copied back from the bucket's stage).
+    /// Elsewhere on the staged path nothing starts early, and after a reduce-scatter step
+    /// nothing would.
     pub(super) fn serves_either(&self) -> bool {
-        !self.setup.at.cuda() || self.setup.nccl()
+        self.setup.starts_early(&self.per_rank)
     }
 
     /// A gradient step: `dpsync_allreduce_grads`, or with `scatter`
@@ -185,9 +187,10 @@ impl World<'_> {
     }
 
     /// CUDA replicas, after the marks (`every`: each rank's): the buckets each rank started
-    /// early, on this rank as describe counts them. Only with NCCL across the ranks (on the
-    /// staged path CUDA replicas only mark), in bucket order, on a rank whose registrations are
-    /// those the last successful step agreed on. With buckets in flight on the NCCL clique, a
+    /// early, on this rank as describe counts them. Only with NCCL across the ranks or on the
+    /// staged path where every rank holds one replica (elsewhere CUDA replicas only mark), in
+    /// bucket order, on a rank whose registrations are those the last successful step agreed
+    /// on. With buckets in flight on the NCCL clique, a
     /// rank that calls a collective other than a gradient step (`call`) is refused at once:
     /// its own INVALID_STATE.
     /// `scatter`: they finish a reduce-scatter step (counted apart).
@@ -198,8 +201,9 @@ impl World<'_> {
         scatter: bool,
     ) {
         let buckets = model::buckets(&self.dense, self.fusion);
+        let starts = self.setup.at.cuda() && self.setup.starts_early(&self.per_rank);
         let can_start =
-            |r: usize| self.setup.nccl() && self.agreed[r] && self.last_op.is_some() && !self.repro;
+            |r: usize| starts && self.agreed[r] && self.last_op.is_some() && !self.repro;
         let started: Vec<usize> = (0..self.per_rank.len())
             .map(|r| {
                 let marked = |t: &usize| (0..self.per_rank[r]).all(|k| every[r].contains(&(*t, k)));
@@ -227,7 +231,8 @@ impl World<'_> {
         // A gradient step of either shape finishes them.
         let step = |c: &Option<Call>| matches!(c, Some(Call::Grads(_) | Call::Scatter(_)));
         let other = |d: &&mut Dev| d.class == "call" && !step(&d.call);
-        if let Some(dev) = dev.filter(|d| other(d) && started[d.rank] > 0) {
+        let clique = self.setup.nccl();
+        if let Some(dev) = dev.filter(|d| clique && other(d) && started[d.rank] > 0) {
             self.note(format!("rank {} has buckets in flight", dev.rank));
             self.tally.count("call_in_flight");
             dev.expect = own(dev.rank, INVALID_STATE, &["dpsync_allreduce_grads"]);

@@ -1,0 +1,201 @@
+//! `dpsync_grad_ready` on the staged route (CUDA replicas, no clique: PEER_COPY): where every
+//! rank holds one replica, buckets start early (each copied into page-locked memory of its
+//! own, the engine's transfer gated on the copy); where a rank holds several, every rank only
+//! marks. Nothing is written before the step agrees.
+
+use super::*;
+
+/// Each rank's CUDA ordinals: one replica per rank; with `DPSYNC_TEST_STAGED_MIXED` (3 ranks)
+/// one, two (on two GPUs) and one.
+fn staged_layout(rank: usize) -> Vec<i32> {
+    let gpus = common::place::device_count().clamp(1, 2) as i32;
+    let layouts: &[&[i32]] = match std::env::var_os("DPSYNC_TEST_STAGED_MIXED") {
+        Some(_) => &[&[0], &[0, 1], &[1]],
+        None => &[&[0], &[1], &[0]],
+    };
+    layouts[rank].iter().map(|&d| d % gpus).collect()
+}
+
+#[test]
+fn cuda_overlap_across_ranks_staged() {
+    if under_mpirun() {
+        return;
+    }
+    for n in [2, 3] {
+        launch("staged_overlap::staged_overlap_body", n, 300, None);
+    }
+    let mixed = Some(("DPSYNC_TEST_STAGED_MIXED", std::path::Path::new("1")));
+    launch("staged_overlap::staged_overlap_body", 3, 300, mixed);
+}
+
+/// As every rank: three gradients of 1000 f32 (a bucket each), marked in backward order:
+/// SUM steps, a reduce-scatter step after early buckets (each replica's own pieces written,
+/// nothing else), a failed agreement (the started buckets drained, nothing written) and a
+/// refused op (likewise), each followed by a step that succeeds.
+#[test]
+fn staged_overlap_body() {
+    let Some((rank, ranks)) = as_rank("staged_overlap_body") else {
+        return;
+    };
+    let Some(place) = Place::gpus("staged_overlap_body", 1) else {
+        return;
+    };
+    let sizes: Vec<usize> = (0..ranks).map(|r| staged_layout(r).len()).collect();
+    let (local, total) = (sizes[rank], sizes.iter().sum::<usize>());
+    let offset: usize = sizes[..rank].iter().sum();
+    let ordinals = &staged_layout(rank);
+    let Some(ctx) = cuda_context("staged_overlap_body", ordinals, |o| {
+        world(o, T_PEER_COPY);
+        o.set_fusion_bytes(4000);
+    }) else {
+        return;
+    };
+    let tag = |what: &str| format!("rank {rank}/{ranks} ({local} replicas): {what}");
+    assert_eq!(ctx.describe_json()["world"]["cross_rank"], "mpi_staged");
+    let (n, names) = (1000, ["g0", "g1", "g2"]);
+    let init = |t: usize, w: usize| -> Vec<u8> {
+        let v: Vec<f32> = (0..n)
+            .map(|i| (value(w, i) as usize * (t + 1)) as f32)
+            .collect();
+        bytes_of(&v)
+    };
+    let mut g: Vec<Vec<Mem>> = (0..names.len())
+        .map(|t| {
+            (0..local)
+                .map(|k| place.mem_on(ordinals[k], &init(t, offset + k)))
+                .collect()
+        })
+        .collect();
+    for (t, per_replica) in g.iter().enumerate() {
+        for (k, mem) in per_replica.iter().enumerate() {
+            let st = register_raw(ctx.0, names[t], GRAD, k, mem.ptr() as *mut _, n, F32);
+            check(st, &tag("register"));
+        }
+    }
+    let refill = |g: &mut Vec<Vec<Mem>>| {
+        for (t, per_replica) in g.iter_mut().enumerate() {
+            for (k, mem) in per_replica.iter_mut().enumerate() {
+                mem.write(&init(t, offset + k));
+            }
+        }
+    };
+    let summed = |t: usize, i: usize| ((i + 1) * total * (total + 1) / 2 * (t + 1)) as f32;
+    let expect = |g: &Vec<Vec<Mem>>, what: &str| {
+        check(common::place::synchronize(&ctx), &tag("synchronize"));
+        for (t, per_replica) in g.iter().enumerate() {
+            for mem in per_replica {
+                let got = from_bytes::<f32>(&mem.read());
+                for i in 0..n {
+                    let at = format!("{what}: g{t}[{i}]");
+                    assert_eq!(got[i], summed(t, i), "{}", tag(&at));
+                }
+            }
+        }
+    };
+    let untouched = |g: &Vec<Vec<Mem>>, what: &str| {
+        check(common::place::synchronize(&ctx), &tag("synchronize"));
+        for (t, per_replica) in g.iter().enumerate() {
+            for (k, mem) in per_replica.iter().enumerate() {
+                assert_eq!(mem.read(), init(t, offset + k), "{}", tag(what));
+            }
+        }
+    };
+    let mark = || {
+        for t in (0..names.len()).rev() {
+            for k in 0..local {
+                check(ctx.grad_ready(names[t], k), &tag("grad_ready"));
+            }
+        }
+    };
+    let early = |when: &str| ctx.describe_json()["overlap"][when].clone();
+    // Every bucket starts where every rank holds one replica; else every rank only marks.
+    let starts = if total == ranks { 3 } else { 0 };
+
+    // Step 1 (no op yet: nothing starts early).
+    check(ctx.allreduce_grads(SUM), &tag("step 1"));
+    expect(&g, "step 1");
+
+    // Step 2: every bucket marked (started, or not anywhere), nothing written before
+    // allreduce_grads.
+    refill(&mut g);
+    mark();
+    let now = "buckets_reduced_early_this_step";
+    assert_eq!(early(now), starts, "{}", tag("step 2 started"));
+    untouched(&g, "step 2: nothing written before allreduce_grads");
+    check(ctx.allreduce_grads(SUM), &tag("step 2"));
+    expect(&g, "step 2");
+    let last = "buckets_reduced_early_last_step";
+    assert_eq!(early(last), starts, "{}", tag("step 2 early"));
+
+    // Step 3: started buckets serve a reduce-scatter step: each replica's own pieces written,
+    // nothing else.
+    refill(&mut g);
+    mark();
+    // SAFETY: a live context.
+    check(
+        unsafe { dpsync_reduce_scatter_grads(ctx.0, SUM) },
+        &tag("step 3"),
+    );
+    check(common::place::synchronize(&ctx), &tag("synchronize"));
+    for (t, per_replica) in g.iter().enumerate() {
+        for (k, mem) in per_replica.iter().enumerate() {
+            let got = from_bytes::<f32>(&mem.read());
+            let before = from_bytes::<f32>(&init(t, offset + k));
+            let (lo, hi) = (n * (offset + k) / total, n * (offset + k + 1) / total);
+            for i in 0..n {
+                let want = match (lo..hi).contains(&i) {
+                    true => summed(t, i),
+                    false => before[i],
+                };
+                let what = format!("step 3: g{t}[{i}] on replica {k} (owns {lo}..{hi})");
+                assert_eq!(got[i], want, "{}", tag(&what));
+            }
+        }
+    }
+
+    // Step 4: after a reduce-scatter step they start again and serve an allreduce step.
+    refill(&mut g);
+    mark();
+    assert_eq!(early(now), starts, "{}", tag("step 4 started"));
+    check(ctx.allreduce_grads(SUM), &tag("step 4"));
+    expect(&g, "step 4");
+
+    // Step 5: the agreement fails on every rank (the last rank, which marked nothing,
+    // registered another gradient): the started buckets are drained (stand-ins where none
+    // started), nothing is written; then the step succeeds.
+    refill(&mut g);
+    if rank != ranks - 1 {
+        mark();
+    }
+    let extra: Vec<Mem> = (0..local)
+        .map(|k| place.mem_on(ordinals[k], &bytes_of(&[1.0f32; 4])))
+        .collect();
+    if rank == ranks - 1 {
+        for (k, mem) in extra.iter().enumerate() {
+            let st = register_raw(ctx.0, "extra", GRAD, k, mem.ptr() as *mut _, 4, F32);
+            check(st, &tag("register extra"));
+        }
+    }
+    assert_eq!(ctx.allreduce_grads(SUM), INCONSISTENT, "{}", tag("step 5"));
+    untouched(&g, "step 5: nothing written after a failed agreement");
+    if rank == ranks - 1 {
+        check(ctx.unregister("extra"), &tag("unregister extra"));
+    }
+    check(ctx.allreduce_grads(SUM), &tag("step 5, again"));
+    expect(&g, "step 5");
+
+    // Step 6: the last rank's op is invalid: refused there, INCONSISTENT elsewhere; the
+    // started buckets drained, nothing written; then the step succeeds.
+    refill(&mut g);
+    mark();
+    let st = ctx.allreduce_grads(if rank == ranks - 1 { 7 } else { SUM });
+    let want = if rank == ranks - 1 {
+        INVALID_ARGUMENT
+    } else {
+        INCONSISTENT
+    };
+    assert_eq!(st, want, "{}: {}", tag("step 6"), last_error());
+    untouched(&g, "step 6: nothing written by a refused step");
+    check(ctx.allreduce_grads(SUM), &tag("step 6, again"));
+    expect(&g, "step 6");
+}
