@@ -394,120 +394,51 @@ fn nccl_overlap_body() {
     }) else {
         return;
     };
-    let tag = |what: &str| format!("rank {rank}/{ranks}: {what}");
+    let tag = format!("rank {rank}/{ranks}");
     assert_eq!(ctx.describe_json()["world"]["cross_rank"], "nccl");
-    let (n, names) = (1000, ["g0", "g1", "g2"]);
-    let init = |t: usize, w: usize| -> Vec<u8> {
-        bytes_of(
-            &(0..n)
-                .map(|i| (value(w, i) as usize * (t + 1)) as f32)
-                .collect::<Vec<f32>>(),
-        )
-    };
-    let mut g: Vec<Vec<Mem>> = (0..names.len())
-        .map(|t| {
-            (0..local)
-                .map(|k| place.mem_on(ordinals[k], &init(t, offset + k)))
-                .collect()
-        })
-        .collect();
-    for (t, per_replica) in g.iter().enumerate() {
-        for (k, mem) in per_replica.iter().enumerate() {
-            let st = register_raw(ctx.0, names[t], GRAD, k, mem.ptr() as *mut _, n, F32);
-            check(st, &tag("register"));
-        }
-    }
-    let refill = |g: &mut Vec<Vec<Mem>>| {
-        for (t, per_replica) in g.iter_mut().enumerate() {
-            for (k, mem) in per_replica.iter_mut().enumerate() {
-                mem.write(&init(t, offset + k));
-            }
-        }
-    };
-    // Element `i` of tensor `t` summed over the world's replicas.
-    let summed = |t: usize, i: usize| ((i + 1) * total * (total + 1) / 2 * (t + 1)) as f32;
-    let expect = |g: &Vec<Vec<Mem>>, what: &str| {
-        check(common::place::synchronize(&ctx), &tag("synchronize"));
-        for (t, per_replica) in g.iter().enumerate() {
-            for mem in per_replica {
-                let got = from_bytes::<f32>(&mem.read());
-                for i in [0, 1, n - 1] {
-                    let want = summed(t, i);
-                    assert_eq!(got[i], want, "{}", tag(&format!("{what}: g{t}[{i}]")));
-                }
-            }
-        }
-    };
-    let untouched = |g: &Vec<Vec<Mem>>, what: &str| {
-        check(common::place::synchronize(&ctx), &tag("synchronize"));
-        for (t, per_replica) in g.iter().enumerate() {
-            for (k, mem) in per_replica.iter().enumerate() {
-                assert_eq!(mem.read(), init(t, offset + k), "{}", tag(what));
-            }
-        }
-    };
-    let mark = |tensors: &[usize]| {
-        for &t in tensors {
-            for k in 0..local {
-                check(ctx.grad_ready(names[t], k), &tag("grad_ready"));
-            }
-        }
-    };
-    let early_now = || ctx.describe_json()["overlap"]["buckets_reduced_early_this_step"].clone();
-    let early_last = || ctx.describe_json()["overlap"]["buckets_reduced_early_last_step"].clone();
+    let mut g = Grads::new(&ctx, &place, ordinals, (local, total, offset), tag);
+    let (now, last) = (
+        "buckets_reduced_early_this_step",
+        "buckets_reduced_early_last_step",
+    );
 
     // Step 1 (no op yet: nothing starts early).
-    check(ctx.allreduce_grads(SUM), &tag("step 1"));
-    expect(&g, "step 1");
+    check(ctx.allreduce_grads(SUM), &g.tag("step 1"));
+    g.expect("step 1");
 
     // Step 2: every rank marks everything, in backward order: every bucket starts early, and
     // nothing is written before allreduce_grads.
-    refill(&mut g);
-    mark(&[2, 1, 0]);
-    assert_eq!(early_now(), 3, "{}", tag("step 2 started"));
-    untouched(&g, "step 2: nothing written before allreduce_grads");
-    check(ctx.allreduce_grads(SUM), &tag("step 2"));
-    expect(&g, "step 2");
-    assert_eq!(early_last(), 3, "{}", tag("step 2 early"));
+    g.refill();
+    g.mark(&[2, 1, 0]);
+    assert_eq!(g.early(now), 3, "{}", g.tag("step 2 started"));
+    g.untouched("step 2: nothing written before allreduce_grads");
+    check(ctx.allreduce_grads(SUM), &g.tag("step 2"));
+    g.expect("step 2");
+    assert_eq!(g.early(last), 3, "{}", g.tag("step 2 early"));
 
     // Steps 2b and 2c: started buckets serve a reduce-scatter step (each replica's own pieces
     // copied out of their buffers, nothing else written), and after one they start early
     // again and serve an allreduce step.
-    refill(&mut g);
-    mark(&[2, 1, 0]);
-    assert_eq!(early_now(), 3, "{}", tag("step 2b started"));
+    g.refill();
+    g.mark(&[2, 1, 0]);
+    assert_eq!(g.early(now), 3, "{}", g.tag("step 2b started"));
     // SAFETY: a live context.
     check(
         unsafe { dpsync_reduce_scatter_grads(ctx.0, SUM) },
-        &tag("step 2b"),
+        &g.tag("step 2b"),
     );
-    check(common::place::synchronize(&ctx), &tag("synchronize"));
-    for (t, per_replica) in g.iter().enumerate() {
-        for (k, mem) in per_replica.iter().enumerate() {
-            let (got, before) = (from_bytes::<f32>(&mem.read()), init(t, offset + k));
-            let before = from_bytes::<f32>(&before);
-            let (lo, hi) = (n * (offset + k) / total, n * (offset + k + 1) / total);
-            for i in 0..n {
-                let want = match (lo..hi).contains(&i) {
-                    true => summed(t, i),
-                    false => before[i],
-                };
-                let what = format!("step 2b: g{t}[{i}] on replica {k} (owns {lo}..{hi})");
-                assert_eq!(got[i], want, "{}", tag(&what));
-            }
-        }
-    }
-    assert_eq!(early_last(), 3, "{}", tag("step 2b early"));
-    refill(&mut g);
-    mark(&[2, 1, 0]);
+    g.expect_owned("step 2b");
+    assert_eq!(g.early(last), 3, "{}", g.tag("step 2b early"));
+    g.refill();
+    g.mark(&[2, 1, 0]);
     assert_eq!(
-        early_now(),
+        g.early(now),
         3,
         "{}",
-        tag("step 2c started after a reduce-scatter")
+        g.tag("step 2c started after a reduce-scatter")
     );
-    check(ctx.allreduce_grads(SUM), &tag("step 2c"));
-    expect(&g, "step 2c");
+    check(ctx.allreduce_grads(SUM), &g.tag("step 2c"));
+    g.expect("step 2c");
 
     // Ranks that start different buckets need streams that run apart from the host: the fake
     // NCCL's synchronous mode runs a collective across processes inside the call that queues
@@ -520,9 +451,9 @@ fn nccl_overlap_body() {
     // Step 3: rank 0 starts every bucket, the others none; another collective meanwhile fails
     // on every rank (rank 0 refuses it, the others name rank 0) and changes nothing; then the
     // step completes with the same collectives on every rank.
-    refill(&mut g);
+    g.refill();
     if rank == 0 {
-        mark(&[0, 1, 2]);
+        g.mark(&[0, 1, 2]);
     }
     let st = ctx.allreduce("g0", SUM);
     let msg = last_error();
@@ -534,23 +465,23 @@ fn nccl_overlap_body() {
             INCONSISTENT
         },
         "{}",
-        tag(&msg)
+        g.tag(&msg)
     );
-    assert!(msg.contains("dpsync_allreduce_grads"), "{}", tag(&msg));
+    assert!(msg.contains("dpsync_allreduce_grads"), "{}", g.tag(&msg));
     if rank != 0 {
         // Rank 0's started buckets wait for the others' until allreduce_grads: synchronizing
         // there now would wait for them.
-        untouched(&g, "step 3: nothing written by the refused collective");
+        g.untouched("step 3: nothing written by the refused collective");
     }
-    check(ctx.allreduce_grads(SUM), &tag("step 3"));
-    expect(&g, "step 3");
+    check(ctx.allreduce_grads(SUM), &g.tag("step 3"));
+    g.expect("step 3");
 
     // Step 4: rank 0 starts every bucket, then the step's agreement fails on every rank (the
     // last rank registered another gradient): the started buckets are drained, nothing is
     // written; after the other gradient goes, the step succeeds.
-    refill(&mut g);
+    g.refill();
     if rank == 0 {
-        mark(&[0, 1, 2]);
+        g.mark(&[0, 1, 2]);
     }
     let extra: Vec<Mem> = (0..local)
         .map(|k| place.mem_on(ordinals[k], &bytes_of(&[1.0f32; 4])))
@@ -558,21 +489,26 @@ fn nccl_overlap_body() {
     if rank == ranks - 1 {
         for (k, mem) in extra.iter().enumerate() {
             let st = register_raw(ctx.0, "extra", GRAD, k, mem.ptr() as *mut _, 4, F32);
-            check(st, &tag("register extra"));
+            check(st, &g.tag("register extra"));
         }
     }
-    assert_eq!(ctx.allreduce_grads(SUM), INCONSISTENT, "{}", tag("step 4"));
-    untouched(&g, "step 4: nothing written after a failed agreement");
+    assert_eq!(
+        ctx.allreduce_grads(SUM),
+        INCONSISTENT,
+        "{}",
+        g.tag("step 4")
+    );
+    g.untouched("step 4: nothing written after a failed agreement");
     if rank == ranks - 1 {
-        check(ctx.unregister("extra"), &tag("unregister extra"));
+        check(ctx.unregister("extra"), &g.tag("unregister extra"));
     }
-    check(ctx.allreduce_grads(SUM), &tag("step 4, again"));
-    expect(&g, "step 4");
+    check(ctx.allreduce_grads(SUM), &g.tag("step 4, again"));
+    g.expect("step 4");
 
     // Step 5: rank 0 starts every bucket, the others none, in a step with a sparse gradient
     // (gathered through the host across the ranks): the others start the same buckets before
     // the gather, so the clique and the gather meet in the same order on every rank.
-    refill(&mut g);
+    g.refill();
     ctx.reg_sparse_all("emb", 2, F32, I64, 7);
     let slices: Vec<(Mem, Mem, usize)> = (0..local)
         .map(|k| {
@@ -584,19 +520,19 @@ fn nccl_overlap_body() {
         .collect();
     for (k, (i, v, rows)) in slices.iter().enumerate() {
         let st = ctx.sparse_set_raw("emb", k, i.ptr() as *const _, v.ptr() as *const _, *rows);
-        check(st, &tag("sparse_set"));
+        check(st, &g.tag("sparse_set"));
     }
     if rank == 0 {
-        mark(&[0, 1, 2]);
+        g.mark(&[0, 1, 2]);
     }
-    check(ctx.allreduce_grads(SUM), &tag("step 5"));
-    expect(&g, "step 5");
+    check(ctx.allreduce_grads(SUM), &g.tag("step 5"));
+    g.expect("step 5");
     let rows: usize = (0..total).map(|w| rows_of(w).0.len()).sum();
     assert_eq!(
         ctx.gathered("emb", 0).rows,
         rows,
         "{}",
-        tag("step 5: sparse rows")
+        g.tag("step 5: sparse rows")
     );
 }
 
@@ -613,5 +549,11 @@ mod shards;
 #[path = "world_cuda_parts/host_memory.rs"]
 mod host_memory;
 
+/// The overlap tests' gradients (tests/world_cuda_parts/grads.rs).
+#[path = "world_cuda_parts/grads.rs"]
+mod grads;
+use grads::Grads;
+
+/// Overlap on the staged route (tests/world_cuda_parts/staged_overlap.rs).
 #[path = "world_cuda_parts/staged_overlap.rs"]
 mod staged_overlap;

@@ -50,122 +50,55 @@ fn staged_overlap_body() {
     }) else {
         return;
     };
-    let tag = |what: &str| format!("rank {rank}/{ranks} ({local} replicas): {what}");
+    let tag = format!("rank {rank}/{ranks} ({local} replicas)");
     assert_eq!(ctx.describe_json()["world"]["cross_rank"], "mpi_staged");
-    let (n, names) = (1000, ["g0", "g1", "g2"]);
-    let init = |t: usize, w: usize| -> Vec<u8> {
-        let v: Vec<f32> = (0..n)
-            .map(|i| (value(w, i) as usize * (t + 1)) as f32)
-            .collect();
-        bytes_of(&v)
-    };
-    let mut g: Vec<Vec<Mem>> = (0..names.len())
-        .map(|t| {
-            (0..local)
-                .map(|k| place.mem_on(ordinals[k], &init(t, offset + k)))
-                .collect()
-        })
-        .collect();
-    for (t, per_replica) in g.iter().enumerate() {
-        for (k, mem) in per_replica.iter().enumerate() {
-            let st = register_raw(ctx.0, names[t], GRAD, k, mem.ptr() as *mut _, n, F32);
-            check(st, &tag("register"));
-        }
-    }
-    let refill = |g: &mut Vec<Vec<Mem>>| {
-        for (t, per_replica) in g.iter_mut().enumerate() {
-            for (k, mem) in per_replica.iter_mut().enumerate() {
-                mem.write(&init(t, offset + k));
-            }
-        }
-    };
-    let summed = |t: usize, i: usize| ((i + 1) * total * (total + 1) / 2 * (t + 1)) as f32;
-    let expect = |g: &Vec<Vec<Mem>>, what: &str| {
-        check(common::place::synchronize(&ctx), &tag("synchronize"));
-        for (t, per_replica) in g.iter().enumerate() {
-            for mem in per_replica {
-                let got = from_bytes::<f32>(&mem.read());
-                for i in 0..n {
-                    let at = format!("{what}: g{t}[{i}]");
-                    assert_eq!(got[i], summed(t, i), "{}", tag(&at));
-                }
-            }
-        }
-    };
-    let untouched = |g: &Vec<Vec<Mem>>, what: &str| {
-        check(common::place::synchronize(&ctx), &tag("synchronize"));
-        for (t, per_replica) in g.iter().enumerate() {
-            for (k, mem) in per_replica.iter().enumerate() {
-                assert_eq!(mem.read(), init(t, offset + k), "{}", tag(what));
-            }
-        }
-    };
-    let mark = || {
-        for t in (0..names.len()).rev() {
-            for k in 0..local {
-                check(ctx.grad_ready(names[t], k), &tag("grad_ready"));
-            }
-        }
-    };
-    let early = |when: &str| ctx.describe_json()["overlap"][when].clone();
+    let mut g = Grads::new(&ctx, &place, ordinals, (local, total, offset), tag);
+    let all = [2, 1, 0];
+    let (now, last) = (
+        "buckets_reduced_early_this_step",
+        "buckets_reduced_early_last_step",
+    );
     // Every bucket starts where every rank holds one replica; else every rank only marks.
     let starts = if total == ranks { 3 } else { 0 };
 
     // Step 1 (no op yet: nothing starts early).
-    check(ctx.allreduce_grads(SUM), &tag("step 1"));
-    expect(&g, "step 1");
+    check(ctx.allreduce_grads(SUM), &g.tag("step 1"));
+    g.expect("step 1");
 
     // Step 2: every bucket marked (started, or not anywhere), nothing written before
     // allreduce_grads.
-    refill(&mut g);
-    mark();
-    let now = "buckets_reduced_early_this_step";
-    assert_eq!(early(now), starts, "{}", tag("step 2 started"));
-    untouched(&g, "step 2: nothing written before allreduce_grads");
-    check(ctx.allreduce_grads(SUM), &tag("step 2"));
-    expect(&g, "step 2");
-    let last = "buckets_reduced_early_last_step";
-    assert_eq!(early(last), starts, "{}", tag("step 2 early"));
+    g.refill();
+    g.mark(&all);
+    assert_eq!(g.early(now), starts, "{}", g.tag("step 2 started"));
+    g.untouched("step 2: nothing written before allreduce_grads");
+    check(ctx.allreduce_grads(SUM), &g.tag("step 2"));
+    g.expect("step 2");
+    assert_eq!(g.early(last), starts, "{}", g.tag("step 2 early"));
 
     // Step 3: started buckets serve a reduce-scatter step: each replica's own pieces written,
     // nothing else.
-    refill(&mut g);
-    mark();
+    g.refill();
+    g.mark(&all);
     // SAFETY: a live context.
     check(
         unsafe { dpsync_reduce_scatter_grads(ctx.0, SUM) },
-        &tag("step 3"),
+        &g.tag("step 3"),
     );
-    check(common::place::synchronize(&ctx), &tag("synchronize"));
-    for (t, per_replica) in g.iter().enumerate() {
-        for (k, mem) in per_replica.iter().enumerate() {
-            let got = from_bytes::<f32>(&mem.read());
-            let before = from_bytes::<f32>(&init(t, offset + k));
-            let (lo, hi) = (n * (offset + k) / total, n * (offset + k + 1) / total);
-            for i in 0..n {
-                let want = match (lo..hi).contains(&i) {
-                    true => summed(t, i),
-                    false => before[i],
-                };
-                let what = format!("step 3: g{t}[{i}] on replica {k} (owns {lo}..{hi})");
-                assert_eq!(got[i], want, "{}", tag(&what));
-            }
-        }
-    }
+    g.expect_owned("step 3");
 
     // Step 4: after a reduce-scatter step they start again and serve an allreduce step.
-    refill(&mut g);
-    mark();
-    assert_eq!(early(now), starts, "{}", tag("step 4 started"));
-    check(ctx.allreduce_grads(SUM), &tag("step 4"));
-    expect(&g, "step 4");
+    g.refill();
+    g.mark(&all);
+    assert_eq!(g.early(now), starts, "{}", g.tag("step 4 started"));
+    check(ctx.allreduce_grads(SUM), &g.tag("step 4"));
+    g.expect("step 4");
 
     // Step 5: the agreement fails on every rank (the last rank, which marked nothing,
     // registered another gradient): the started buckets are drained (stand-ins where none
     // started), nothing is written; then the step succeeds.
-    refill(&mut g);
+    g.refill();
     if rank != ranks - 1 {
-        mark();
+        g.mark(&all);
     }
     let extra: Vec<Mem> = (0..local)
         .map(|k| place.mem_on(ordinals[k], &bytes_of(&[1.0f32; 4])))
@@ -173,29 +106,34 @@ fn staged_overlap_body() {
     if rank == ranks - 1 {
         for (k, mem) in extra.iter().enumerate() {
             let st = register_raw(ctx.0, "extra", GRAD, k, mem.ptr() as *mut _, 4, F32);
-            check(st, &tag("register extra"));
+            check(st, &g.tag("register extra"));
         }
     }
-    assert_eq!(ctx.allreduce_grads(SUM), INCONSISTENT, "{}", tag("step 5"));
-    untouched(&g, "step 5: nothing written after a failed agreement");
+    assert_eq!(
+        ctx.allreduce_grads(SUM),
+        INCONSISTENT,
+        "{}",
+        g.tag("step 5")
+    );
+    g.untouched("step 5: nothing written after a failed agreement");
     if rank == ranks - 1 {
-        check(ctx.unregister("extra"), &tag("unregister extra"));
+        check(ctx.unregister("extra"), &g.tag("unregister extra"));
     }
-    check(ctx.allreduce_grads(SUM), &tag("step 5, again"));
-    expect(&g, "step 5");
+    check(ctx.allreduce_grads(SUM), &g.tag("step 5, again"));
+    g.expect("step 5");
 
     // Step 6: the last rank's op is invalid: refused there, INCONSISTENT elsewhere; the
     // started buckets drained, nothing written; then the step succeeds.
-    refill(&mut g);
-    mark();
+    g.refill();
+    g.mark(&all);
     let st = ctx.allreduce_grads(if rank == ranks - 1 { 7 } else { SUM });
     let want = if rank == ranks - 1 {
         INVALID_ARGUMENT
     } else {
         INCONSISTENT
     };
-    assert_eq!(st, want, "{}: {}", tag("step 6"), last_error());
-    untouched(&g, "step 6: nothing written by a refused step");
-    check(ctx.allreduce_grads(SUM), &tag("step 6, again"));
-    expect(&g, "step 6");
+    assert_eq!(st, want, "{}: {}", g.tag("step 6"), last_error());
+    g.untouched("step 6: nothing written by a refused step");
+    check(ctx.allreduce_grads(SUM), &g.tag("step 6, again"));
+    g.expect("step 6");
 }
