@@ -337,6 +337,11 @@ run() {
     DPSYNC_TEST_RANKS=1 timed $m -n 1 "$dir/mpi/world_cuda" nccl_overlap_body --exact \
       --nocapture --test-threads=1 || failures=$((failures + 1))
     endsection
+    # Buckets started early on the staged route (one replica per rank, page-locked stages).
+    section "world_cuda staged_overlap_body, 2 ranks"
+    DPSYNC_TEST_RANKS=2 timed $m -n 2 "$dir/mpi/world_cuda" staged_overlap::staged_overlap_body \
+      --exact --nocapture --test-threads=1 || failures=$((failures + 1))
+    endsection
     for t in world_mpi world_comm world_agreement world_random world_random_cuda; do
       section "test binary $t"
       timed "$dir/mpi/$t" --test-threads=1 || failures=$((failures + 1))

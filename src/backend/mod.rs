@@ -20,7 +20,9 @@ pub(crate) use collective::Collective;
 pub use collective::{Move, PeerOp};
 #[cfg(feature = "mpi")]
 pub(crate) use ranks::allgather_packed;
-pub(crate) use ranks::{process_gone, Channel, EveryRank, Gate, Ranks, Ticket};
+#[cfg(feature = "mpi")]
+pub(crate) use ranks::Gate;
+pub(crate) use ranks::{process_gone, Channel, EveryRank, Ranks, Ticket};
 
 use std::sync::Arc;
 

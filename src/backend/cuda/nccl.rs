@@ -167,42 +167,64 @@ impl CommSet {
         nranks: usize,
         first: usize,
     ) -> Result<CommSet> {
-        let api = api()?;
         let n = nranks as c_int;
+        let end = "ncclGroupEnd (communicator init)";
+        let (comms, made) = CommSet::made_per_device(devices, end, |api, i, comm| {
+            let (rank, mut config) = (first + i, config());
+            // SAFETY: a fresh communicator slot, this device's context current.
+            let code =
+                unsafe { (api.comm_init_rank_config)(comm, n, id, rank as c_int, &mut config) };
+            let what = format!(
+                "ncclCommInitRankConfig(rank {rank}, cuda:{})",
+                devices[i].ordinal
+            );
+            (code, what)
+        })?;
+        CommSet {
+            ordinals,
+            comms,
+            first,
+            aborted: Mutex::new(false),
+        }
+        .unless(made)
+    }
+
+    /// One communicator made per device in one group: `make(api, i, comm)` with device `i`'s
+    /// context current returns NCCL's code and the call's name for errors. The communicators,
+    /// and the first failure of the calls or of the group's end (named `end`).
+    fn made_per_device(
+        devices: &[&PrimaryContext],
+        end: &str,
+        mut make: impl FnMut(&Api, usize, &mut Comm) -> (u32, String),
+    ) -> Result<(Vec<Comm>, Result<()>)> {
+        let api = api()?;
         let mut comms: Vec<Comm> = vec![std::ptr::null_mut(); devices.len()];
         let _kept = driver::keep_current()?;
-        // SAFETY: group calls bracket one init per device, each with its context current.
-        unsafe {
-            check(api, (api.group_start)(), "ncclGroupStart")?;
-            let mut first_error = Ok(());
-            for (i, dev) in devices.iter().enumerate() {
-                let bound = dev.bind();
-                if let Err(e) = bound {
-                    first_error = first_error.and(Err(e));
-                    continue;
-                }
-                let rank = first + i;
-                let mut config = config();
-                let code =
-                    (api.comm_init_rank_config)(&mut comms[i], n, id, rank as c_int, &mut config);
-                first_error = first_error.and(check(
-                    api,
-                    code,
-                    &format!("ncclCommInitRankConfig(rank {rank}, cuda:{})", dev.ordinal),
-                ));
+        // SAFETY: group calls bracket one call per device, each with its context current.
+        unsafe { check(api, (api.group_start)(), "ncclGroupStart")? };
+        let mut made = Ok(());
+        for (i, dev) in devices.iter().enumerate() {
+            let bound = dev.bind();
+            if let Err(e) = bound {
+                made = made.and(Err(e));
+                continue;
             }
-            let end = check(api, (api.group_end)(), "ncclGroupEnd (communicator init)");
-            let set = CommSet {
-                ordinals,
-                comms,
-                first,
-                aborted: Mutex::new(false),
-            };
-            if let Err(e) = first_error.and(end) {
-                set.abort();
-                return Err(e);
+            let (code, what) = make(api, i, &mut comms[i]);
+            made = made.and(check(api, code, &what));
+        }
+        // SAFETY: closes the group opened above.
+        let end = check(api, unsafe { (api.group_end)() }, end);
+        Ok((comms, made.and(end)))
+    }
+
+    /// This set, or `made`'s failure with the set aborted.
+    fn unless(self, made: Result<()>) -> Result<CommSet> {
+        match made {
+            Ok(()) => Ok(self),
+            Err(e) => {
+                self.abort();
+                Err(e)
             }
-            Ok(set)
         }
     }
 

@@ -6,8 +6,8 @@ use std::ffi::c_int;
 
 use parking_lot::Mutex;
 
-use super::api::{api, check, Comm, SHRINK_ABORT};
-use super::{config, driver, CommSet, PrimaryContext};
+use super::api::{api, SHRINK_ABORT};
+use super::{config, CommSet, PrimaryContext};
 use crate::error::{Error, ErrorKind, Result};
 
 impl CommSet {
@@ -30,47 +30,37 @@ impl CommSet {
         };
         let live = self.live()?;
         let mut list: Vec<c_int> = exclude.iter().map(|&r| r as c_int).collect();
-        let mut comms: Vec<Comm> = vec![std::ptr::null_mut(); self.comms.len()];
-        let _kept = driver::keep_current()?;
-        // SAFETY: live parents (the guard keeps them from being aborted meanwhile); group calls
-        // bracket one shrink per device, each with its context current.
-        let (made, end) = unsafe {
-            check(api, (api.group_start)(), "ncclGroupStart")?;
-            let mut made = Ok(());
-            for (i, dev) in devices.iter().enumerate() {
-                let bound = dev.bind();
-                if let Err(e) = bound {
-                    made = made.and(Err(e));
-                    continue;
-                }
-                let mut config = config();
-                let code = shrink(
+        let end = "ncclGroupEnd (shrink)";
+        let made = CommSet::made_per_device(devices, end, |_, i, comm| {
+            let mut config = config();
+            // SAFETY: a live parent (the guard keeps it from being aborted meanwhile), this
+            // device's context current.
+            let code = unsafe {
+                shrink(
                     self.comms[i],
                     list.as_mut_ptr(),
                     list.len() as c_int,
-                    &mut comms[i],
+                    comm,
                     &mut config,
                     SHRINK_ABORT,
-                );
-                let rank = self.first + i;
-                let what = format!("ncclCommShrink(rank {rank}, cuda:{})", dev.ordinal);
-                made = made.and(check(api, code, &what));
-            }
-            (made, check(api, (api.group_end)(), "ncclGroupEnd (shrink)"))
-        };
+                )
+            };
+            let rank = self.first + i;
+            (
+                code,
+                format!("ncclCommShrink(rank {rank}, cuda:{})", devices[i].ordinal),
+            )
+        });
         drop(live);
+        let (comms, made) = made?;
         let below = exclude.iter().filter(|&&r| r < self.first).count();
-        let child = CommSet {
+        CommSet {
             ordinals: self.ordinals.clone(),
             comms,
             first: self.first - below,
             aborted: Mutex::new(false),
-        };
-        if let Err(e) = made.and(end) {
-            child.abort();
-            return Err(e);
         }
-        Ok(child)
+        .unless(made)
     }
 
     /// The clique rank of this set's first communicator.
