@@ -227,12 +227,12 @@ impl Executor {
             tickets.push(unsafe { ranks.start(dtype, &[], elements, (None, false), None)? });
         }
         for ticket in tickets {
-            let ticket = match ticket.0.downcast::<StartedStaged>() {
-                // Its stage goes once the engine is done with it.
-                Ok(mut started) => started.ticket.take().expect("finished once"),
-                Err(other) => Ticket(other),
+            // A staged bucket's stage is kept until the engine is done with it (below).
+            let (ticket, _staged) = match ticket.0.downcast::<StartedStaged>() {
+                Ok(mut started) => (started.ticket.take().expect("finished once"), Some(started)),
+                Err(other) => (Ticket(other), None),
             };
-            // SAFETY: nothing is written.
+            // SAFETY: nothing is written; the inputs live until this returns.
             unsafe { ranks.finish(ticket, false)? };
         }
         Ok(())
