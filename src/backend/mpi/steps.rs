@@ -90,11 +90,12 @@ impl Item {
     }
 }
 
-/// An item's contributions per segment, as [`Segment`]s.
-fn segments(inputs: &[(Vec<usize>, usize)]) -> Vec<Segment<'_>> {
+/// An item's contributions per segment, as [`Segment`]s; with `first`, only the first
+/// contribution's (the first output's, once results are written into it).
+pub(super) fn segments(inputs: &[(Vec<usize>, usize)], first: bool) -> Vec<Segment<'_>> {
     (inputs.iter())
         .map(|(ptrs, count)| Segment {
-            ptrs,
+            ptrs: if first { &ptrs[..1] } else { ptrs },
             count: *count,
         })
         .collect()
@@ -287,7 +288,7 @@ impl Queue {
             if zeros {
                 std::ptr::write_bytes(send, 0, n * size);
             } else {
-                let segments = segments(&item.inputs);
+                let segments = segments(&item.inputs, false);
                 stage_in(item.dtype, &segments, &mut item.walk, (start, n), send);
             }
             let transfer = if on_ring {
@@ -505,12 +506,7 @@ impl Queue {
             if live && item.whole && item.direct_from.is_none() && item.issued > 0 {
                 // Its sums are all in the outputs so far (this rank's in `held` too), and
                 // `held` is where the rest will go: the first output's into it first.
-                let segments: Vec<Segment<'_>> = (item.inputs.iter())
-                    .map(|(ptrs, count)| Segment {
-                        ptrs: &ptrs[..1],
-                        count: *count,
-                    })
-                    .collect();
+                let segments = segments(&item.inputs, true);
                 let held = item.held.as_mut_ptr().cast::<u8>();
                 // SAFETY: the input is valid; `held` holds the bucket.
                 unsafe {

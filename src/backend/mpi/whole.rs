@@ -24,8 +24,8 @@ use super::ring::block;
 use super::scatter::{blocks, range_of, section, section_of, sum_in_order};
 use super::shm::{Slots, OUT, REDUCED, STAGED};
 use super::staging::{copy_spans, stage_in, stage_out, Way};
+use super::steps::segments;
 use crate::backend::host::copy_streaming;
-use crate::backend::Segment;
 use crate::types::DType;
 
 /// Output lists, each `(ptr, count)` per segment ([`Item`](super::steps::Item)'s).
@@ -250,12 +250,7 @@ impl Whole {
             std::ptr::write_bytes(to, 0, l * self.dtype.size());
             return;
         }
-        let segments: Vec<Segment<'_>> = (self.inputs.iter())
-            .map(|(ptrs, count)| Segment {
-                ptrs,
-                count: *count,
-            })
-            .collect();
+        let segments = segments(&self.inputs, false);
         stage_in(self.dtype, &segments, &mut self.walks[walk], (e, l), to);
     }
 
@@ -270,12 +265,7 @@ impl Whole {
                 match self.saving() {
                     // Written early: this rank's sums are in the outputs only.
                     Some(_) => {
-                        let first: Vec<Segment<'_>> = (self.inputs.iter())
-                            .map(|(ptrs, count)| Segment {
-                                ptrs: &ptrs[..1],
-                                count: *count,
-                            })
-                            .collect();
+                        let first = segments(&self.inputs, true);
                         let walk = &mut self.walks[me];
                         stage_in(self.dtype, &first, walk, (o + s, len), slot);
                     }
