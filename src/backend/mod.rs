@@ -392,8 +392,8 @@ pub(crate) trait WorldCollective {
 /// The stream protocol of a device backend: the executor brackets every collective with
 /// [`Streams::begin`] and [`Streams::end`], so that its work runs after what the callers queued
 /// before it and what they queue afterwards runs after it.
-/// Page-locked host memory of one early bucket ([`Streams::bucket_stage`]), freed when
-/// dropped.
+/// Page-locked host memory of one early bucket ([`Streams::bucket_stage`]), given back for a
+/// later bucket when dropped (so dropped only once nothing reads or writes it).
 pub(crate) struct BucketStage {
     pub(crate) ptr: usize,
     /// Held only: the memory goes when this is dropped.
@@ -435,8 +435,9 @@ pub(crate) trait Streams {
     /// (contents undefined), the same buffer for every bucket until a larger one is needed.
     fn host_stage(&self, bytes: usize) -> Result<usize>;
 
-    /// Page-locked host memory of at least `bytes` of its own (contents undefined): a bucket
-    /// started early on the staged route keeps it until its transfer finished.
+    /// Page-locked host memory of at least `bytes` of its own (contents undefined), reused
+    /// from an earlier step's bucket when one fits: a bucket started early on the staged route
+    /// keeps it until its transfer finished.
     fn bucket_stage(&self, bytes: usize) -> Result<BucketStage>;
 
     /// Whether everything queued so far on the backend's streams has run: an event recorded

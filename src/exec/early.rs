@@ -32,9 +32,9 @@ impl Drop for StartedStaged {
     fn drop(&mut self) {
         drop(self.ticket.take()); // the engine reads the stage no more
         if !matches!((self.copied)(), Ok(true)) {
-            // The copy into it may still run (a failed world, a destroyed context): freed
-            // under it, the memory could be reused while the device writes it. Kept, not
-            // waited for: nothing hangs.
+            // The copy into it may still run (a failed world, a destroyed context): given
+            // back, the memory could be reused while the device writes it. Kept, not waited
+            // for: nothing hangs.
             std::mem::forget(self.stage.take());
         }
     }
@@ -102,9 +102,14 @@ impl Executor {
                 let members: Vec<&TensorView> =
                     bucket.tensors.iter().map(|&t| tensors[t]).collect();
                 let owned = scatter.map(|place| pieces_of(&members, &[0], place));
-                return self.bracket(|| {
+                let back = self.bracket(|| {
                     staged::stage_back(site, &view(bucket, tensors), stage, owned.as_deref())
                 });
+                if back.is_err() {
+                    // The copy back may still read it: not reused, not freed.
+                    std::mem::forget(started.stage.take());
+                }
+                return back;
             }
             Err(other) => Ticket(other),
         };

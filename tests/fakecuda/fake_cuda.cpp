@@ -281,7 +281,12 @@ CUresult cuMemFree_v2(CUdeviceptr p) {
   if (async_mode) drain(std::max(device_of_memory((void*)p), 0));
   return forget((void*)p);
 }
-CUresult cuMemAllocHost_v2(void** p, size_t n) { return remember(p, n, false); }
+// Page-locked allocations made by this thread, for tests.
+thread_local long thread_host_allocs = 0;
+CUresult cuMemAllocHost_v2(void** p, size_t n) {
+  thread_host_allocs++;
+  return remember(p, n, false);
+}
 CUresult cuMemFreeHost(void* p) {
   if (async_mode) drain(-1);
   return forget(p);
@@ -419,9 +424,11 @@ int fake_cuda_device_of(const void* p, size_t bytes) {
   if (!a || !a->device_memory || bytes > a->bytes || (uintptr_t)p - base > a->bytes - bytes) return -1;
   return a->device;
 }
-// For tests: device allocations (cuMemAlloc) made by the calling thread so far, to assert that
-// steady-state steps make none while other tests run on other threads.
+// For tests: device (cuMemAlloc) and page-locked (cuMemAllocHost) allocations made by the
+// calling thread so far, to assert that steady-state steps make none while other tests run on
+// other threads.
 long fake_cuda_allocations() { return thread_allocs; }
+long fake_cuda_host_allocations() { return thread_host_allocs; }
 // For tests: from now on every call that touches the device returns `code` (0 clears it).
 void fake_cuda_fault(int code) { sticky_fault.store(code); }
 // For tests: how often `s` was made to wait on an event (cuStreamWaitEvent).

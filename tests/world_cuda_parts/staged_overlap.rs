@@ -31,7 +31,8 @@ fn cuda_overlap_across_ranks_staged() {
 /// As every rank: three gradients of 1000 f32 (a bucket each), marked in backward order:
 /// SUM steps, a reduce-scatter step after early buckets (each replica's own pieces written,
 /// nothing else), a failed agreement (the started buckets drained, nothing written) and a
-/// refused op (likewise), each followed by a step that succeeds.
+/// refused op (likewise), each followed by a step that succeeds; then warm steps that make no
+/// page-locked allocation.
 #[test]
 fn staged_overlap_body() {
     let Some((rank, ranks)) = as_rank("staged_overlap_body") else {
@@ -136,4 +137,34 @@ fn staged_overlap_body() {
     g.untouched("step 6: nothing written by a refused step");
     check(ctx.allreduce_grads(SUM), &g.tag("step 6, again"));
     g.expect("step 6");
+
+    // Steps 7-9: warm, the early buckets reuse the page-locked stages of earlier steps.
+    let Some(before) = host_allocations() else {
+        println!("staged_overlap_body: page-locked reuse skipped: needs the fake CUDA driver");
+        return;
+    };
+    for step in 7..10 {
+        g.refill();
+        g.mark(&all);
+        check(ctx.allreduce_grads(SUM), &g.tag(&format!("step {step}")));
+        g.expect(&format!("step {step}"));
+    }
+    assert_eq!(
+        host_allocations(),
+        Some(before),
+        "{}",
+        g.tag("steps 7-9 allocated page-locked memory")
+    );
+}
+
+/// The fake driver's count of page-locked allocations made by this thread (dpsync stages a
+/// bucket on the thread that marks it); `None` on a real driver, which has no such symbol.
+fn host_allocations() -> Option<i64> {
+    // SAFETY: opens the driver this process already loaded (dpsync did); the fake's
+    // `long fake_cuda_host_allocations(void)`.
+    unsafe {
+        let lib = libloading::Library::new("libcuda.so.1").ok()?;
+        let f = lib.get::<unsafe extern "C" fn() -> i64>(b"fake_cuda_host_allocations");
+        Some(f.ok()?())
+    }
 }

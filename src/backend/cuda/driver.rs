@@ -359,6 +359,7 @@ pub fn upload(dst: sys::CUdeviceptr, bytes: &[u8], stream: sys::CUstream) -> Res
 /// copies that the host reads later (a pageable target would make the copy block the host).
 pub struct PinnedMemory {
     pub ptr: *mut std::ffi::c_void,
+    pub bytes: usize,
     ctx: Arc<PrimaryContext>,
 }
 
@@ -377,6 +378,7 @@ impl PinnedMemory {
         )?;
         Ok(PinnedMemory {
             ptr,
+            bytes,
             ctx: ctx.clone(),
         })
     }

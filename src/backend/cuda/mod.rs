@@ -96,6 +96,8 @@ pub(crate) struct CudaBackend {
     shrinking: world::Shrinking,
     state: Mutex<State>,
     dropped: Arc<Mutex<Dropped>>,
+    /// Early buckets' page-locked stages for reuse (`stage.rs`).
+    pinned: Arc<Mutex<stage::PinnedStages>>,
     timeout: Option<Duration>,
     driver_version: i32,
     /// The timeline's device spans, when tracing.
@@ -407,6 +409,7 @@ impl Drop for CudaBackend {
                 std::mem::forget(mems);
             }
         }
+        self.close_stages(failed);
         if failed {
             // As above: memory queued work may still read is leaked, not freed.
             let state = self.state.get_mut();

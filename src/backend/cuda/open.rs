@@ -117,6 +117,7 @@ impl CudaBackend {
             shrinking: Default::default(),
             state: Mutex::new(State::default()),
             dropped: Arc::default(),
+            pinned: Arc::default(),
             timeout,
             driver_version: driver::driver_version(),
             trace: Mutex::new(None),

@@ -266,6 +266,7 @@ impl CudaBackend {
         // under the state lock.
         drop(retired);
         drop(retired_host);
+        drop(self.retired_stages());
         match index_error {
             None => Ok(()),
             Some((mut first, more)) => {

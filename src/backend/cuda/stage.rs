@@ -5,15 +5,56 @@
 
 use cudarc::driver::sys;
 
-use super::driver::{self, PinnedMemory};
-use super::CudaBackend;
 use std::sync::Arc;
 
+use parking_lot::Mutex;
+
+use super::driver::{self, PinnedMemory};
+use super::CudaBackend;
+use crate::backend::spares::{Block, Spares};
 use crate::backend::{size_class, BucketStage, Done};
 use crate::error::Result;
 
 /// Page-locked buffers start at this size (a size class, as device scratch).
 const STAGE_FLOOR: usize = 64 << 10;
+
+/// The page-locked stages of early buckets whose transfers finished, for the next step's:
+/// `cuMemAllocHost` is slow and `cuMemFreeHost` waits for the device, so a stage made and freed
+/// per bucket would cost more than the overlap gains on a GPU.
+#[derive(Default)]
+pub(super) struct PinnedStages {
+    spares: Spares<PinnedMemory>,
+    /// `Some(leak)` after the backend's `Drop` ([`CudaBackend::close_stages`]).
+    closed: Option<bool>,
+}
+
+impl Block for PinnedMemory {
+    fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+/// A [`BucketStage`]'s memory: back to the [`PinnedStages`] when dropped (the executor drops
+/// it only once nothing reads or writes it; else it forgets the whole stage).
+struct Lent {
+    mem: Option<PinnedMemory>,
+    home: Arc<Mutex<PinnedStages>>,
+}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        let Some(mem) = self.mem.take() else { return };
+        let mut home = self.home.lock();
+        match home.closed {
+            None => home.spares.put([mem]),
+            Some(false) => {
+                drop(home);
+                drop(mem);
+            }
+            Some(true) => std::mem::forget(mem),
+        }
+    }
+}
 
 impl CudaBackend {
     /// Group 0's page-locked stage of at least `bytes`, grown by size class; its address.
@@ -35,13 +76,45 @@ impl CudaBackend {
     }
 
     /// [`Streams::bucket_stage`](crate::backend::Streams): page-locked memory of group 0's
-    /// device context, by size class.
+    /// device context, an earlier bucket's when one fits, else fresh by size class (out of
+    /// memory: again once the idle stages are freed).
     pub(super) fn bucket_stage_of(&self, bytes: usize) -> Result<BucketStage> {
-        let mem = PinnedMemory::new(&self.groups[0].ctx, size_class(bytes, STAGE_FLOOR))?;
+        let reused = self.pinned.lock().spares.take(bytes, |_| true);
+        let mem = match reused {
+            Some(mem) => mem,
+            None => {
+                let ctx = &self.groups[0].ctx;
+                let size = size_class(bytes, STAGE_FLOOR);
+                PinnedMemory::new(ctx, size).or_else(|_| {
+                    drop(self.pinned.lock().spares.release(|_| true));
+                    PinnedMemory::new(ctx, size)
+                })?
+            }
+        };
         Ok(BucketStage {
             ptr: mem.ptr as usize,
-            _memory: Box::new(mem),
+            _memory: Box::new(Lent {
+                mem: Some(mem),
+                home: self.pinned.clone(),
+            }),
         })
+    }
+
+    /// The early buckets' stages beyond the spares' limit, for `synchronize` to free.
+    pub(super) fn retired_stages(&self) -> Vec<PinnedMemory> {
+        self.pinned.lock().spares.take_retired()
+    }
+
+    /// At destroy: the idle stages freed, or leaked when `failed` (freeing may wait for a
+    /// device whose work never finishes); stages lent out are too when they come back.
+    pub(super) fn close_stages(&self, failed: bool) {
+        let mut pinned = self.pinned.lock();
+        pinned.closed = Some(failed);
+        let spares = std::mem::take(&mut pinned.spares);
+        drop(pinned);
+        if failed {
+            std::mem::forget(spares);
+        }
     }
 
     /// [`Streams::queued_done`](crate::backend::Streams): an event recorded on every group's
