@@ -7,11 +7,14 @@
 //! `init.rs` (MPI's initialisation and exit, joining a world), `negotiate.rs` (whether the
 //! ranks share memory), `progress.rs` (the progress thread), `pieces.rs` (transfers in pieces),
 //! `staging.rs` (elements in and out of the stages, per dtype), `poll.rs` (waiting for MPI),
-//! `calls.rs` (an MPI call's errors), `ranks.rs` (the `Ranks` implementation), `ring.rs` (the
+//! `calls.rs` (an MPI call's errors), `ranks.rs` (the `Ranks` implementation), `ways.rs`
+//! (which way a collective goes, and the waited sums the methods share), `ring.rs` (the
 //! ring allreduce), `shm.rs` (the shared memory it crosses), `scatter.rs` (the reduce-scatter
 //! through it), `owners.rs` (the reduce-scatter and allgather round the ring without it),
-//! `steps.rs` (the buckets started early) and `ulfm.rs` (elastic worlds: the vote after each
-//! call and the shrink after a loss).
+//! `steps.rs` (the buckets started early; `whole.rs` and `aside.rs` its whole buckets through
+//! shared memory and the originals of early writes), `alltoall.rs` (reproducible sums to each
+//! element's owner) and `ulfm.rs` (elastic worlds: the vote after each call and the shrink
+//! after a loss).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize};
 use std::sync::Arc;
@@ -45,6 +48,7 @@ mod shm;
 mod staging;
 mod steps;
 mod ulfm;
+mod ways;
 mod whole;
 
 pub(crate) use init::{library_name, world_of};
