@@ -337,10 +337,16 @@ run() {
     DPSYNC_TEST_RANKS=1 timed $m -n 1 "$dir/mpi/world_cuda" nccl_overlap_body --exact \
       --nocapture --test-threads=1 || failures=$((failures + 1))
     endsection
-    # Buckets started early on the staged route (one replica per rank, page-locked stages).
+    # Buckets started early on the staged route (page-locked stages): one replica per rank,
+    # then 1, 2 and 1 (the middle rank's levels 1-2 sum).
     section "world_cuda staged_overlap_body, 2 ranks"
     DPSYNC_TEST_RANKS=2 timed $m -n 2 "$dir/mpi/world_cuda" staged_overlap::staged_overlap_body \
       --exact --nocapture --test-threads=1 || failures=$((failures + 1))
+    endsection
+    section "world_cuda staged_overlap_body, 3 ranks of 1, 2 and 1 replicas"
+    DPSYNC_TEST_RANKS=3 DPSYNC_TEST_STAGED_MIXED=1 timed $m -n 3 -x DPSYNC_TEST_STAGED_MIXED \
+      "$dir/mpi/world_cuda" staged_overlap::staged_overlap_body --exact --nocapture \
+      --test-threads=1 || failures=$((failures + 1))
     endsection
     for t in world_mpi world_comm world_agreement world_random world_random_cuda; do
       section "test binary $t"

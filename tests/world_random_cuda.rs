@@ -18,10 +18,9 @@
 //! - a bad sparse index (`sparse_index`) is found by a kernel on the device: the step succeeds
 //!   on every rank with the index gathered as given, and only that rank's next
 //!   `dpsync_synchronize` reports it (docs/API.md, worlds);
-//! - `dpsync_grad_ready` starts buckets early with NCCL across the ranks, and on the staged
-//!   path only where every rank holds one replica (one more mpirun: 2 ranks of one replica,
-//!   staged only, `DPSYNC_RANDOM_ONES=1`): every rank checks the buckets it started against
-//!   describe, and a rank that calls another collective (`call`) while it has buckets in
+//! - `dpsync_grad_ready` starts buckets early with NCCL across the ranks and on the staged
+//!   path (a rank of one replica copies its bucket to page-locked memory, a rank of several
+//!   its levels 1–2 sum): every rank checks the buckets it started against describe, and a rank that calls another collective (`call`) while it has buckets in
 //!   flight on the clique is refused at once, with its own INVALID_STATE;
 //! - excluded: with synchronous streams (the fake driver without FAKE_CUDA_ASYNC=1) a fake
 //!   NCCL collective completes inside the call that queues it only once every rank queued it,
@@ -84,15 +83,6 @@ fn random_calls_across_ranks_on_cuda() {
         // Every transport in one mpirun: each rank compiles dpsync's kernels once.
         launch("random_cuda_body", n, limit, None);
     }
-    // One replica per rank, staged: there buckets start early (through page-locked memory).
-    let ones = Some(("DPSYNC_RANDOM_ONES", std::path::Path::new("1")));
-    launch("random_cuda_body", 2, limit, ones);
-}
-
-/// `DPSYNC_RANDOM_ONES=1`: one replica per rank, staged only (the staged path starts buckets
-/// early only where every rank holds one replica).
-fn ones() -> bool {
-    flag("DPSYNC_RANDOM_ONES")
 }
 
 /// Each rank's CUDA ordinals, `layout`'s replica counts: two GPUs where there are (the fakes
@@ -126,12 +116,7 @@ fn random_kills_across_ranks_on_cuda() {
         return; // it said it was skipped
     }
     let limit = env_num("DPSYNC_RANDOM_LIMIT_S", 300);
-    let every = if ones() {
-        "peer_copy"
-    } else {
-        "nccl,peer_copy"
-    };
-    let transports = env("DPSYNC_RANDOM_TRANSPORTS").unwrap_or(every.into());
+    let transports = env("DPSYNC_RANDOM_TRANSPORTS").unwrap_or("nccl,peer_copy".into());
     for n in env("DPSYNC_RANDOM_RANKS").unwrap_or("3".into()).split(',') {
         let n: usize = n.trim().parse().expect("DPSYNC_RANDOM_RANKS: e.g. 3");
         for seed in seeds_from("DPSYNC_RANDOM_KILL_SEEDS", 2) {
@@ -174,12 +159,7 @@ fn kill_cuda_body() {
 
 /// Every transport of `DPSYNC_RANDOM_TRANSPORTS` in turn, on this rank's GPUs.
 fn cuda_body(rank: usize, ranks: usize, cfg: &Config) {
-    let every = if ones() {
-        "peer_copy"
-    } else {
-        "nccl,peer_copy"
-    };
-    let transports = env("DPSYNC_RANDOM_TRANSPORTS").unwrap_or(every.into());
+    let transports = env("DPSYNC_RANDOM_TRANSPORTS").unwrap_or("nccl,peer_copy".into());
     for transport in transports.split(',').map(str::trim) {
         let (transport, test) = match transport {
             "nccl" => (T_NCCL, "world_random_cuda, NCCL across the ranks"),
@@ -205,13 +185,7 @@ fn cuda_body(rank: usize, ranks: usize, cfg: &Config) {
             continue;
         }
         let nccl = transport == T_NCCL;
-        let (per_rank, on) = match ones() {
-            true => (
-                vec![1; ranks],
-                vec![(rank % device_count().clamp(1, 2)) as i32],
-            ),
-            false => (layout(ranks), ordinals(rank, ranks)),
-        };
+        let (per_rank, on) = (layout(ranks), ordinals(rank, ranks));
         let setup = Setup {
             test,
             at: Where::Cuda(place, on),
@@ -250,9 +224,8 @@ fn replay(setup: &Setup, seed: u64, calls: usize, ranks: usize) -> String {
         ),
         None => ("DPSYNC_RANDOM_SEEDS", ""),
     };
-    let ones = if ones() { "DPSYNC_RANDOM_ONES=1 " } else { "" };
     format!(
-        "{fake}{ones}{seeds}={seed}..{seed} DPSYNC_RANDOM_CALLS={calls} \
+        "{fake}{seeds}={seed}..{seed} DPSYNC_RANDOM_CALLS={calls} \
          DPSYNC_RANDOM_RANKS={ranks} DPSYNC_RANDOM_TRANSPORTS={transport} DPSYNC_RANDOM_NO={no} \
          cargo test --release --features mpi --target-dir target/mpi --test world_random_cuda{test}"
     )

@@ -255,8 +255,8 @@ impl Context {
     /// Worlds: starts the transfers of the step's next buckets whose gradients are all final,
     /// in bucket order (every rank issues them in that order on the engine's steps channel, the
     /// rest in `allreduce_grads`); with `upto`, buckets `..upto` whatever their marks (another
-    /// rank started them). Host contexts only: CUDA replicas mark, as host tensors on them do
-    /// (their transfers go through the host stage in `allreduce_grads`).
+    /// rank started them). Reproducible contexts only mark (their sums cross the ranks in
+    /// pieces of their own, exec/repro.rs).
     fn start_world_buckets(
         &mut self,
         all: &[TensorView],
@@ -264,13 +264,7 @@ impl Context {
         op: ReduceOp,
         upto: Option<usize>,
     ) -> Result<()> {
-        // The staged route (CUDA replicas, no clique) starts early where every rank holds one
-        // replica: with several, levels 1–2 would change the replicas before the step agreed
-        // (ARCHITECTURE.md, "Known gaps"), and a rank that cannot start what others started
-        // would meet their transfers with a reduce-scatter step's own.
-        let staged = self.options.has_cuda_replicas() && self.topology.world_nccl.is_none();
-        let ones = self.topology.replicas_per_rank.iter().all(|&r| r == 1);
-        if (staged && !ones) || self.options.reproducible {
+        if self.options.reproducible {
             return Ok(());
         }
         // Buckets another rank started are started once the step agreed: nothing early then.

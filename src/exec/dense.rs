@@ -25,7 +25,7 @@ use super::Site;
 use crate::backend::{
     Allocation, Backend, BucketView, Channel, Layout, Links, Members, Ranks, Slot,
 };
-use crate::error::Result;
+use crate::error::{Error, ErrorKind, Result};
 use crate::plan::{Across, Levels, Route, Step, StepOp, Via};
 use crate::timeline::{self, Tracer};
 use crate::types::DType;
@@ -89,12 +89,46 @@ pub(super) unsafe fn allreduce_levels(
         }
         (_, Some(links)) => links,
     };
+    let (buffers, layouts) = sum_up(links, levels, bucket)?;
+    unpack_all(links, bucket, &layouts, &buffers, avg)
+}
+
+/// Levels 1 and 2 up: every group's replicas packed into its fusion buffer and the buffers
+/// combined, so that each ends with the process's sum (the replicas are not written); the
+/// buffers and their layouts.
+///
+/// # Safety
+/// As for [`allreduce`].
+unsafe fn sum_up(
+    links: &dyn Links,
+    levels: &Levels,
+    bucket: &BucketView<'_>,
+) -> Result<(Vec<u64>, Vec<Layout>)> {
     let (buffers, layouts) = fusion_buffers(links, levels, bucket)?;
     for (g, (&layout, &buffer)) in layouts.iter().zip(&buffers).enumerate() {
         links.pack(g, bucket, layout, buffer)?;
     }
     combine(links, levels, bucket, &buffers)?;
-    unpack_all(links, bucket, &layouts, &buffers, avg)
+    Ok((buffers, layouts))
+}
+
+/// The process's sum of `bucket` over levels 1 and 2 in group 0's fusion buffer (laid end to
+/// end, as the walk packs it), the replicas unchanged: a staged bucket started early on a rank
+/// of several replicas. The same kernels and order as [`allreduce_levels`], so the same sums.
+///
+/// # Safety
+/// As for [`allreduce`]; the buffer holds the sum once the work queued on group 0 ran, until
+/// the next collective on the groups' streams.
+pub(super) unsafe fn sum_into_fusion(
+    backend: &dyn Backend,
+    levels: &Levels,
+    bucket: &BucketView<'_>,
+) -> Result<u64> {
+    let Some(links) = backend.links() else {
+        let message = format!("{} offers no links for levels 1 and 2", backend.name());
+        return Err(Error::new(ErrorKind::Panic, message));
+    };
+    Ok(sum_up(links, levels, bucket)?.0[0])
 }
 
 /// A reduce-scatter over levels 1 and 2 (several groups, or NCCL across the ranks): every
@@ -122,11 +156,7 @@ pub(super) unsafe fn reduce_scatter_levels(
     if bucket.elements() == 0 {
         return Ok(true);
     }
-    let (buffers, layouts) = fusion_buffers(links, levels, bucket)?;
-    for (g, (&layout, &buffer)) in layouts.iter().zip(&buffers).enumerate() {
-        links.pack(g, bucket, layout, buffer)?;
-    }
-    combine(links, levels, bucket, &buffers)?;
+    let (buffers, _) = sum_up(links, levels, bucket)?;
     copy_owned_out(
         (backend, links),
         &levels.groups,

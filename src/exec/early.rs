@@ -18,10 +18,10 @@ struct StartedInGroups {
     avg: Option<usize>,
 }
 
-/// A bucket of the one local CUDA replica started early on the staged route: copied into a
-/// page-locked stage of its own on the device's stream, the engine's transfer gated on that
-/// copy ([`Ranks::start`](crate::backend::Ranks)), the result copied back by
-/// [`Executor::finish_early`].
+/// A bucket of CUDA replicas started early on the staged route: this rank's contribution
+/// copied into a page-locked stage of its own on the devices' streams, the engine's transfer
+/// gated on that copy ([`Ranks::start`](crate::backend::Ranks)), the result copied back into
+/// every local replica by [`Executor::finish_early`].
 struct StartedStaged {
     ticket: Option<Ticket>,
     stage: Option<BucketStage>,
@@ -101,7 +101,9 @@ impl Executor {
                 let stage = started.stage.as_ref().expect("kept until finished").ptr;
                 let members: Vec<&TensorView> =
                     bucket.tensors.iter().map(|&t| tensors[t]).collect();
-                let owned = scatter.map(|place| pieces_of(&members, &[0], place));
+                let local: Vec<usize> =
+                    (0..site.levels.groups.iter().map(Vec::len).sum()).collect();
+                let owned = scatter.map(|place| pieces_of(&members, &local, place));
                 let back = self.bracket(|| {
                     staged::stage_back(site, &view(bucket, tensors), stage, owned.as_deref())
                 });
@@ -243,9 +245,12 @@ impl Executor {
         Ok(())
     }
 
-    /// [`Executor::start_early`] on the staged route (one local replica): the bucket copied
-    /// into a page-locked stage of its own after the work the callers queued (which do not
-    /// wait for it), the engine's transfer started on it, gated on the copy.
+    /// [`Executor::start_early`] on the staged route: the rank's contribution copied into a
+    /// page-locked stage of its own after the work the callers queued (which do not wait for
+    /// it), the engine's transfer started on it, gated on the copy. The contribution is the
+    /// allreduce's: the one replica's bucket; several replicas' sum over levels 1–2 in the
+    /// fusion buffers (the same kernels and order, the replicas unchanged until the step
+    /// agrees); f16/bf16 every replica's bucket, summed by the engine in f32.
     fn start_staged(
         &self,
         site: super::Site<'_>,
@@ -254,15 +259,29 @@ impl Executor {
         avg: Option<usize>,
     ) -> Result<Ticket> {
         let streams = site.backend.streams().expect("the staged route is CUDA's");
-        let stage = streams.bucket_stage(bucket.dtype.size() * bucket.elements())?;
+        let local: usize = site.levels.groups.iter().map(Vec::len).sum();
+        let contributors = if bucket.dtype.is_half() { local } else { 1 };
+        let bytes = bucket.dtype.size() * bucket.elements();
+        let stage = streams.bucket_stage(bytes * contributors)?;
         let copied = self.bracket_joined(false, || {
-            // SAFETY: the stage holds the bucket; the replica's memory stays valid (the
-            // contract) until the step ends.
-            unsafe { staged::copy_out(streams, bucket, 0, stage.ptr)? };
+            // SAFETY: the stage holds the contributions; the replicas' memory stays valid
+            // (the contract) until the step ends, the fusion buffer until the next collective
+            // on the same streams, which follows the copy.
+            unsafe {
+                if contributors < local {
+                    let sum = dense::sum_into_fusion(site.backend, site.levels, bucket)?;
+                    let first = site.levels.groups[0][0];
+                    streams.stage_copy(first, stage.ptr, sum as usize, bytes)?;
+                } else {
+                    for k in 0..contributors {
+                        staged::copy_out(streams, bucket, k, stage.ptr + k * bytes)?;
+                    }
+                }
+            }
             streams.queued_done()
         })?;
         let gate = copied.clone();
-        let staged = [stage.ptr];
+        let staged: Vec<usize> = (0..contributors).map(|k| stage.ptr + k * bytes).collect();
         let segment = Segment {
             ptrs: &staged,
             count: bucket.elements(),

@@ -114,7 +114,7 @@ pub(super) unsafe fn reduce_scatter_staged(
         return Ok(true);
     }
     let replicas = bucket.segments.first().map_or(0, |s| s.ptrs.len());
-    let (size, bytes) = (bucket.dtype.size(), bucket.dtype.size() * bucket.elements());
+    let bytes = bucket.dtype.size() * bucket.elements();
     let host = {
         let _span = timeline::span(site.trace, "to host", || json!({}));
         let host = streams.host_stage(bytes * replicas)?;
@@ -125,10 +125,7 @@ pub(super) unsafe fn reduce_scatter_staged(
         host
     };
     // Each segment's place in every contribution's stage.
-    let offsets: Vec<usize> = (bucket.segments.iter())
-        .scan(0, |at, s| Some(std::mem::replace(at, *at + s.count * size)))
-        .collect();
-    let staged: Vec<Vec<usize>> = (offsets.iter())
+    let staged: Vec<Vec<usize>> = (offsets(bucket).iter())
         .map(|&o| (0..replicas).map(|k| host + k * bytes + o).collect())
         .collect();
     let done = {
@@ -146,15 +143,7 @@ pub(super) unsafe fn reduce_scatter_staged(
         return Ok(false);
     }
     let _span = timeline::span(site.trace, "from host", || json!({}));
-    for (s, segment) in bucket.segments.iter().enumerate() {
-        for k in 0..replicas {
-            let (first, count) = owned[s * replicas + k];
-            if count > 0 {
-                let (dst, at) = (segment.ptrs[k] + first * size, first * size);
-                streams.stage_copy(k, dst, staged[s][k] + at, count * size)?;
-            }
-        }
-    }
+    copy_owned_back(streams, bucket, owned, |s, k| staged[s][k])?;
     streams.wait_all()?;
     Ok(true)
 }
@@ -218,8 +207,9 @@ pub(super) unsafe fn stage_in(
 }
 
 /// A staged early bucket's result (at `stage`, the bucket laid end to end) copied back into
-/// the one local replica: whole, or only its `owned` pieces (`(first, count)` per segment, a
-/// reduce-scatter step); done when this returns.
+/// every local replica: whole, or only each replica's `owned` pieces (`(first, count)` per
+/// segment and replica, as [`reduce_scatter_staged`] takes them: a reduce-scatter step); done
+/// when this returns.
 ///
 /// # Safety
 /// As for [`allreduce`]; the stage holds the bucket.
@@ -233,14 +223,40 @@ pub(super) unsafe fn stage_back(
     let Some(owned) = owned else {
         return stage_in(streams, site.levels, bucket, stage);
     };
-    let size = bucket.dtype.size();
-    let mut at = stage;
-    for (s, &(first, count)) in bucket.segments.iter().zip(owned) {
-        if count > 0 {
-            let from = at + first * size;
-            streams.stage_copy(0, s.ptrs[0] + first * size, from, count * size)?;
-        }
-        at += s.count * size;
-    }
+    let offsets = offsets(bucket);
+    copy_owned_back(streams, bucket, owned, |s, _| stage + offsets[s])?;
     streams.wait_all()
+}
+
+/// Each segment's place in a stage that holds the bucket laid end to end.
+fn offsets(bucket: &BucketView<'_>) -> Vec<usize> {
+    let size = bucket.dtype.size();
+    (bucket.segments.iter())
+        .scan(0, |at, s| Some(std::mem::replace(at, *at + s.count * size)))
+        .collect()
+}
+
+/// Queues the copies of every local replica's `owned` pieces (`owned[s * replicas + k]`) of
+/// each segment `s` from the stage, where `from(s, k)` holds that segment for replica `k`.
+///
+/// # Safety
+/// As for [`allreduce`]; the stage holds every segment `from` names.
+unsafe fn copy_owned_back(
+    streams: &dyn Streams,
+    bucket: &BucketView<'_>,
+    owned: &[(usize, usize)],
+    from: impl Fn(usize, usize) -> usize,
+) -> Result<()> {
+    let size = bucket.dtype.size();
+    let replicas = bucket.segments.first().map_or(0, |s| s.ptrs.len());
+    for (s, segment) in bucket.segments.iter().enumerate() {
+        for k in 0..replicas {
+            let (first, count) = owned[s * replicas + k];
+            if count > 0 {
+                let (dst, src) = (segment.ptrs[k] + first * size, from(s, k) + first * size);
+                streams.stage_copy(k, dst, src, count * size)?;
+            }
+        }
+    }
+    Ok(())
 }

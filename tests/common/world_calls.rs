@@ -61,12 +61,6 @@ impl Setup {
     fn nccl(&self) -> bool {
         self.at.cuda() && self.transport == T_NCCL
     }
-
-    /// Where buckets marked final start early: host replicas, NCCL across the ranks, and the
-    /// staged path where every rank holds one replica (`per_rank`).
-    fn starts_early(&self, per_rank: &[usize]) -> bool {
-        !self.at.cuda() || self.nccl() || per_rank.iter().all(|&n| n == 1)
-    }
 }
 
 thread_local! {

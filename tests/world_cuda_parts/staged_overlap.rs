@@ -1,7 +1,7 @@
-//! `dpsync_grad_ready` on the staged route (CUDA replicas, no clique: PEER_COPY): where every
-//! rank holds one replica, buckets start early (each copied into page-locked memory of its
-//! own, the engine's transfer gated on the copy); where a rank holds several, every rank only
-//! marks. Nothing is written before the step agrees.
+//! `dpsync_grad_ready` on the staged route (CUDA replicas, no clique: PEER_COPY): buckets start
+//! early, each rank's contribution (its one replica's bucket, or its replicas' levels 1–2 sum)
+//! copied into page-locked memory of the bucket's own, the engine's transfer gated on the copy.
+//! Nothing is written before the step agrees.
 
 use super::*;
 
@@ -59,15 +59,13 @@ fn staged_overlap_body() {
         "buckets_reduced_early_this_step",
         "buckets_reduced_early_last_step",
     );
-    // Every bucket starts where every rank holds one replica; else every rank only marks.
-    let starts = if total == ranks { 3 } else { 0 };
+    let starts = 3;
 
     // Step 1 (no op yet: nothing starts early).
     check(ctx.allreduce_grads(SUM), &g.tag("step 1"));
     g.expect("step 1");
 
-    // Step 2: every bucket marked (started, or not anywhere), nothing written before
-    // allreduce_grads.
+    // Step 2: every bucket marked and started, nothing written before allreduce_grads.
     g.refill();
     g.mark(&all);
     assert_eq!(g.early(now), starts, "{}", g.tag("step 2 started"));

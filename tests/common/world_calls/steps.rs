@@ -4,26 +4,16 @@
 use super::*;
 
 impl World<'_> {
-    /// Whether buckets started early serve a reduce-scatter step as well as an allreduce one:
-    /// host replicas (the engine writes their results once the step agreed, for a
-    /// reduce-scatter each local replica's owned pieces alone), NCCL across the ranks (the
-    /// owned pieces copied out of the started bucket's buffers) and the staged path where
-    /// every rank holds one replica (its owned pieces copied back from the bucket's stage).
-    /// Elsewhere on the staged path nothing starts early, and after a reduce-scatter step
-    /// nothing would.
-    pub(super) fn serves_either(&self) -> bool {
-        self.setup.starts_early(&self.per_rank)
-    }
-
     /// A gradient step: `dpsync_allreduce_grads`, or with `scatter`
     /// `dpsync_reduce_scatter_grads` (each replica's own pieces of the dense gradients written,
     /// the rest as it was; sparse gradients gathered whole alike).
     pub(super) fn grads(&mut self, scatter: bool) {
-        // A reduce-scatter step is refused after buckets started early whole: marks there only
-        // where nothing starts (the previous step was a reduce-scatter, or none succeeded
-        // yet), or where started buckets serve either step.
+        // Buckets started early in a world serve either step: host replicas (the engine
+        // writes their results once the step agreed, for a reduce-scatter each local
+        // replica's owned pieces alone), NCCL across the ranks (the owned pieces copied out of
+        // the started bucket's buffers) and the staged path (copied back from the bucket's
+        // stage).
         let marks = self.cfg.on("marks") && self.below(3) != 0;
-        let marks = marks && (!scatter || self.last_op.is_none() || self.serves_either());
         // CUDA replicas: no marks at a leave (buckets started early on the NCCL clique would
         // wait for the leaver's part in them).
         let marks = marks && !(self.leaving && self.setup.at.cuda());
@@ -168,9 +158,7 @@ impl World<'_> {
         for (s, sp) in self.sparse.iter_mut().enumerate() {
             sp.out = Some(sp.gathered(&sl.idx[s], &sl.val[s], self.coalesce, op));
         }
-        // After a reduce-scatter step nothing starts early, unless started buckets serve
-        // either step.
-        self.last_op = (!scatter || self.serves_either()).then_some(op);
+        self.last_op = Some(op);
         self.check_values(&format!("after {}", std.function()), &[]);
         // Indices shared on every replica share one gather: one pointer.
         for (&s, k) in sl
@@ -187,9 +175,8 @@ impl World<'_> {
     }
 
     /// CUDA replicas, after the marks (`every`: each rank's): the buckets each rank started
-    /// early, on this rank as describe counts them. Only with NCCL across the ranks or on the
-    /// staged path where every rank holds one replica (elsewhere CUDA replicas only mark), in
-    /// bucket order, on a rank whose registrations are those the last successful step agreed
+    /// early, on this rank as describe counts them. In bucket order (NCCL across the ranks
+    /// and the staged path alike), on a rank whose registrations are those the last successful step agreed
     /// on. With buckets in flight on the NCCL clique, a
     /// rank that calls a collective other than a gradient step (`call`) is refused at once:
     /// its own INVALID_STATE.
@@ -201,7 +188,7 @@ impl World<'_> {
         scatter: bool,
     ) {
         let buckets = model::buckets(&self.dense, self.fusion);
-        let starts = self.setup.at.cuda() && self.setup.starts_early(&self.per_rank);
+        let starts = self.setup.at.cuda();
         let can_start =
             |r: usize| starts && self.agreed[r] && self.last_op.is_some() && !self.repro;
         let started: Vec<usize> = (0..self.per_rank.len())
