@@ -21,7 +21,8 @@
 //! 6. Overlap: a ResNet-50 step whose backward sleeps 250 µs per tensor (a GPU's backward
 //!    leaves the CPU free), 2 ranks x 1 and x 2 replicas: backward alone, allreduce alone, the
 //!    step without and with `dpsync_grad_ready`. Alone: `--part overlap`; `DPSYNC_OVERLAP_US`
-//!    sets the sleep per tensor (0: every mark at once, the buckets' own pace).
+//!    sets the sleep per tensor (0: every mark at once, the buckets' own pace);
+//!    `DPSYNC_BENCH_REPRODUCIBLE=1` makes the context reproducible.
 //! 7. Elastic worlds (only alone, under an MPI with ULFM: `--part elastic`): 2 ranks x 1
 //!    replica, one 64 MiB f32 GRAD, `dpsync_allreduce_grads` of a plain world against an
 //!    elastic one.
@@ -50,10 +51,14 @@ fn under_mpirun() -> bool {
 
 /// A context over MPI_COMM_WORLD with `replicas` host replicas on this rank.
 fn world_context(replicas: usize) -> Context {
+    Context::new(&world_options(replicas))
+}
+
+fn world_options(replicas: usize) -> Options {
     let o = Options::host(replicas);
     // SAFETY: valid options; NULL is MPI_COMM_WORLD (initialised by this program already).
     check(unsafe { dpsync_options_set_world_mpi(o.0, ptr::null()) });
-    Context::new(&o)
+    o
 }
 
 /// Median times of `a` and `b` run alternately, every rank starting each together.
@@ -201,7 +206,11 @@ fn overlap(world: &SimpleCommunicator, rank0: bool, quick: bool, replicas: usize
         .and_then(|v| v.parse().ok());
     let per_tensor = Duration::from_micros(us.unwrap_or(if quick { 20 } else { 250 }));
     let params = load_param_set("resnet50_params.tsv");
-    let ctx = world_context(replicas);
+    let reproducible = std::env::var_os("DPSYNC_BENCH_REPRODUCIBLE").is_some_and(|v| v == "1");
+    let o = world_options(replicas);
+    // SAFETY: valid options.
+    check(unsafe { dpsync_options_set_reproducible(o.0, reproducible) });
+    let ctx = Context::new(&o);
     let mut grads: Vec<Vec<Vec<f32>>> = (0..replicas)
         .map(|r| params.iter().map(|(_, n)| filled(*n, 3 + r, 0.0)).collect())
         .collect();
@@ -256,10 +265,11 @@ fn overlap(world: &SimpleCommunicator, rank0: bool, quick: bool, replicas: usize
     if rank0 {
         let longer = t[0].max(t[1]);
         println!(
-            "overlap, ResNet-50 step ({} tensors x {} us sleep), 2 ranks x {replicas} replica(s){}: backward alone {:.2} ms | allreduce_grads alone {:.2} ms | step without marks {:.2} ms | step with marks {:.2} ms (its backward {:.2} ms) | marked/unmarked {:.2} (target <= 1) | marked/longer {:.2} (target <= 1.25) | unmarked/longer {:.2}",
+            "overlap, ResNet-50 step ({} tensors x {} us sleep), 2 ranks x {replicas} replica(s){}{}: backward alone {:.2} ms | allreduce_grads alone {:.2} ms | step without marks {:.2} ms | step with marks {:.2} ms (its backward {:.2} ms) | marked/unmarked {:.2} (target <= 1) | marked/longer {:.2} (target <= 1.25) | unmarked/longer {:.2}",
             params.len(),
             per_tensor.as_micros(),
             if std::env::var_os("DPSYNC_MPI_SHM").is_some_and(|v| v == "0") { ", no shared memory" } else { "" },
+            if reproducible { ", reproducible" } else { "" },
             t[0],
             t[1],
             t[2],

@@ -299,6 +299,10 @@ mod overlap;
 #[path = "world_mpi_parts/early_writes.rs"]
 mod early_writes;
 
+/// Early buckets in a reproducible world.
+#[path = "world_mpi_parts/repro_overlap.rs"]
+mod repro_overlap;
+
 /// Timelines per rank.
 #[path = "world_mpi_parts/timeline.rs"]
 mod timeline;

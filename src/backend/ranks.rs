@@ -107,7 +107,9 @@ pub(crate) trait Ranks: Send {
     /// segment, the results may be written into it as the pieces complete, its original
     /// bytes kept aside and put back if the step fails (`finish` without `write`, or
     /// [`Ranks::hold`]). With `gate`, nothing of the contributions is read before the gate
-    /// says they are ready (a device-to-host copy still running into them).
+    /// says they are ready (a device-to-host copy still running into them). With
+    /// `reproducible`, the sum is [`Ranks::allreduce_reproducible`]'s (its bytes), where
+    /// [`Ranks::starts_reproducibly`] says the engine can.
     ///
     /// # Safety
     /// As for [`Ranks::allreduce`], until `finish` or until the ticket is dropped.
@@ -116,9 +118,17 @@ pub(crate) trait Ranks: Send {
         dtype: DType,
         segments: &[Segment<'_>],
         count: usize,
-        avg_early: (Option<usize>, bool),
+        avg_early_reproducible: (Option<usize>, bool, bool),
         gate: Option<Gate>,
     ) -> Result<Ticket>;
+
+    /// Whether [`Ranks::start`] can sum `count` elements of `dtype` reproducibly from
+    /// `contributions` per rank (as many on every rank): the engine's own reproducible sum of
+    /// the ranks' raw values, as the started transfer's pieces go. Alike on every rank.
+    fn starts_reproducibly(&self, dtype: DType, count: usize, contributions: usize) -> bool {
+        let _ = (dtype, count, contributions);
+        false
+    }
 
     /// A collective other than the started transfers' step is being agreed: results written
     /// early go back to the original bytes, and the rest are held until the step agrees (a

@@ -255,8 +255,9 @@ impl Context {
     /// Worlds: starts the transfers of the step's next buckets whose gradients are all final,
     /// in bucket order (every rank issues them in that order on the engine's steps channel, the
     /// rest in `allreduce_grads`); with `upto`, buckets `..upto` whatever their marks (another
-    /// rank started them). Reproducible contexts only mark (their sums cross the ranks in
-    /// pieces of their own, exec/repro.rs).
+    /// rank started them). A reproducible context's float buckets start only with AVG, where
+    /// the engine sums them reproducibly as they go (`Executor::starts_early`), and the
+    /// buckets after one that cannot wait with it.
     fn start_world_buckets(
         &mut self,
         all: &[TensorView],
@@ -264,9 +265,6 @@ impl Context {
         op: ReduceOp,
         upto: Option<usize>,
     ) -> Result<()> {
-        if self.options.reproducible {
-            return Ok(());
-        }
         // Buckets another rank started are started once the step agreed: nothing early then.
         let early = self.overlap.expect_allreduce && upto.is_none();
         let divisor = self.divisor();
@@ -277,7 +275,11 @@ impl Context {
             // the buckets after them with them: buckets start in order.
             let stop = match upto {
                 Some(upto) => b >= upto,
-                None => self.overlap.missing[b] > 0 || self.executor.touching_waits(planned.memory),
+                None => {
+                    self.overlap.missing[b] > 0
+                        || self.executor.touching_waits(planned.memory)
+                        || !self.executor.starts_early(planned, op)
+                }
             };
             if stop {
                 break;

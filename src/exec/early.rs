@@ -72,9 +72,33 @@ impl Executor {
         if site.levels.route == Route::RanksStaged {
             return self.start_staged(site, ranks, &view(bucket, tensors), avg);
         }
+        let reproducible = site.levels.reproducible && bucket.dtype.is_float();
+        let how = (avg, early, reproducible);
         super::staged::contributions(&view(bucket, tensors), &site.levels.groups[0], |segments| {
-            ranks.start(bucket.dtype, segments, bucket.elements, (avg, early), None)
+            ranks.start(bucket.dtype, segments, bucket.elements, how, None)
         })
+    }
+
+    /// Whether `bucket` can start before its step agrees with `op` ([`Executor::start_early`]):
+    /// every bucket but a reproducible context's float buckets, which start only with AVG (a
+    /// SUM divided afterwards for an AVG step would round twice where the contract rounds
+    /// once) and where the engine sums them reproducibly as they go (host memory, one replica
+    /// per rank, through shared memory: [`Ranks::starts_reproducibly`]); elsewhere they cross
+    /// in pieces of their own (exec/repro.rs) once the step agreed. Alike on every rank.
+    pub fn starts_early(&self, bucket: &Bucket, op: ReduceOp) -> bool {
+        let site = self.site(bucket.memory);
+        if !(site.levels.reproducible && bucket.dtype.is_float()) {
+            return true;
+        }
+        if op != ReduceOp::Avg {
+            return false;
+        }
+        // Alike on every rank: one replica on every rank (the levels' counts), not only here.
+        let ones = site.levels.ranks.iter().all(|&r| r == 1);
+        let engine = site
+            .ranks
+            .filter(|_| site.levels.route == Route::RanksFromHost && ones);
+        engine.is_some_and(|r| r.starts_reproducibly(bucket.dtype, bucket.elements, 1))
     }
 
     /// Finishes a bucket [`Executor::start_early`] started: its result into every local replica
@@ -231,7 +255,9 @@ impl Executor {
         let mut tickets = tickets;
         for &(dtype, elements) in stand_ins {
             // SAFETY: no memory of the caller is read or written.
-            tickets.push(unsafe { ranks.start(dtype, &[], elements, (None, false), None)? });
+            // Cut as the started bucket was: a reproducible one crosses whole.
+            let how = (None, false, self.levels.reproducible && dtype.is_float());
+            tickets.push(unsafe { ranks.start(dtype, &[], elements, how, None)? });
         }
         for ticket in tickets {
             // A staged bucket's stage is kept until the engine is done with it (below).
@@ -297,7 +323,7 @@ impl Executor {
                 data.0,
                 data.1,
                 data.2,
-                (avg, false),
+                (avg, false, false),
                 Some(Box::new(move || gate())),
             )?
         };

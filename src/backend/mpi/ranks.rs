@@ -239,10 +239,15 @@ impl Ranks for MpiRanks {
         dtype: DType,
         segments: &[Segment<'_>],
         count: usize,
-        (avg, early): (Option<usize>, bool),
+        (avg, early, reproducible): (Option<usize>, bool, bool),
         gate: Option<Gate>,
     ) -> Result<Ticket> {
         self.refuse_if_failed()?;
+        let contributions = segments.first().map_or(1, |s| s.ptrs.len());
+        if reproducible && !self.starts_reproducibly(dtype, count, contributions) {
+            let message = format!("a reproducible sum of {count} x {dtype:?} cannot start early");
+            return Err(Error::new(ErrorKind::Panic, message));
+        }
         let size = mpi_type(dtype).1;
         let held = self.spare_stage(count * size);
         let outputs = segments.first().map_or(0, |s| s.ptrs.len()) * count;
@@ -250,12 +255,14 @@ impl Ranks for MpiRanks {
         let mut queue = self.queue.lock();
         // Cut as a waited transfer of the bucket would be (a bucket off the ring is below
         // either piece size: one piece). Through shared memory, a bucket the ring carries
-        // crosses whole (`whole.rs`): alike on every rank, as the bucket and dtype are.
+        // crosses whole (`whole.rs`), and so does a reproducible one of any size (its sum
+        // needs the ranks' raw values in one place): alike on every rank, as the bucket,
+        // dtype and options are.
         let ring = self.ring(Channel::Steps);
-        let whole = ring.shared() && ring.takes(count * size) && !dtype.is_half();
+        let whole = ring.shared() && (ring.takes(count * size) || reproducible) && !dtype.is_half();
         let handle = queue.push(
             (dtype, segments, count),
-            (avg, ring.piece_of(size), whole),
+            (avg, ring.piece_of(size), whole, reproducible),
             (held, aside, gate),
         );
         if !self.thread_moves() {
@@ -264,6 +271,12 @@ impl Ranks for MpiRanks {
         drop(queue);
         self.wake_progress();
         Ok(Ticket(Box::new(handle)))
+    }
+
+    fn starts_reproducibly(&self, dtype: DType, _count: usize, contributions: usize) -> bool {
+        // A whole bucket through shared memory (`whole.rs`): the ranks' raw values meet there.
+        let wide_enough = matches!(dtype, DType::F32 | DType::F64);
+        self.ring(Channel::Steps).shared() && contributions == 1 && wide_enough
     }
 
     unsafe fn release(&self, ticket: &Ticket, owned: Option<&[(usize, usize)]>) {

@@ -47,6 +47,8 @@ pub(super) struct Item {
     /// piece, and `avg` none once issued; released before it went (`direct_from` 0), it
     /// writes the outputs itself.
     whole: bool,
+    /// Summed as [`Ranks::allreduce_reproducible`](crate::backend::Ranks) sums (whole only).
+    reproducible: bool,
     piece: usize,
     pieces: usize,
     issued: usize,
@@ -172,7 +174,7 @@ impl Queue {
     pub(super) fn push(
         &mut self,
         (dtype, segments, count): (DType, &[Segment<'_>], usize),
-        (avg, piece, whole): (Option<usize>, usize, bool),
+        (avg, piece, whole, reproducible): (Option<usize>, usize, bool, bool),
         (held, aside, gate): (Vec<u64>, Option<Vec<u64>>, Option<Gate>),
     ) -> Handle {
         let abandoned = Arc::new(AtomicBool::new(false));
@@ -196,6 +198,7 @@ impl Queue {
             avg,
             held,
             whole,
+            reproducible,
             piece,
             pieces: if whole { 1 } else { count.div_ceil(piece) },
             issued: 0,
@@ -245,7 +248,12 @@ impl Queue {
                     return Ok(false);
                 }
                 let slots = ring.slots().expect("a whole bucket through shared memory");
-                let data = (item.dtype, item.count, item.inputs.clone());
+                let data = (
+                    item.dtype,
+                    item.count,
+                    item.inputs.clone(),
+                    item.reproducible,
+                );
                 let held = item.held.as_mut_ptr().cast::<u8>();
                 let into = (held, item.avg.take(), item.abandoned.clone());
                 // Released already: straight into the outputs; early: into both, the pieces

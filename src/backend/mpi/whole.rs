@@ -25,7 +25,7 @@ use super::scatter::{blocks, range_of, section, section_of, sum_in_order};
 use super::shm::{Slots, OUT, REDUCED, STAGED};
 use super::staging::{copy_spans, stage_in, stage_out, Way};
 use super::steps::segments;
-use crate::backend::host::copy_streaming;
+use crate::backend::host::{copy_streaming, repro};
 use crate::types::DType;
 
 /// Output lists, each `(ptr, count)` per segment ([`Item`](super::steps::Item)'s).
@@ -61,6 +61,9 @@ pub(super) struct Whole {
     /// Per rank, per output: where writing that rank's sums has got to.
     walks_out: Vec<Vec<Walk>>,
     avg: Option<usize>,
+    /// Summed as the waited reproducible sum through shared memory (one contribution per
+    /// rank, F32 or F64: the ranks' raw values meet here, so the sums are exact).
+    reproducible: bool,
     /// The ring allreduce's piece of this bucket, whose blocks say each element's sum order.
     ring_piece: usize,
     /// 0: the reduce-scatter; 1: the allgather; 2: done.
@@ -86,7 +89,7 @@ impl Whole {
     /// moves past them); `ring_piece` as the ring would cut it.
     pub(super) fn new(
         slots: Slots,
-        (dtype, count, inputs): (DType, usize, Vec<(Vec<usize>, usize)>),
+        (dtype, count, inputs, reproducible): (DType, usize, Vec<(Vec<usize>, usize)>, bool),
         (held, avg, abandoned): (*mut u8, Option<usize>, Arc<AtomicBool>),
         direct: Option<(Outputs, Option<*mut u8>)>,
         (ring_piece, numbers): (usize, &mut usize),
@@ -135,6 +138,7 @@ impl Whole {
                 None => Vec::new(),
             },
             avg,
+            reproducible,
             ring_piece: ring_piece.min(count),
             phase: 0,
             first,
@@ -322,15 +326,23 @@ impl Whole {
         };
         self.local_sum(me, (e, len), mine);
         self.keep(me, (e, len), mine);
+        let theirs = |r: usize, at: usize| match r == me {
+            true => mine.add(at * size) as *const u8,
+            false => (self.slots.slot(r, k)).add((section(me, r) * c + at) * size) as *const u8,
+        };
+        if self.reproducible {
+            let ptrs: Vec<usize> = (0..n).map(|r| theirs(r, 0) as usize).collect();
+            repro::reduce_ptrs(self.dtype, &ptrs, me, len, self.avg);
+            self.write_out(me, (e, len), mine);
+            return;
+        }
         let mut from: Vec<*const u8> = Vec::with_capacity(n);
         let mut at = 0;
         for (b, l) in blocks((e, len), (self.ring_piece, self.count), n) {
-            let of = |r: usize| match r == me {
-                true => mine.add(at * size) as *const u8,
-                false => (self.slots.slot(r, k)).add((section(me, r) * c + at) * size) as *const u8,
-            };
             from.clear();
-            from.extend(std::iter::once(b).chain((0..n).filter(|&r| r != b)).map(of));
+            from.extend(
+                (std::iter::once(b).chain((0..n).filter(|&r| r != b))).map(|r| theirs(r, at)),
+            );
             sum_in_order(self.dtype, mine.add(at * size), &from, l, self.avg);
             at += l;
         }

@@ -98,6 +98,13 @@ impl World<'_> {
             }
             if self.setup.at.cuda() {
                 self.early_buckets(&every, dev.as_mut(), scatter);
+            } else if self.repro {
+                // Counted only (where they start is the library's: shared memory, one replica
+                // per rank, AVG): the values are checked as for every step.
+                let here = &self.ctx.describe_json()["overlap"]["buckets_reduced_early_this_step"];
+                if here.as_u64().is_some_and(|n| n > 0) {
+                    self.tally.count("early_reproducible");
+                }
             }
         }
         if !self.sparse.is_empty() && self.cfg.on("sparse_share") {
@@ -189,12 +196,17 @@ impl World<'_> {
     ) {
         let buckets = model::buckets(&self.dense, self.fusion);
         let starts = self.setup.at.cuda();
-        let can_start =
-            |r: usize| starts && self.agreed[r] && self.last_op.is_some() && !self.repro;
+        let can_start = |r: usize| starts && self.agreed[r] && self.last_op.is_some();
+        // Reproducible sums of CUDA replicas cross in pieces of their own: their float
+        // buckets only mark, and the buckets after one wait with it (integers start).
+        let floats = |b: &Vec<usize>| b.iter().any(|&t| FLOATS.contains(&self.dense[t].dtype));
+        let startable = |b: &Vec<usize>| !(self.repro && floats(b));
         let started: Vec<usize> = (0..self.per_rank.len())
             .map(|r| {
                 let marked = |t: &usize| (0..self.per_rank[r]).all(|k| every[r].contains(&(*t, k)));
-                let complete = buckets.iter().take_while(|b| b.iter().all(marked)).count();
+                let complete = (buckets.iter())
+                    .take_while(|b| b.iter().all(marked) && startable(b))
+                    .count();
                 if can_start(r) {
                     complete
                 } else {

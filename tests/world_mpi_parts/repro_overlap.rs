@@ -1,0 +1,212 @@
+//! `dpsync_grad_ready` in a reproducible world: where the ranks share memory and each holds
+//! one replica, float buckets start early and cross whole, summed as the reproducible sum is
+//! (`backend/mpi/whole.rs`); elsewhere they only mark. Either way a step gives the bytes of
+//! one process holding every replica, marked or not.
+
+use super::*;
+
+/// Through shared memory with 2 and 3 ranks (buckets start), and over MPI's messages (they
+/// only mark).
+#[test]
+fn reproducible_buckets_start_early_through_shared_memory() {
+    if under_mpirun() {
+        return;
+    }
+    let no_shm = Some(("DPSYNC_MPI_SHM", std::path::Path::new("0")));
+    launch("repro_overlap::repro_overlap_body", 2, 300, None);
+    launch("repro_overlap::repro_overlap_body", 3, 300, None);
+    launch("repro_overlap::repro_overlap_body", 2, 300, no_shm);
+}
+
+/// A gradient's name, count and dtype: f32 buckets on and off the ring, an f64 one and an
+/// integer one (exact already: it starts as a plain sum).
+const GRADS: [(&str, usize, u32); 4] = [
+    ("a", 300_000, F32),
+    ("b", 1000, F32),
+    ("c", 50_000, F64),
+    ("d", 1000, I32),
+];
+
+/// World replica `w`'s element `i` of gradient `t`: magnitudes from 2^-12 to 2^12 and both
+/// signs, so that any other summation order would show in the bytes.
+fn value(t: usize, w: usize, i: usize) -> f64 {
+    let h = ((t * 7919 + w * 104_729 + i) as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40;
+    let (mantissa, scale) = ((h % 20_001) as f64 - 10_000.0, (h >> 15) % 25);
+    match GRADS[t].2 {
+        I32 => (mantissa / 100.0).round(),
+        _ => mantissa / 3.0 * 2f64.powi(scale as i32 - 12),
+    }
+}
+
+/// One replica's gradients as bytes, filled with world replica `w`'s values.
+fn filled(w: usize) -> Vec<Vec<u8>> {
+    (GRADS.iter().enumerate())
+        .map(|(t, &(_, n, dtype))| {
+            (0..n)
+                .flat_map(|i| {
+                    let v = value(t, w, i);
+                    match dtype {
+                        F32 => (v as f32).to_ne_bytes().to_vec(),
+                        F64 => v.to_ne_bytes().to_vec(),
+                        _ => (v as i32).to_ne_bytes().to_vec(),
+                    }
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn reproducible(o: &Options) {
+    // SAFETY: valid options.
+    check(
+        unsafe { dpsync_options_set_reproducible(o.0, true) },
+        "set_reproducible",
+    );
+}
+
+/// Registers `g` (one replica's gradients) on `replica`.
+fn register_all(ctx: &Context, replica: usize, g: &mut [Vec<u8>]) {
+    for (buf, &(name, n, dtype)) in g.iter_mut().zip(&GRADS) {
+        let st = register_raw(
+            ctx.0,
+            name,
+            GRAD,
+            replica,
+            buf.as_mut_ptr().cast(),
+            n,
+            dtype,
+        );
+        check(st, &format!("register '{name}'"));
+    }
+}
+
+#[test]
+fn repro_overlap_body() {
+    let Some((rank, ranks)) = as_rank("repro_overlap_body") else {
+        return;
+    };
+    let shm = std::env::var("DPSYNC_MPI_SHM").as_deref() != Ok("0");
+    let tag = |what: &str| format!("rank {rank}/{ranks} (shared memory {shm}): {what}");
+    // The bytes every replica must end with: one process holding every world replica.
+    let mut all: Vec<Vec<Vec<u8>>> = (0..ranks).map(filled).collect();
+    let mut one_process = |op: u32| {
+        for (w, g) in all.iter_mut().enumerate() {
+            *g = filled(w);
+        }
+        let o = Options::host(ranks);
+        reproducible(&o);
+        let one = Context::new(&o);
+        for (w, g) in all.iter_mut().enumerate() {
+            register_all(&one, w, g);
+        }
+        check(one.allreduce_grads(op), &tag("one process"));
+        all[0].clone()
+    };
+    let (want, want_sum) = (one_process(AVG), one_process(SUM));
+
+    let o = world_options(1);
+    reproducible(&o);
+    o.set_fusion_bytes(4 * 300_000);
+    let ctx = Context::new(&o);
+    let mut g = filled(rank);
+    register_all(&ctx, 0, &mut g);
+    // In place: the registered memory stays where it is.
+    let fill = |g: &mut Vec<Vec<u8>>| {
+        for (buf, new) in g.iter_mut().zip(filled(rank)) {
+            buf.copy_from_slice(&new);
+        }
+    };
+    let mark = || {
+        for &(name, ..) in GRADS.iter().rev() {
+            check(ctx.grad_ready(name, 0), &tag("grad_ready"));
+        }
+    };
+    let early = |key: &str| ctx.describe_json()["overlap"][key].as_u64().unwrap_or(0);
+    let same_as = |g: &[Vec<u8>], want: &[Vec<u8>], what: &str| {
+        for (t, (got, want)) in g.iter().zip(want).enumerate() {
+            let at = got.iter().zip(want).position(|(a, b)| a != b);
+            assert!(
+                at.is_none(),
+                "{}",
+                tag(&format!("{what}: '{}' byte {at:?}", GRADS[t].0))
+            );
+        }
+    };
+    let same = |g: &[Vec<u8>], what: &str| same_as(g, &want, what);
+
+    // Step 1 sets the op early buckets expect (nothing starts before).
+    check(ctx.allreduce_grads(AVG), &tag("step 1"));
+    same(&g, "step 1");
+
+    // Step 2, marked: every bucket starts through shared memory (a bucket each); over MPI's
+    // messages only the integer bucket, the first (reverse registration order), and the
+    // float buckets after it only mark. The bytes are one process's either way.
+    fill(&mut g);
+    mark();
+    let buckets = early("buckets_reduced_early_this_step");
+    let want_started = if shm { GRADS.len() } else { 1 };
+    assert_eq!(
+        buckets,
+        want_started as u64,
+        "{}",
+        tag("buckets started early")
+    );
+    check(ctx.allreduce_grads(AVG), &tag("step 2"));
+    same(&g, "step 2 (marked)");
+
+    // Step 3, marked, refused (the last rank's op is invalid): nothing changes; then again.
+    fill(&mut g);
+    let before = g.clone();
+    mark();
+    let last = rank == ranks - 1;
+    let st = ctx.allreduce_grads(if last { 7 } else { AVG });
+    let refused = if last { INVALID_ARGUMENT } else { INCONSISTENT };
+    assert_eq!(st, refused, "{}: {}", tag("step 3"), last_error());
+    assert!(
+        g == before,
+        "{}",
+        tag("a refused step changed the gradients")
+    );
+    check(ctx.allreduce_grads(AVG), &tag("step 3 again"));
+    same(&g, "step 3 again");
+
+    // Step 4, marked, a reduce-scatter: each replica's own piece has one process's bytes.
+    fill(&mut g);
+    mark();
+    // SAFETY: a live context.
+    check(
+        unsafe { dpsync_reduce_scatter_grads(ctx.0, AVG) },
+        &tag("step 4"),
+    );
+    for (t, &(name, n, dtype)) in GRADS.iter().enumerate() {
+        let size = if dtype == F64 { 8 } else { 4 };
+        let (lo, hi) = (n * rank / ranks * size, n * (rank + 1) / ranks * size);
+        assert!(
+            g[t][lo..hi] == want[t][lo..hi]
+                && g[t][..lo] == before[t][..lo]
+                && g[t][hi..] == before[t][hi..],
+            "{}",
+            tag(&format!("step 4: '{name}' owned piece or the rest"))
+        );
+    }
+
+    // Steps 5-7, SUM: float buckets do not start (a SUM divided for a later AVG step would
+    // round twice), the integer bucket, the first, does; a marked AVG step after a SUM step
+    // still has one process's bytes (the integer bucket divided exactly afterwards).
+    check(ctx.allreduce_grads(SUM), &tag("step 5"));
+    fill(&mut g);
+    mark();
+    let buckets = early("buckets_reduced_early_this_step");
+    assert_eq!(
+        buckets,
+        1,
+        "{}",
+        tag("step 6: buckets started early under SUM")
+    );
+    check(ctx.allreduce_grads(SUM), &tag("step 6"));
+    same_as(&g, &want_sum, "step 6 (marked, SUM)");
+    fill(&mut g);
+    mark();
+    check(ctx.allreduce_grads(AVG), &tag("step 7"));
+    same(&g, "step 7 (marked under SUM, then AVG)");
+}
