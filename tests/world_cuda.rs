@@ -483,27 +483,7 @@ fn nccl_overlap_body() {
     if rank == 0 {
         g.mark(&[0, 1, 2]);
     }
-    let extra: Vec<Mem> = (0..local)
-        .map(|k| place.mem_on(ordinals[k], &bytes_of(&[1.0f32; 4])))
-        .collect();
-    if rank == ranks - 1 {
-        for (k, mem) in extra.iter().enumerate() {
-            let st = register_raw(ctx.0, "extra", GRAD, k, mem.ptr() as *mut _, 4, F32);
-            check(st, &g.tag("register extra"));
-        }
-    }
-    assert_eq!(
-        ctx.allreduce_grads(SUM),
-        INCONSISTENT,
-        "{}",
-        g.tag("step 4")
-    );
-    g.untouched("step 4: nothing written after a failed agreement");
-    if rank == ranks - 1 {
-        check(ctx.unregister("extra"), &g.tag("unregister extra"));
-    }
-    check(ctx.allreduce_grads(SUM), &g.tag("step 4, again"));
-    g.expect("step 4");
+    g.failed_agreement((&place, ordinals), (rank, ranks), "step 4");
 
     // Step 5: rank 0 starts every bucket, the others none, in a step with a sparse gradient
     // (gathered through the host across the ranks): the others start the same buckets before

@@ -146,4 +146,36 @@ impl<'a> Grads<'a> {
     pub fn early(&self, key: &str) -> serde_json::Value {
         self.ctx.describe_json()["overlap"][key].clone()
     }
+
+    /// Step `step`'s agreement fails on every rank (the last rank, of `ranks`, registers
+    /// another gradient on `place`'s GPUs `ordinals`): nothing is written, started buckets
+    /// drained; once that gradient goes, the step succeeds.
+    pub fn failed_agreement(
+        &self,
+        (place, ordinals): (&Place, &[i32]),
+        (rank, ranks): (usize, usize),
+        step: &str,
+    ) {
+        let last = rank == ranks - 1;
+        let extra: Vec<Mem> = (0..self.local)
+            .map(|k| place.mem_on(ordinals[k], &bytes_of(&[1.0f32; 4])))
+            .collect();
+        if last {
+            for (k, mem) in extra.iter().enumerate() {
+                let st = register_raw(self.ctx.0, "extra", GRAD, k, mem.ptr() as *mut _, 4, F32);
+                check(st, &self.tag("register extra"));
+            }
+        }
+        let st = self.ctx.allreduce_grads(SUM);
+        assert_eq!(st, INCONSISTENT, "{}", self.tag(step));
+        self.untouched(&format!("{step}: nothing written after a failed agreement"));
+        if last {
+            check(self.ctx.unregister("extra"), &self.tag("unregister extra"));
+        }
+        check(
+            self.ctx.allreduce_grads(SUM),
+            &self.tag(&format!("{step}, again")),
+        );
+        self.expect(step);
+    }
 }

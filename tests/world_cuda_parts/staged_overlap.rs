@@ -99,27 +99,7 @@ fn staged_overlap_body() {
     if rank != ranks - 1 {
         g.mark(&all);
     }
-    let extra: Vec<Mem> = (0..local)
-        .map(|k| place.mem_on(ordinals[k], &bytes_of(&[1.0f32; 4])))
-        .collect();
-    if rank == ranks - 1 {
-        for (k, mem) in extra.iter().enumerate() {
-            let st = register_raw(ctx.0, "extra", GRAD, k, mem.ptr() as *mut _, 4, F32);
-            check(st, &g.tag("register extra"));
-        }
-    }
-    assert_eq!(
-        ctx.allreduce_grads(SUM),
-        INCONSISTENT,
-        "{}",
-        g.tag("step 5")
-    );
-    g.untouched("step 5: nothing written after a failed agreement");
-    if rank == ranks - 1 {
-        check(ctx.unregister("extra"), &g.tag("unregister extra"));
-    }
-    check(ctx.allreduce_grads(SUM), &g.tag("step 5, again"));
-    g.expect("step 5");
+    g.failed_agreement((&place, ordinals), (rank, ranks), "step 5");
 
     // Step 6: the last rank's op is invalid: refused there, INCONSISTENT elsewhere; the
     // started buckets drained, nothing written; then the step succeeds.
