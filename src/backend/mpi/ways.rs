@@ -42,11 +42,17 @@ impl MpiRanks {
         dtype: DType,
         segments: &[Segment<'_>],
     ) -> bool {
+        let wide_enough = matches!(dtype, DType::F32 | DType::F64);
+        wide_enough && self.shared_one_each(channel, segments, dtype.size())
+    }
+
+    /// Whether the ring carries `segments` (`size` bytes an element) through shared memory,
+    /// one contribution per rank.
+    fn shared_one_each(&self, channel: Channel, segments: &[Segment<'_>], size: usize) -> bool {
         let count: usize = segments.iter().map(|s| s.count).sum();
         let ring = self.ring(channel);
         let one_each = segments.iter().all(|s| s.ptrs.len() == 1);
-        let wide_enough = matches!(dtype, DType::F32 | DType::F64);
-        ring.shared() && ring.takes(count * dtype.size()) && one_each && wide_enough
+        ring.shared() && ring.takes(count * size) && one_each
     }
 
     /// Whether [`Ranks::allreduce`] goes as the in-place reduce-scatter then the allgather
@@ -60,14 +66,11 @@ impl MpiRanks {
         dtype: DType,
         segments: &[Segment<'_>],
     ) -> bool {
-        let count: usize = segments.iter().map(|s| s.count).sum();
-        let ring = self.ring(channel);
-        let one_each = segments.iter().all(|s| s.ptrs.len() == 1);
         debug_assert!(
-            dtype.is_half() || one_each,
+            dtype.is_half() || segments.iter().all(|s| s.ptrs.len() == 1),
             "one contribution of a non-half bucket"
         );
-        ring.shared() && ring.takes(count * mpi_type(dtype).1) && !dtype.is_half() && one_each
+        !dtype.is_half() && self.shared_one_each(channel, segments, mpi_type(dtype).1)
     }
 
     /// `f` with the channel to itself: on the steps' channel under the queue's lock (handed
