@@ -122,11 +122,11 @@ pub(crate) trait Ranks: Send {
         gate: Option<Gate>,
     ) -> Result<Ticket>;
 
-    /// Whether [`Ranks::start`] can sum `count` elements of `dtype` reproducibly from
-    /// `contributions` per rank (as many on every rank): the engine's own reproducible sum of
-    /// the ranks' raw values, as the started transfer's pieces go. Alike on every rank.
-    fn starts_reproducibly(&self, dtype: DType, count: usize, contributions: usize) -> bool {
-        let _ = (dtype, count, contributions);
+    /// Whether [`Ranks::start`] can sum a bucket of `dtype` reproducibly from one contribution
+    /// per rank: the engine's own reproducible sum of the ranks' raw values, as the started
+    /// transfer's pieces go. Alike on every rank.
+    fn starts_reproducibly(&self, dtype: DType) -> bool {
+        let _ = dtype;
         false
     }
 

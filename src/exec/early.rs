@@ -98,7 +98,7 @@ impl Executor {
         let engine = site
             .ranks
             .filter(|_| site.levels.route == Route::RanksFromHost && ones);
-        engine.is_some_and(|r| r.starts_reproducibly(bucket.dtype, bucket.elements, 1))
+        engine.is_some_and(|r| r.starts_reproducibly(bucket.dtype))
     }
 
     /// Finishes a bucket [`Executor::start_early`] started: its result into every local replica

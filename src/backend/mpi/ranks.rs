@@ -243,8 +243,8 @@ impl Ranks for MpiRanks {
         gate: Option<Gate>,
     ) -> Result<Ticket> {
         self.refuse_if_failed()?;
-        let contributions = segments.first().map_or(1, |s| s.ptrs.len());
-        if reproducible && !self.starts_reproducibly(dtype, count, contributions) {
+        let one_each = segments.iter().all(|s| s.ptrs.len() == 1);
+        if reproducible && !(one_each && self.starts_reproducibly(dtype)) {
             let message = format!("a reproducible sum of {count} x {dtype:?} cannot start early");
             return Err(Error::new(ErrorKind::Panic, message));
         }
@@ -273,10 +273,10 @@ impl Ranks for MpiRanks {
         Ok(Ticket(Box::new(handle)))
     }
 
-    fn starts_reproducibly(&self, dtype: DType, _count: usize, contributions: usize) -> bool {
+    fn starts_reproducibly(&self, dtype: DType) -> bool {
         // A whole bucket through shared memory (`whole.rs`): the ranks' raw values meet there.
         let wide_enough = matches!(dtype, DType::F32 | DType::F64);
-        self.ring(Channel::Steps).shared() && contributions == 1 && wide_enough
+        self.ring(Channel::Steps).shared() && wide_enough
     }
 
     unsafe fn release(&self, ticket: &Ticket, owned: Option<&[(usize, usize)]>) {
