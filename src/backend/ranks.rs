@@ -108,8 +108,9 @@ pub(crate) trait Ranks: Send {
     /// bytes kept aside and put back if the step fails (`finish` without `write`, or
     /// [`Ranks::hold`]). With `gate`, nothing of the contributions is read before the gate
     /// says they are ready (a device-to-host copy still running into them). With
-    /// `reproducible`, the sum is [`Ranks::allreduce_reproducible`]'s (its bytes), where
-    /// [`Ranks::starts_reproducibly`] says the engine can.
+    /// `reproducible` (the contributions on every rank, as many on each), the sum is
+    /// [`Ranks::allreduce_reproducible`]'s (its bytes), where [`Ranks::starts_reproducibly`]
+    /// says the engine can.
     ///
     /// # Safety
     /// As for [`Ranks::allreduce`], until `finish` or until the ticket is dropped.
@@ -118,13 +119,13 @@ pub(crate) trait Ranks: Send {
         dtype: DType,
         segments: &[Segment<'_>],
         count: usize,
-        avg_early_reproducible: (Option<usize>, bool, bool),
+        avg_early_reproducible: (Option<usize>, bool, Option<usize>),
         gate: Option<Gate>,
     ) -> Result<Ticket>;
 
-    /// Whether [`Ranks::start`] can sum a bucket of `dtype` reproducibly from one contribution
-    /// per rank: the engine's own reproducible sum of the ranks' raw values, as the started
-    /// transfer's pieces go. Alike on every rank.
+    /// Whether [`Ranks::start`] can sum a bucket of `dtype` reproducibly (host contributions,
+    /// as many on every rank): the engine's own reproducible sum of the ranks' raw values, as
+    /// the started transfer goes. Alike on every rank.
     fn starts_reproducibly(&self, dtype: DType) -> bool {
         let _ = dtype;
         false

@@ -44,7 +44,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::exec::world::{Records, INLINE};
 use crate::plan::{Bucket, Plan};
 use crate::registry::TensorView;
-use crate::types::{DType, ReduceOp, Role};
+use crate::types::{DType, Memory, ReduceOp, Role};
 
 /// Sparse gradients whose index groups ride in a world's agreement record (after the count of
 /// early buckets); more take an exchange of their own.
@@ -474,8 +474,10 @@ impl Context {
         let words: Vec<u64> = (longest.chunks_exact(8))
             .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
             .collect();
-        let stand_ins: Vec<(DType, usize)> = (words.chunks_exact(2).skip(started.len()))
-            .filter_map(|p| Some((DType::from_code(p[0] as u32)?, p[1] as usize)))
+        let stand_ins: Vec<(DType, usize, Memory)> = (words.chunks_exact(2))
+            .zip(&plan.buckets)
+            .skip(started.len())
+            .filter_map(|(p, b)| Some((DType::from_code(p[0] as u32)?, p[1] as usize, b.memory)))
             .collect();
         let drained = self.executor.drain_early(started, &stand_ins);
         self.overlap.forget();

@@ -6,8 +6,7 @@ use super::shard::{owned_by, pieces_of, Place};
 use super::{dense, staged, view, Executor};
 use crate::backend::{BucketStage, BucketView, Done, Ranks, Segment, Ticket};
 use crate::error::Result;
-use crate::plan::Bucket;
-use crate::plan::Route;
+use crate::plan::{Bucket, Levels, Route};
 use crate::registry::TensorView;
 use crate::types::{DType, Memory, ReduceOp};
 
@@ -72,8 +71,11 @@ impl Executor {
         if site.levels.route == Route::RanksStaged {
             return self.start_staged(site, ranks, &view(bucket, tensors), avg);
         }
-        let reproducible = site.levels.reproducible && bucket.dtype.is_float();
-        let how = (avg, early, reproducible);
+        let how = (
+            avg,
+            early,
+            reproducible_contributions(site.levels, bucket.dtype),
+        );
         super::staged::contributions(&view(bucket, tensors), &site.levels.groups[0], |segments| {
             ranks.start(bucket.dtype, segments, bucket.elements, how, None)
         })
@@ -82,9 +84,9 @@ impl Executor {
     /// Whether `bucket` can start before its step agrees with `op` ([`Executor::start_early`]):
     /// every bucket but a reproducible context's float buckets, which start only with AVG (a
     /// SUM divided afterwards for an AVG step would round twice where the contract rounds
-    /// once) and where the engine sums them reproducibly as they go (host memory, one replica
-    /// per rank, through shared memory: [`Ranks::starts_reproducibly`]); elsewhere they cross
-    /// in pieces of their own (exec/repro.rs) once the step agreed. Alike on every rank.
+    /// once) and where the engine sums them reproducibly as they go (host memory, as many
+    /// replicas on every rank: [`Ranks::starts_reproducibly`]); elsewhere they cross in
+    /// pieces of their own (exec/repro.rs) once the step agreed. Alike on every rank.
     pub fn starts_early(&self, bucket: &Bucket, op: ReduceOp) -> bool {
         let site = self.site(bucket.memory);
         if !(site.levels.reproducible && bucket.dtype.is_float()) {
@@ -93,11 +95,11 @@ impl Executor {
         if op != ReduceOp::Avg {
             return false;
         }
-        // Alike on every rank: one replica on every rank (the levels' counts), not only here.
-        let ones = site.levels.ranks.iter().all(|&r| r == 1);
-        let engine = site
-            .ranks
-            .filter(|_| site.levels.route == Route::RanksFromHost && ones);
+        // Alike on every rank: as many replicas on every rank (the levels' counts), as the
+        // waited sum needs to hand the bucket to the engine (exec/repro.rs).
+        let ranks = &site.levels.ranks;
+        let alike = ranks.iter().all(|&r| r == ranks[0]);
+        let engine = (site.ranks).filter(|_| site.levels.route == Route::RanksFromHost && alike);
         engine.is_some_and(|r| r.starts_reproducibly(bucket.dtype))
     }
 
@@ -233,10 +235,14 @@ impl Executor {
         }
     }
 
-    /// Drains a failed step: stand-ins of `(dtype, elements)` for the buckets other ranks
+    /// Drains a failed step: stand-ins of `(dtype, elements, memory)` for the buckets other ranks
     /// started and this one did not, then every started transfer waited for, nothing written.
     /// The steps' channel is then in the same place on every rank.
-    pub fn drain_early(&self, tickets: Vec<Ticket>, stand_ins: &[(DType, usize)]) -> Result<()> {
+    pub fn drain_early(
+        &self,
+        tickets: Vec<Ticket>,
+        stand_ins: &[(DType, usize, Memory)],
+    ) -> Result<()> {
         let Some(ranks) = self.ranks() else {
             return Ok(());
         };
@@ -245,7 +251,7 @@ impl Executor {
             // (the clique then has the same collectives on every rank); the started buckets'
             // buffers go once their queued work has run.
             return self.bracket_joined(false, || {
-                for &(dtype, elements) in stand_ins {
+                for &(dtype, elements, _) in stand_ins {
                     dense::stand_in_groups(self.site(Memory::Device), dtype, elements)?;
                 }
                 drop(tickets);
@@ -253,10 +259,14 @@ impl Executor {
             });
         }
         let mut tickets = tickets;
-        for &(dtype, elements) in stand_ins {
+        for &(dtype, elements, memory) in stand_ins {
             // SAFETY: no memory of the caller is read or written.
-            // Cut as the started bucket was: a reproducible one crosses whole.
-            let how = (None, false, self.levels.reproducible && dtype.is_float());
+            // Cut as the started bucket was (a reproducible one by its contributions).
+            let how = (
+                None,
+                false,
+                reproducible_contributions(self.site(memory).levels, dtype),
+            );
             tickets.push(unsafe { ranks.start(dtype, &[], elements, how, None)? });
         }
         for ticket in tickets {
@@ -323,7 +333,7 @@ impl Executor {
                 data.0,
                 data.1,
                 data.2,
-                (avg, false, false),
+                (avg, false, None),
                 Some(Box::new(move || gate())),
             )?
         };
@@ -333,4 +343,12 @@ impl Executor {
             copied,
         })))
     }
+}
+
+/// A started bucket's contributions on every rank where its sum is reproducible (a
+/// reproducible context's float bucket): the local replicas, as many on every rank where
+/// [`Executor::starts_early`] let it start.
+fn reproducible_contributions(levels: &Levels, dtype: DType) -> Option<usize> {
+    let reproducible = levels.reproducible && dtype.is_float();
+    reproducible.then(|| levels.groups[0].len())
 }

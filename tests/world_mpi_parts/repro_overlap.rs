@@ -1,14 +1,14 @@
-//! `dpsync_grad_ready` in a reproducible world: where the ranks share memory and each holds
-//! one replica, float buckets start early and cross whole, summed as the reproducible sum is
-//! (`backend/mpi/whole.rs`); elsewhere they only mark. Either way a step gives the bytes of
-//! one process holding every replica, marked or not.
+//! `dpsync_grad_ready` in a reproducible world: float buckets start early and are summed as
+//! the reproducible sum is, whole through shared memory where each rank holds one replica
+//! (`backend/mpi/whole.rs`), else at each element's owner (`backend/mpi/alltoall.rs`). A
+//! step gives the bytes of one process holding every replica, marked or not.
 
 use super::*;
 
-/// Through shared memory with 2 and 3 ranks (buckets start), and over MPI's messages (they
-/// only mark).
+/// One replica per rank through shared memory with 2 and 3 ranks and over MPI's messages;
+/// two per rank with and without shared memory.
 #[test]
-fn reproducible_buckets_start_early_through_shared_memory() {
+fn reproducible_buckets_start_early() {
     if under_mpirun() {
         return;
     }
@@ -16,6 +16,8 @@ fn reproducible_buckets_start_early_through_shared_memory() {
     launch("repro_overlap::repro_overlap_body", 2, 300, None);
     launch("repro_overlap::repro_overlap_body", 3, 300, None);
     launch("repro_overlap::repro_overlap_body", 2, 300, no_shm);
+    launch("repro_overlap::repro_overlap_two_body", 2, 300, None);
+    launch("repro_overlap::repro_overlap_two_body", 2, 300, no_shm);
 }
 
 /// A gradient's name, count and dtype: f32 buckets on and off the ring, an f64 one and an
@@ -82,15 +84,31 @@ fn register_all(ctx: &Context, replica: usize, g: &mut [Vec<u8>]) {
 
 #[test]
 fn repro_overlap_body() {
-    let Some((rank, ranks)) = as_rank("repro_overlap_body") else {
-        return;
-    };
+    if let Some((rank, ranks)) = as_rank("repro_overlap_body") {
+        run(rank, ranks, 1);
+    }
+}
+
+#[test]
+fn repro_overlap_two_body() {
+    if let Some((rank, ranks)) = as_rank("repro_overlap_two_body") {
+        run(rank, ranks, 2);
+    }
+}
+
+/// Every replica's gradients, each as bytes.
+type Grads = Vec<Vec<Vec<u8>>>;
+
+fn run(rank: usize, ranks: usize, local: usize) {
     let shm = std::env::var("DPSYNC_MPI_SHM").as_deref() != Ok("0");
-    let tag = |what: &str| format!("rank {rank}/{ranks} (shared memory {shm}): {what}");
+    let tag = |what: &str| {
+        format!("rank {rank}/{ranks}, {local} replica(s) (shared memory {shm}): {what}")
+    };
+    let world = ranks * local;
     // The bytes every replica must end with: one process holding every world replica.
     let one_process = |op: u32| {
-        let mut all: Vec<Vec<Vec<u8>>> = (0..ranks).map(filled).collect();
-        let o = Options::host(ranks);
+        let mut all: Grads = (0..world).map(filled).collect();
+        let o = Options::host(world);
         reproducible(&o);
         let one = Context::new(&o);
         for (w, g) in all.iter_mut().enumerate() {
@@ -101,50 +119,58 @@ fn repro_overlap_body() {
     };
     let (want, want_sum) = (one_process(AVG), one_process(SUM));
 
-    let o = world_options(1);
+    let o = world_options(local);
     reproducible(&o);
     o.set_fusion_bytes(4 * 300_000);
     let ctx = Context::new(&o);
-    let mut g = filled(rank);
-    register_all(&ctx, 0, &mut g);
+    // World replica rank * local + r on replica r.
+    let mut g: Grads = (0..local).map(|r| filled(rank * local + r)).collect();
+    for (r, g) in g.iter_mut().enumerate() {
+        register_all(&ctx, r, g);
+    }
     // In place: the registered memory stays where it is.
-    let fill = |g: &mut Vec<Vec<u8>>| {
-        for (buf, new) in g.iter_mut().zip(filled(rank)) {
-            buf.copy_from_slice(&new);
+    let fill = |g: &mut Grads| {
+        for (r, g) in g.iter_mut().enumerate() {
+            for (buf, new) in g.iter_mut().zip(filled(rank * local + r)) {
+                buf.copy_from_slice(&new);
+            }
         }
     };
     let mark = || {
         for &(name, ..) in GRADS.iter().rev() {
-            check(ctx.grad_ready(name, 0), &tag("grad_ready"));
+            for r in 0..local {
+                check(ctx.grad_ready(name, r), &tag("grad_ready"));
+            }
         }
     };
     let early = |key: &str| ctx.describe_json()["overlap"][key].as_u64().unwrap_or(0);
-    let same_as = |g: &[Vec<u8>], want: &[Vec<u8>], what: &str| {
-        for (t, (got, want)) in g.iter().zip(want).enumerate() {
-            let at = got.iter().zip(want).position(|(a, b)| a != b);
-            assert!(
-                at.is_none(),
-                "{}",
-                tag(&format!("{what}: '{}' byte {at:?}", GRADS[t].0))
-            );
+    let same_as = |g: &Grads, want: &[Vec<u8>], what: &str| {
+        for (r, g) in g.iter().enumerate() {
+            for (t, (got, want)) in g.iter().zip(want).enumerate() {
+                let at = got.iter().zip(want).position(|(a, b)| a != b);
+                let name = GRADS[t].0;
+                assert!(
+                    at.is_none(),
+                    "{}",
+                    tag(&format!("{what}: replica {r}'s '{name}' byte {at:?}"))
+                );
+            }
         }
     };
-    let same = |g: &[Vec<u8>], what: &str| same_as(g, &want, what);
+    let same = |g: &Grads, what: &str| same_as(g, &want, what);
 
     // Step 1 sets the op early buckets expect (nothing starts before).
     check(ctx.allreduce_grads(AVG), &tag("step 1"));
     same(&g, "step 1");
 
-    // Step 2, marked: every bucket starts through shared memory (a bucket each); over MPI's
-    // messages only the integer bucket, the first (reverse registration order), and the
-    // float buckets after it only mark. The bytes are one process's either way.
+    // Step 2, marked: every bucket starts (a bucket each), on every route. The bytes are one
+    // process's.
     fill(&mut g);
     mark();
     let buckets = early("buckets_reduced_early_this_step");
-    let want_started = if shm { GRADS.len() } else { 1 };
     assert_eq!(
         buckets,
-        want_started as u64,
+        GRADS.len() as u64,
         "{}",
         tag("buckets started early")
     );
@@ -175,16 +201,22 @@ fn repro_overlap_body() {
         unsafe { dpsync_reduce_scatter_grads(ctx.0, AVG) },
         &tag("step 4"),
     );
-    for (t, &(name, n, dtype)) in GRADS.iter().enumerate() {
-        let size = if dtype == F64 { 8 } else { 4 };
-        let (lo, hi) = (n * rank / ranks * size, n * (rank + 1) / ranks * size);
-        assert!(
-            g[t][lo..hi] == want[t][lo..hi]
-                && g[t][..lo] == before[t][..lo]
-                && g[t][hi..] == before[t][hi..],
-            "{}",
-            tag(&format!("step 4: '{name}' owned piece or the rest"))
-        );
+    for (r, g) in g.iter().enumerate() {
+        let w = rank * local + r;
+        for (t, &(name, n, dtype)) in GRADS.iter().enumerate() {
+            let size = if dtype == F64 { 8 } else { 4 };
+            let (lo, hi) = (n * w / world * size, n * (w + 1) / world * size);
+            let was = &before[r][t];
+            assert!(
+                g[t][lo..hi] == want[t][lo..hi]
+                    && g[t][..lo] == was[..lo]
+                    && g[t][hi..] == was[hi..],
+                "{}",
+                tag(&format!(
+                    "step 4: replica {r}'s '{name}' owned piece or the rest"
+                ))
+            );
+        }
     }
 
     // Steps 5-7, SUM: float buckets do not start (a SUM divided for a later AVG step would

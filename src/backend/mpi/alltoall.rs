@@ -1,19 +1,28 @@
 //! The reproducible sum where the ring's shared-memory route cannot carry it (no shared memory,
 //! or several contributions per rank): every element's contributions travel raw to the rank
-//! that owns its block (one all-to-all), the owner sums them with the host's reproducible
+//! that owns its block (an all-to-all), the owner sums them with the host's reproducible
 //! arithmetic (backend/host/repro.rs: the same bytes for any number and order of
-//! contributions), divides, and the sums travel back (one allgather). The plain allreduce's
+//! contributions), divides, and the sums travel back (an allgather). The plain allreduce's
 //! bytes per contribution, where the exponents' maximum then the integers' sum move 2.25x.
+//!
+//! One [`Exchange`] moves a bucket chunk by chunk without ever waiting: the waited sum
+//! ([`Engine::alltoall_reproducible`]) drives it to its end, and the steps queue moves a
+//! bucket started early with it while the caller computes (`steps.rs`).
 
+use std::collections::VecDeque;
 use std::ffi::c_int;
+use std::mem::MaybeUninit;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use mpi::ffi;
 
-use super::calls::count_of;
+use super::calls::{check, count_of};
 use super::pieces::{stage, DEPTH, PIECE};
+use super::poll::Idle;
 use super::staging::mpi_type;
 use super::Engine;
-use crate::backend::host::repro;
+use crate::backend::host::{copy_streaming, repro};
 use crate::backend::{Channel, Segment};
 use crate::error::Result;
 use crate::types::DType;
@@ -30,26 +39,26 @@ fn first(count: usize, n: usize, r: usize) -> usize {
 /// # Safety
 /// Every pointer holds its segment's elements; `dst` the range's.
 unsafe fn copy_range(
-    segments: &[Segment<'_>],
+    segments: &[(Vec<usize>, usize)],
     size: usize,
     (from, to): (usize, usize),
     k: Option<usize>,
     dst: *mut u8,
 ) {
     let mut at = 0;
-    for s in segments {
-        let (a, b) = (from.max(at), to.min(at + s.count));
+    for (ptrs, count) in segments {
+        let (a, b) = (from.max(at), to.min(at + count));
         if a < b {
             let bytes = (b - a) * size;
             let buf = dst.add((a - from) * size);
             match k {
                 Some(k) => std::ptr::copy_nonoverlapping(
-                    (s.ptrs[k] as *const u8).add((a - at) * size),
+                    (ptrs[k] as *const u8).add((a - at) * size),
                     buf,
                     bytes,
                 ),
                 None => {
-                    for &p in s.ptrs {
+                    for &p in ptrs {
                         std::ptr::copy_nonoverlapping(
                             buf,
                             (p as *mut u8).add((a - at) * size),
@@ -59,29 +68,373 @@ unsafe fn copy_range(
                 }
             }
         }
-        at += s.count;
+        at += count;
+    }
+}
+
+/// Where an [`Exchange`]'s sums go: a bucket's held result (the steps queue), or back into
+/// every contribution (a waited sum).
+#[derive(Clone, Copy)]
+pub(super) enum Out {
+    /// Into `held`; with `keep` (the results written early: the originals'
+    /// [`Aside::base`](super::aside::Aside)), each contribution's originals saved there as
+    /// they are staged (hot in cache, rather than read again before the results land).
+    Held {
+        held: *mut u8,
+        keep: Option<*mut u8>,
+    },
+    Back,
+}
+
+/// One bucket's reproducible sum on its way: chunk `c`'s all-to-all, then (once it completed)
+/// the owner's sums and chunk `c`'s allgather, the all-to-alls running [`DEPTH`] chunks ahead.
+/// Every rank issues the calls in this same order whatever completes when (MPI's rule for
+/// collectives on one communicator); each chunk's stages stay in cache (about a [`PIECE`] of
+/// every local contribution together) and are reused [`DEPTH`] chunks on.
+pub(super) struct Exchange {
+    comm: ffi::MPI_Comm,
+    datatype: ffi::MPI_Datatype,
+    dtype: DType,
+    n: usize,
+    me: usize,
+    /// Contributions per rank (the same on every rank).
+    k: usize,
+    /// Per segment: every local contribution's pointer, and the count (none: zeros, a
+    /// stand-in).
+    inputs: Vec<(Vec<usize>, usize)>,
+    /// Its ticket was dropped: zeros go for what is left, the caller's memory untouched.
+    abandoned: Option<Arc<AtomicBool>>,
+    count: usize,
+    avg: Option<usize>,
+    out: Out,
+    /// Elements per chunk, and chunks.
+    ch: usize,
+    chunks: usize,
+    /// [`DEPTH`] slots each of send stages, receive stages, sums and gather stages, from
+    /// `base`; each slot's bytes.
+    base: *mut u8,
+    slot: [usize; 4],
+    /// Per slot, the counts and displacements of its calls in flight: MPI may read them until
+    /// each call completes (MPI 3.1 §5.12).
+    counts: [[Vec<c_int>; 4]; DEPTH],
+    gather_counts: [[Vec<c_int>; 2]; DEPTH],
+    exchanges: [Option<ffi::MPI_Request>; DEPTH],
+    gathers: VecDeque<ffi::MPI_Request>,
+    /// The ranges of originals saved at `keep` so far ([`Exchange::take_saved`]).
+    saved: Vec<(usize, usize)>,
+    /// Chunks whose all-to-all, allgather were issued; whose allgather completed; of those,
+    /// the ones [`Exchange::landed`] told of.
+    exchanged: usize,
+    summed: usize,
+    gathered: usize,
+    told: usize,
+}
+
+// SAFETY: pointers into the caller's registered memory and the stages, used by one thread at
+// a time (the queue's lock, or the waited call's); MPI_THREAD_MULTIPLE lets any thread test.
+unsafe impl Send for Exchange {}
+
+impl Exchange {
+    /// The exchange of a bucket of `count` elements of `dtype` (F32 or F64) with `k`
+    /// contributions on every rank of `comm` (`n` ranks, this one `me`), its sums divided by
+    /// `avg` into `out`; its stages from `stages(bytes)`, which must stay valid (and are
+    /// never freed while a call may use them) until it finished.
+    pub(super) fn new(
+        (comm, n, me): (ffi::MPI_Comm, usize, usize),
+        (dtype, inputs, k, count): (DType, Vec<(Vec<usize>, usize)>, usize, usize),
+        (avg, out, abandoned): (Option<usize>, Out, Option<Arc<AtomicBool>>),
+        stages: impl FnOnce(usize) -> *mut u8,
+    ) -> Exchange {
+        let (datatype, size) = mpi_type(dtype);
+        // About a PIECE of every local contribution together: the stages of the chunks in
+        // flight then fit in this VM's L2. At least one element per rank.
+        let ch = (PIECE / size / k.max(1)).max(n);
+        let most = ch.div_ceil(n);
+        let slot = |bytes: usize| bytes.next_multiple_of(64);
+        let gather = match out {
+            Out::Held { .. } => 0,
+            Out::Back => slot(ch * size),
+        };
+        let slots = [
+            slot(k * ch * size),
+            slot(n * k * most * size),
+            slot(most * size),
+            gather,
+        ];
+        let base = stages(DEPTH * slots.iter().sum::<usize>());
+        Exchange {
+            comm,
+            datatype,
+            dtype,
+            n,
+            me,
+            k,
+            inputs,
+            abandoned,
+            count,
+            avg,
+            out,
+            ch,
+            chunks: count.div_ceil(ch),
+            base,
+            slot: slots,
+            counts: Default::default(),
+            gather_counts: Default::default(),
+            exchanges: [None; DEPTH],
+            gathers: VecDeque::with_capacity(DEPTH),
+            exchanged: 0,
+            summed: 0,
+            gathered: 0,
+            told: 0,
+            saved: Vec::new(),
+        }
+    }
+
+    pub(super) fn finished(&self) -> bool {
+        self.gathered == self.chunks
+    }
+
+    /// The ranges of originals saved so far, for the caller's
+    /// [`Aside::saved`](super::aside::Aside).
+    pub(super) fn take_saved(&mut self) -> Vec<(usize, usize)> {
+        std::mem::take(&mut self.saved)
+    }
+
+    /// The early writes stop: nothing more is saved; the ranges saved so far.
+    pub(super) fn stop_saving(&mut self) -> Vec<(usize, usize)> {
+        if let Out::Held { keep, .. } = &mut self.out {
+            *keep = None;
+        }
+        self.take_saved()
+    }
+
+    /// The elements `[start, end)` whose sums landed in the held result since the last call.
+    pub(super) fn landed(&mut self) -> (usize, usize) {
+        let at = |c: usize| (c * self.ch).min(self.count);
+        let range = (at(self.told), at(self.gathered));
+        self.told = self.gathered;
+        range
+    }
+
+    /// Slot `c % DEPTH` of stage `which` (0 send, 1 receive, 2 sums, 3 gather).
+    fn at(&self, which: usize, c: usize) -> *mut u8 {
+        let before: usize = self.slot[..which].iter().sum();
+        // SAFETY: within the stages `new` took.
+        unsafe {
+            self.base
+                .add(DEPTH * before + (c % DEPTH) * self.slot[which])
+        }
+    }
+
+    /// Chunk `c`'s width.
+    fn width(&self, c: usize) -> usize {
+        self.ch.min(self.count - c * self.ch)
+    }
+
+    /// Rank `r`'s first element and length of chunk `c`.
+    fn block(&self, c: usize, r: usize) -> (usize, usize) {
+        let w = self.width(c);
+        let a = first(w, self.n, r);
+        (a, first(w, self.n, r + 1) - a)
+    }
+
+    /// Whether the caller's memory is not to be read (a stand-in, or a dropped ticket).
+    fn zeros(&self) -> bool {
+        let dropped = (self.abandoned.as_ref()).is_some_and(|a| a.load(Ordering::Relaxed));
+        self.inputs.is_empty() || dropped
+    }
+
+    /// Issues and completes the calls that can go now, without waiting, summing one chunk at
+    /// most (the steps queue's lock goes back between chunks: the caller's marks wait for
+    /// it); whether anything moved.
+    ///
+    /// # Safety
+    /// The inputs are valid (unless zeros) and the stages and `out` hold what `new` said.
+    pub(super) unsafe fn advance(&mut self) -> Result<bool> {
+        let mut moved = self.complete_gathers()?;
+        loop {
+            if self.exchanged < self.chunks.min(self.summed + DEPTH) {
+                // Its stages are free: the chunk DEPTH before was summed.
+                self.exchange(self.exchanged)?;
+                self.exchanged += 1;
+            } else if self.summed < self.chunks {
+                let c = self.summed;
+                // Its sums' slot is free once the allgather DEPTH before completed.
+                if self.gathered + DEPTH <= c && !self.complete_gathers()? {
+                    break;
+                }
+                let request = self.exchanges[c % DEPTH].as_mut().expect("issued");
+                let mut flag = 0;
+                check(
+                    "MPI_Test",
+                    ffi::MPI_Test(request, &mut flag, ffi::RSMPI_STATUS_IGNORE),
+                )?;
+                if flag == 0 {
+                    break;
+                }
+                self.exchanges[c % DEPTH] = None;
+                self.sum(c);
+                self.gather(c)?;
+                self.summed += 1;
+                // The next all-to-all (the same order on every rank), then the lock goes back.
+                if self.exchanged < self.chunks.min(self.summed + DEPTH) {
+                    self.exchange(self.exchanged)?;
+                    self.exchanged += 1;
+                }
+                moved = true;
+                break;
+            } else {
+                break;
+            }
+            moved = true;
+        }
+        Ok(self.complete_gathers()? || moved)
+    }
+
+    /// Chunk `c`'s all-to-all: block `r` of the send stage holds every local contribution's
+    /// elements of rank `r`'s block, one contribution after another; this rank's own block
+    /// stays out of it (counts 0), copied straight into the receive stage.
+    unsafe fn exchange(&mut self, c: usize) -> Result<()> {
+        let (n, me, k, size) = (self.n, self.me, self.k, self.dtype.size());
+        let (at, w, zeros) = (c * self.ch, self.width(c), self.zeros());
+        let (send, recv) = (self.at(0, c), self.at(1, c));
+        let (_, mine) = self.block(c, me);
+        let keep = match self.out {
+            Out::Held { keep, .. } => keep.filter(|_| !zeros),
+            Out::Back => None,
+        };
+        for r in 0..n {
+            let (a, l) = self.block(c, r);
+            for j in 0..k {
+                let to = match r == me {
+                    true => recv.add((me * k + j) * mine * size),
+                    false => send.add((k * a + j * l) * size),
+                };
+                match zeros {
+                    true => std::ptr::write_bytes(to, 0, l * size),
+                    false => copy_range(&self.inputs, size, (at + a, at + a + l), Some(j), to),
+                }
+                if let Some(keep) = keep {
+                    // Non-temporal: read again only if the step fails.
+                    let original = keep.add((j * self.count + at + a) * size);
+                    copy_streaming(to, original, l * size);
+                }
+            }
+        }
+        if keep.is_some() {
+            self.saved.push((at, w));
+        }
+        let of = |f: &dyn Fn(usize) -> usize| (0..n).map(|r| count_of(f(r))).collect();
+        let others = |v: usize, r: usize| if r == me { 0 } else { v };
+        self.counts[c % DEPTH] = [
+            of(&|r| others(k * (first(w, n, r + 1) - first(w, n, r)), r)),
+            of(&|r| k * first(w, n, r)),
+            of(&|r| others(k * mine, r)),
+            of(&|r| r * k * mine),
+        ];
+        let [sc, sd, rc, rd] = &self.counts[c % DEPTH];
+        let mut request = MaybeUninit::<ffi::MPI_Request>::uninit();
+        let rc = ffi::MPI_Ialltoallv(
+            send.cast(),
+            sc.as_ptr(),
+            sd.as_ptr(),
+            self.datatype,
+            recv.cast(),
+            rc.as_ptr(),
+            rd.as_ptr(),
+            self.datatype,
+            self.comm,
+            request.as_mut_ptr(),
+        );
+        check("MPI_Ialltoallv", rc)?;
+        // SAFETY: the call succeeded, so it wrote the request.
+        self.exchanges[c % DEPTH] = Some(request.assume_init());
+        Ok(())
+    }
+
+    /// This rank's block of chunk `c`: every rank's contributions, in the receive stage, summed
+    /// and divided into the sums' slot.
+    unsafe fn sum(&mut self, c: usize) {
+        let (_, mine) = self.block(c, self.me);
+        let size = self.dtype.size();
+        let recv = self.at(1, c) as usize;
+        let ptrs: Vec<usize> = (0..self.n * self.k)
+            .map(|i| recv + i * mine * size)
+            .collect();
+        repro::reduce_ptrs(self.dtype, &ptrs, 0, mine, self.avg);
+        std::ptr::copy_nonoverlapping(recv as *const u8, self.at(2, c), mine * size);
+    }
+
+    /// Chunk `c`'s allgather of the owners' sums, into the held result or a gather stage.
+    unsafe fn gather(&mut self, c: usize) -> Result<()> {
+        let (n, w) = (self.n, self.width(c));
+        let to = match self.out {
+            Out::Held { held, .. } => held.add(c * self.ch * self.dtype.size()),
+            Out::Back => self.at(3, c),
+        };
+        self.gather_counts[c % DEPTH] = [
+            (0..n).map(|r| count_of(self.block(c, r).1)).collect(),
+            (0..n).map(|r| count_of(first(w, n, r))).collect(),
+        ];
+        let [gc, gd] = &self.gather_counts[c % DEPTH];
+        let mut request = MaybeUninit::<ffi::MPI_Request>::uninit();
+        let rc = ffi::MPI_Iallgatherv(
+            self.at(2, c).cast(),
+            count_of(self.block(c, self.me).1),
+            self.datatype,
+            to.cast(),
+            gc.as_ptr(),
+            gd.as_ptr(),
+            self.datatype,
+            self.comm,
+            request.as_mut_ptr(),
+        );
+        check("MPI_Iallgatherv", rc)?;
+        // SAFETY: the call succeeded, so it wrote the request.
+        self.gathers.push_back(request.assume_init());
+        Ok(())
+    }
+
+    /// Completes the allgathers that are done, oldest first (a waited sum copies each chunk
+    /// into every contribution); whether one completed.
+    unsafe fn complete_gathers(&mut self) -> Result<bool> {
+        let mut moved = false;
+        while let Some(request) = self.gathers.front_mut() {
+            let mut flag = 0;
+            check(
+                "MPI_Test",
+                ffi::MPI_Test(request, &mut flag, ffi::RSMPI_STATUS_IGNORE),
+            )?;
+            if flag == 0 {
+                break;
+            }
+            self.gathers.pop_front();
+            let c = self.gathered;
+            if let (Out::Back, false) = (self.out, self.zeros()) {
+                let size = self.dtype.size();
+                let range = (c * self.ch, c * self.ch + self.width(c));
+                copy_range(&self.inputs, size, range, None, self.at(3, c));
+            }
+            (self.gathered, moved) = (c + 1, true);
+        }
+        Ok(moved)
     }
 }
 
 impl Engine {
     /// Whether [`Engine::alltoall_reproducible`] takes this bucket: F32 or F64, every segment
-    /// with the same contributions, and the exchange's counts within MPI's C int. Alike on
-    /// every rank where exec hands every rank the same number of contributions.
+    /// with the same contributions. Alike on every rank where exec hands every rank the same
+    /// number of contributions.
     pub(super) fn alltoall_takes(&self, dtype: DType, segments: &[Segment<'_>]) -> bool {
         let k = segments.first().map_or(0, |s| s.ptrs.len());
-        let count: usize = segments.iter().map(|s| s.count).sum();
-        matches!(dtype, DType::F32 | DType::F64)
-            && k > 0
-            && segments.iter().all(|s| s.ptrs.len() == k)
-            && (k * count).saturating_mul(self.size) < c_int::MAX as usize
+        let wide_enough = matches!(dtype, DType::F32 | DType::F64);
+        wide_enough && k > 0 && segments.iter().all(|s| s.ptrs.len() == k)
     }
 
     /// Every contribution of every segment := the reproducible sum over every rank's
-    /// contributions, divided by `avg`: the all-to-all to the blocks' owners, their sums, the
-    /// allgather back, chunk by chunk ([`chunk_of`]: each chunk's stages stay in cache, and
-    /// the next chunk's exchange is in flight while one is summed or copied out). Staged in
-    /// the engine's scratch (a timed-out request may still use it: then it is leaked, never
-    /// the caller's memory).
+    /// contributions, divided by `avg`: one [`Exchange`] driven to its end within the
+    /// timeout. Staged in the engine's scratch (a timed-out request may still use it: then it
+    /// is leaked, never the caller's memory).
     ///
     /// # Safety
     /// As for [`Ranks::allreduce`](crate::backend::Ranks::allreduce); every pointer writable.
@@ -92,149 +445,40 @@ impl Engine {
         segments: &[Segment<'_>],
         avg: Option<usize>,
     ) -> Result<()> {
-        let (n, me) = (self.size, self.rank);
-        let k = segments[0].ptrs.len();
         let count: usize = segments.iter().map(|s| s.count).sum();
         if count == 0 {
             return Ok(());
         }
-        let (datatype, size) = mpi_type(dtype);
-        let ch = chunk_of(size, k, n);
-        let chunks = count.div_ceil(ch);
-        // Chunk c: elements [c ch, c ch + width(c)); rank r owns [first(w, n, r), first(w, n, r + 1)) of it.
-        let width = |c: usize| ch.min(count - c * ch);
-        let len = |w: usize, r: usize| first(w, n, r + 1) - first(w, n, r);
-        let most = ch.div_ceil(n);
-        let slot = |bytes: usize| bytes.next_multiple_of(64);
-        let (send_slot, recv_slot) = (slot(k * ch * size), slot(n * k * most * size));
-        let gather_slot = slot(ch * size);
-        let sums_bytes = slot(chunks * most * size);
-        let mut scratch = self.scratch.lock();
-        let total = DEPTH * (send_slot + recv_slot + gather_slot) + sums_bytes;
-        let base = stage(&mut scratch, total);
-        let send = |c: usize| base.add((c % DEPTH) * send_slot);
-        let recv = |c: usize| base.add(DEPTH * send_slot + (c % DEPTH) * recv_slot);
-        let gather =
-            |c: usize| base.add(DEPTH * (send_slot + recv_slot) + (c % DEPTH) * gather_slot);
-        let sums =
-            |c: usize| base.add(DEPTH * (send_slot + recv_slot + gather_slot) + c * most * size);
-        let comm = self.comm_of(channel);
-        // Per chunk, the counts and displacements of its exchange and of its gather: MPI may
-        // read them until each call completes (MPI 3.1 §5.12), so they live as long as the
-        // scratch. This rank's own block stays out of the exchange (counts 0): the owner reads
-        // its own contributions straight from the tensors.
-        let counts: Vec<[Vec<c_int>; 6]> = (0..chunks)
-            .map(|c| {
-                let w = width(c);
-                let of = |f: &dyn Fn(usize) -> usize| (0..n).map(|r| count_of(f(r))).collect();
-                let mine = len(w, me);
-                let others = |v: usize| move |r: usize| if r == me { 0 } else { v };
-                [
-                    of(&|r| others(k * len(w, r))(r)),
-                    of(&|r| k * first(w, n, r)),
-                    of(&|r| others(k * mine)(r)),
-                    of(&|r| r * k * mine),
-                    of(&|r| len(w, r)),
-                    of(&|r| first(w, n, r)),
-                ]
-            })
+        let inputs = segments
+            .iter()
+            .map(|s| (s.ptrs.to_vec(), s.count))
             .collect();
-        let exchanged = self.run_pieces(
-            "MPI_Ialltoallv",
-            chunks,
-            |c, request| {
-                let (at, w) = (c * ch, width(c));
-                // Block r of the stage: every contribution's elements of block r, one after another.
-                for r in (0..n).filter(|&r| r != me) {
-                    let (a, b) = (first(w, n, r), first(w, n, r + 1));
-                    for j in 0..k {
-                        let to = send(c).add((k * a + j * (b - a)) * size);
-                        copy_range(segments, size, (at + a, at + b), Some(j), to);
-                    }
-                }
-                let [sc, sd, rc, rd, _, _] = &counts[c];
-                ffi::MPI_Ialltoallv(
-                    send(c).cast(),
-                    sc.as_ptr(),
-                    sd.as_ptr(),
-                    datatype,
-                    recv(c).cast(),
-                    rc.as_ptr(),
-                    rd.as_ptr(),
-                    datatype,
-                    comm,
-                    request,
-                )
-            },
-            |c| {
-                let w = width(c);
-                let (a, mine) = (c * ch + first(w, n, me), len(w, me));
-                // The others' contributions from the stage, this rank's from its tensors, a
-                // segment's run at a time (a tensor pointer holds one segment); the sum is
-                // written over the first other rank's first contribution, then kept.
-                let other = usize::from(me == 0);
-                let recv_at = |r: usize, j: usize, p: usize| {
-                    recv(c) as usize + ((r * k + j) * mine + p) * size
-                };
-                let mut at = 0;
-                for seg in segments {
-                    let (lo, hi) = (a.max(at), (a + mine).min(at + seg.count));
-                    if lo < hi {
-                        let (p, l) = (lo - a, hi - lo);
-                        let ptrs: Vec<usize> = (0..n)
-                            .flat_map(|r| (0..k).map(move |j| (r, j)))
-                            .map(|(r, j)| match r == me {
-                                true => seg.ptrs[j] + (lo - at) * size,
-                                false => recv_at(r, j, p),
-                            })
-                            .collect();
-                        // Alone in the world, over its own first contribution (the gather
-                        // writes every one of them afterwards anyway).
-                        let write = if n > 1 { other * k } else { 0 };
-                        repro::reduce_ptrs(dtype, &ptrs, write, l, avg);
-                        let sum = ptrs[write] as *const u8;
-                        std::ptr::copy_nonoverlapping(sum, sums(c).add(p * size), l * size);
-                    }
-                    at += seg.count;
-                }
-            },
+        let k = segments[0].ptrs.len();
+        let mut scratch = self.scratch.lock();
+        let comm = (self.comm_of(channel), self.size, self.rank);
+        let mut exchange = Exchange::new(
+            comm,
+            (dtype, inputs, k, count),
+            (avg, Out::Back, None),
+            |bytes| stage(&mut scratch, bytes),
         );
-        if let Err(e) = exchanged {
+        let (mut since, mut idle) = (None, Idle::default());
+        let mut drive = || -> Result<()> {
+            loop {
+                if exchange.advance()? {
+                    idle.reset();
+                }
+                if exchange.finished() {
+                    return Ok(());
+                }
+                idle.wait(&mut since, self.timeout, "the reproducible sum's exchange")?;
+            }
+        };
+        drive().map_err(|e| {
+            // Calls still pending may use the stages and counts.
             std::mem::forget(std::mem::take(&mut *scratch));
-            std::mem::forget(counts);
-            return Err(e);
-        }
-        let gathered = self.run_pieces(
-            "MPI_Iallgatherv",
-            chunks,
-            |c, request| {
-                let [_, _, _, _, gc, gd] = &counts[c];
-                ffi::MPI_Iallgatherv(
-                    sums(c).cast(),
-                    count_of(len(width(c), me)),
-                    datatype,
-                    gather(c).cast(),
-                    gc.as_ptr(),
-                    gd.as_ptr(),
-                    datatype,
-                    comm,
-                    request,
-                )
-            },
-            |c| copy_range(segments, size, (c * ch, c * ch + width(c)), None, gather(c)),
-        );
-        if let Err(e) = gathered {
-            std::mem::forget(std::mem::take(&mut *scratch));
-            std::mem::forget(counts);
-            return Err(e);
-        }
-        Ok(())
+            std::mem::forget(exchange);
+            self.failing(e)
+        })
     }
-}
-
-/// Elements per chunk of [`Engine::alltoall_reproducible`]: about a [`PIECE`] of every local
-/// contribution together (the stages of two chunks in flight then fit in this VM's L2), at
-/// least one element per rank.
-fn chunk_of(size: usize, k: usize, n: usize) -> usize {
-    (PIECE / size / k.max(1)).max(n)
 }

@@ -14,7 +14,7 @@ use super::poll::poll;
 use super::ring::Sum;
 use super::scatter;
 use super::staging::{copy_spans, mpi_type, outputs, stage_out, Way};
-use super::steps::{Handle, Until};
+use super::steps::{Crossing, Handle, Until};
 use super::MpiRanks;
 use crate::backend::{allgather_packed, Channel, EveryRank, Gate, Ranks, Segment, Ticket};
 use crate::error::{Error, ErrorKind, Result};
@@ -239,30 +239,43 @@ impl Ranks for MpiRanks {
         dtype: DType,
         segments: &[Segment<'_>],
         count: usize,
-        (avg, early, reproducible): (Option<usize>, bool, bool),
+        (avg, early, reproducible): (Option<usize>, bool, Option<usize>),
         gate: Option<Gate>,
     ) -> Result<Ticket> {
         self.refuse_if_failed()?;
-        let one_each = segments.iter().all(|s| s.ptrs.len() == 1);
-        if reproducible && !(one_each && self.starts_reproducibly(dtype)) {
-            let message = format!("a reproducible sum of {count} x {dtype:?} cannot start early");
+        let local = segments.iter().all(|s| Some(s.ptrs.len()) == reproducible);
+        if let Some(k) = reproducible.filter(|_| !self.starts_reproducibly(dtype) || !local) {
+            let message = format!(
+                "a reproducible sum of {count} x {dtype:?} ({k} contribution(s) per rank) \
+                 cannot start early"
+            );
             return Err(Error::new(ErrorKind::Panic, message));
         }
         let size = mpi_type(dtype).1;
+        // Cut as a waited transfer of the bucket would be (a bucket off the ring is below
+        // either piece size: one piece). Through shared memory, a bucket the ring carries
+        // crosses whole (`whole.rs`), and so does a reproducible one of one contribution per
+        // rank, of any size (its sum needs the ranks' raw values in one place); other
+        // reproducible ones go to each element's owner and back (`alltoall.rs`). Alike on
+        // every rank, as the bucket, dtype, options and contributions are.
+        let ring = self.ring(Channel::Steps);
+        let crossing = match reproducible {
+            Some(1) if ring.shared() => Crossing::Whole { reproducible: true },
+            Some(k) => Crossing::Exchange { k },
+            None if ring.shared() && ring.takes(count * size) && !dtype.is_half() => {
+                Crossing::Whole {
+                    reproducible: false,
+                }
+            }
+            None => Crossing::Pieces,
+        };
         let held = self.spare_stage(count * size);
         let outputs = segments.first().map_or(0, |s| s.ptrs.len()) * count;
         let aside = early.then(|| self.spare_stage(outputs * dtype.size()));
         let mut queue = self.queue.lock();
-        // Cut as a waited transfer of the bucket would be (a bucket off the ring is below
-        // either piece size: one piece). Through shared memory, a bucket the ring carries
-        // crosses whole (`whole.rs`), and so does a reproducible one of any size (its sum
-        // needs the ranks' raw values in one place): alike on every rank, as the bucket,
-        // dtype and options are.
-        let ring = self.ring(Channel::Steps);
-        let whole = ring.shared() && (ring.takes(count * size) || reproducible) && !dtype.is_half();
         let handle = queue.push(
             (dtype, segments, count),
-            (avg, ring.piece_of(size), whole, reproducible),
+            (avg, ring.piece_of(size), crossing),
             (held, aside, gate),
         );
         if !self.thread_moves() {
@@ -274,9 +287,9 @@ impl Ranks for MpiRanks {
     }
 
     fn starts_reproducibly(&self, dtype: DType) -> bool {
-        // A whole bucket through shared memory (`whole.rs`): the ranks' raw values meet there.
-        let wide_enough = matches!(dtype, DType::F32 | DType::F64);
-        self.ring(Channel::Steps).shared() && wide_enough
+        // The ranks' raw values meet in shared memory (`whole.rs`) or at each element's owner
+        // (`alltoall.rs`).
+        matches!(dtype, DType::F32 | DType::F64)
     }
 
     unsafe fn release(&self, ticket: &Ticket, owned: Option<&[(usize, usize)]>) {

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use mpi::ffi;
 
+use super::alltoall::{Exchange, Out};
 use super::aside::Aside;
 use super::calls::{check, count_of};
 use super::pieces::{stage, Walk, DEPTH, PIECE};
@@ -43,12 +44,7 @@ pub(super) struct Item {
     pub(super) avg: Option<usize>,
     /// The results, in MPI's type, pieces landing in place until the step agrees.
     pub(super) held: Vec<u64>,
-    /// Crosses as one [`Whole`] (through shared memory), which divides as it sums: one
-    /// piece, and `avg` none once issued; released before it went (`direct_from` 0), it
-    /// writes the outputs itself.
-    whole: bool,
-    /// Summed as [`Ranks::allreduce_reproducible`](crate::backend::Ranks) sums (whole only).
-    reproducible: bool,
+    crossing: Crossing,
     piece: usize,
     pieces: usize,
     issued: usize,
@@ -80,6 +76,28 @@ impl Item {
         (i * self.piece, self.piece.min(self.count - i * self.piece))
     }
 
+    /// Elements `[start, end)` of `held` just landed (an exchange's, which saved their
+    /// originals): written into every output too while the early writes are live (the step
+    /// expected to agree, the ticket kept). Ranges come in ascending order.
+    ///
+    /// # Safety
+    /// The outputs are valid.
+    unsafe fn write_early(&mut self, (start, end): (usize, usize), saved: Vec<(usize, usize)>) {
+        let Some(aside) = self.aside.as_mut() else {
+            return;
+        };
+        aside.saved(saved);
+        if end <= start || !aside.live || self.abandoned.load(Ordering::Relaxed) {
+            return;
+        }
+        let range = (start, end - start);
+        let part = (self.held.as_ptr().cast::<u8>()).add(start * mpi_type(self.dtype).1);
+        self.walk_out.resize_with(self.outs.len(), Walk::default);
+        for (out, walk) in self.outs.iter().zip(self.walk_out.iter_mut()) {
+            stage_out(self.dtype, part, (out, walk), range, self.avg);
+        }
+    }
+
     /// The elements whose results are in `held` (the rest are written already).
     pub(super) fn held_count(&self) -> usize {
         if self.aside.as_ref().is_some_and(|a| a.live) {
@@ -89,6 +107,29 @@ impl Item {
             None => self.count,
             Some(d) => (d * self.piece).min(self.count),
         }
+    }
+}
+
+/// How a started bucket crosses the ranks.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Crossing {
+    /// In pieces: an MPI_Iallreduce each, or round the ring.
+    Pieces,
+    /// As one [`Whole`] through shared memory (summed as
+    /// [`Ranks::allreduce_reproducible`](crate::backend::Ranks) sums with `reproducible`).
+    Whole { reproducible: bool },
+    /// As one reproducible [`Exchange`] over MPI, `k` contributions on every rank; its
+    /// result into `held`, and written early into the outputs chunk by chunk as it lands
+    /// while the `aside` is live ([`Item::write_early`]; the exchange saves the originals).
+    Exchange { k: usize },
+}
+
+impl Crossing {
+    /// Crosses as one transfer, which divides as it sums: one piece, and `avg` none once
+    /// issued; a whole bucket released before it went (`direct_from` 0) writes the outputs
+    /// itself.
+    fn at_once(self) -> bool {
+        self != Crossing::Pieces
     }
 }
 
@@ -160,6 +201,7 @@ enum Transfer {
     Collective(ffi::MPI_Request),
     Ring(Flight),
     Whole(Box<Whole>),
+    Exchange(Box<Exchange>),
 }
 
 // SAFETY: requests, pointers and stages are plain data; MPI_THREAD_MULTIPLE lets any thread
@@ -168,13 +210,14 @@ unsafe impl Send for Queue {}
 
 impl Queue {
     /// Queues a bucket of `count` elements (its contributions per segment, or none for a
-    /// stand-in) whose results go to `held`, `whole` or in pieces of `piece`; its handle.
+    /// stand-in) whose results go to `held`, crossing as `crossing` says (in pieces of
+    /// `piece`); its handle.
     /// With `aside` (a stage for the originals of every output), the results are also
     /// written into the outputs early (`aside.rs`).
     pub(super) fn push(
         &mut self,
         (dtype, segments, count): (DType, &[Segment<'_>], usize),
-        (avg, piece, whole, reproducible): (Option<usize>, usize, bool, bool),
+        (avg, piece, crossing): (Option<usize>, usize, Crossing),
         (held, aside, gate): (Vec<u64>, Option<Vec<u64>>, Option<Gate>),
     ) -> Handle {
         let abandoned = Arc::new(AtomicBool::new(false));
@@ -197,10 +240,12 @@ impl Queue {
             count,
             avg,
             held,
-            whole,
-            reproducible,
+            crossing,
             piece,
-            pieces: if whole { 1 } else { count.div_ceil(piece) },
+            pieces: match crossing.at_once() {
+                true => 1,
+                false => count.div_ceil(piece),
+            },
             issued: 0,
             done: 0,
             walk: Walk::default(),
@@ -228,7 +273,7 @@ impl Queue {
     /// communicator's.
     unsafe fn issue(&mut self, ring: &Ring) -> Result<bool> {
         while self.inflight.len() < DEPTH {
-            if let Some((_, _, Transfer::Whole(_))) = self.inflight.back() {
+            if let Some((_, _, Transfer::Whole(_) | Transfer::Exchange(_))) = self.inflight.back() {
                 return Ok(false);
             }
             let Some(item) = self.items.iter_mut().find(|i| i.issued < i.pieces) else {
@@ -242,18 +287,32 @@ impl Queue {
                 }
                 item.gate = None;
             }
-            if item.whole {
-                // Alone on the channel's slots: after the pieces before it.
-                if !self.inflight.is_empty() {
-                    return Ok(false);
-                }
+            if item.crossing.at_once() && !self.inflight.is_empty() {
+                // Alone on the channel (its slots, its collectives' order): after the pieces
+                // before it.
+                return Ok(false);
+            }
+            if let Crossing::Exchange { k } = item.crossing {
+                let comm = (ring.comm(), ring.ranks(), ring.me());
+                let data = (item.dtype, item.inputs.clone(), k, item.count);
+                // Written early: the originals saved as the exchange stages them.
+                let live = item.aside.as_mut().filter(|a| a.live);
+                let held = Out::Held {
+                    held: item.held.as_mut_ptr().cast(),
+                    keep: live.map(|a| a.base()),
+                };
+                let sums = (item.avg.take(), held, Some(item.abandoned.clone()));
+                // The queue's stages are idle while it crosses alone.
+                let exchange = Exchange::new(comm, data, sums, |b| stage(&mut self.stages, b));
+                self.inflight
+                    .push_back((item.seq, 0, Transfer::Exchange(Box::new(exchange))));
+                item.issued += 1;
+                self.issued += 1;
+                continue;
+            }
+            if let Crossing::Whole { reproducible } = item.crossing {
                 let slots = ring.slots().expect("a whole bucket through shared memory");
-                let data = (
-                    item.dtype,
-                    item.count,
-                    item.inputs.clone(),
-                    item.reproducible,
-                );
+                let data = (item.dtype, item.count, item.inputs.clone(), reproducible);
                 let held = item.held.as_mut_ptr().cast::<u8>();
                 let into = (held, item.avg.take(), item.abandoned.clone());
                 // Released already: straight into the outputs; early: into both, the pieces
@@ -358,10 +417,17 @@ impl Queue {
                 break;
             }
             let mut moved = false;
-            for (_, _, transfer) in self.inflight.iter_mut() {
+            for (seq, _, transfer) in self.inflight.iter_mut() {
                 match transfer {
                     Transfer::Ring(flight) => moved |= flight.advance(ring)?,
                     Transfer::Whole(whole) => moved |= whole.advance(),
+                    Transfer::Exchange(exchange) => {
+                        moved |= exchange.advance()?;
+                        let (landed, saved) = (exchange.landed(), exchange.take_saved());
+                        if let Some(item) = self.items.iter_mut().find(|i| i.seq == *seq) {
+                            item.write_early(landed, saved);
+                        }
+                    }
                     Transfer::Collective(_) => {}
                 }
             }
@@ -377,6 +443,7 @@ impl Queue {
             let finished = match front {
                 Transfer::Ring(flight) => flight.finished(),
                 Transfer::Whole(whole) => whole.finished(),
+                Transfer::Exchange(exchange) => exchange.finished(),
                 Transfer::Collective(request) => {
                     let mut flag = 0;
                     let rc = ffi::MPI_Test(request, &mut flag, ffi::RSMPI_STATUS_IGNORE);
@@ -417,7 +484,7 @@ impl Queue {
             let direct = item.direct_from.is_some_and(|d| piece >= d);
             // Held, and written early too (a whole bucket writes its outputs itself).
             let early = !direct
-                && !matches!(transfer, Transfer::Whole(_))
+                && !matches!(transfer, Transfer::Whole(_) | Transfer::Exchange(_))
                 && item.aside.as_ref().is_some_and(|a| a.live)
                 && !item.abandoned.load(Ordering::Relaxed);
             let (dtype, avg, size) = (item.dtype, item.avg, mpi_type(item.dtype).1);
@@ -432,7 +499,7 @@ impl Queue {
             let collective = matches!(transfer, Transfer::Collective(_));
             match transfer {
                 Transfer::Collective(_) if direct => write(recv, (start, n)),
-                Transfer::Collective(_) | Transfer::Whole(_) => {}
+                Transfer::Collective(_) | Transfer::Whole(_) | Transfer::Exchange(_) => {}
                 Transfer::Ring(flight) => flight.finish(ring, |part, at, len| {
                     if direct || early {
                         write(part, (start + at, len));
@@ -489,8 +556,14 @@ impl Queue {
                 item.outs = vec![only_owned(item.dtype, inputs, owned)];
                 item.walk_out.clear();
             }
-            // A whole bucket goes straight into the outputs only if released before it went.
-            if !item.whole || item.issued == 0 {
+            // A whole bucket goes straight into the outputs only if released before it went;
+            // an exchange's result is held (and copied out at the finish).
+            let direct = match item.crossing {
+                Crossing::Pieces => true,
+                Crossing::Whole { .. } => item.issued == 0,
+                Crossing::Exchange { .. } => false,
+            };
+            if direct {
                 item.direct_from.get_or_insert(item.issued);
             }
         }
@@ -501,17 +574,20 @@ impl Queue {
     pub(super) fn stop_early(&mut self, seq: Option<u64>) {
         let of = |s: u64| seq.is_none_or(|q| q == s);
         for (s, _, transfer) in self.inflight.iter_mut() {
-            if let (true, Transfer::Whole(whole)) = (of(*s), transfer) {
-                let saved = whole.stop_early();
-                let item = self.items.iter_mut().find(|i| i.seq == *s);
-                if let Some(aside) = item.and_then(|i| i.aside.as_mut()) {
-                    aside.saved(saved);
-                }
+            let saved = match (of(*s), transfer) {
+                (true, Transfer::Whole(whole)) => whole.stop_early(),
+                (true, Transfer::Exchange(exchange)) => exchange.stop_saving(),
+                _ => continue,
+            };
+            let item = self.items.iter_mut().find(|i| i.seq == *s);
+            if let Some(aside) = item.and_then(|i| i.aside.as_mut()) {
+                aside.saved(saved);
             }
         }
         for item in self.items.iter_mut().filter(|i| of(i.seq)) {
             let live = item.aside.as_ref().is_some_and(|a| a.live);
-            if live && item.whole && item.direct_from.is_none() && item.issued > 0 {
+            let whole = matches!(item.crossing, Crossing::Whole { .. });
+            if live && whole && item.direct_from.is_none() && item.issued > 0 {
                 // Its sums are all in the outputs so far (this rank's in `held` too), and
                 // `held` is where the rest will go: the first output's into it first.
                 let segments = segments(&item.inputs, true);
@@ -543,12 +619,12 @@ impl Queue {
         self.items.remove(at)
     }
 
-    /// After a failure: pieces in flight may still read the stages and write the result
-    /// buffers, so all are leaked, and nothing more is issued.
+    /// After a failure: pieces in flight may still read the stages (and an exchange's
+    /// counts) and write the result buffers, so all are leaked, and nothing more is issued.
     pub(super) fn leak(&mut self) {
         std::mem::forget(std::mem::take(&mut self.items));
         std::mem::forget(std::mem::take(&mut self.stages));
-        self.inflight.clear();
+        std::mem::forget(std::mem::take(&mut self.inflight));
     }
 
     /// The buckets queued, their pieces, and how many of those have crossed the ranks.

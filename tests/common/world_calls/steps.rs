@@ -99,8 +99,8 @@ impl World<'_> {
             if self.setup.at.cuda() {
                 self.early_buckets(&every, dev.as_mut(), scatter);
             } else if self.repro {
-                // Counted only (where they start is the library's: shared memory, one replica
-                // per rank, AVG): the values are checked as for every step.
+                // Counted only (where they start is the library's: host replicas, as many on
+                // every rank, AVG): the values are checked as for every step.
                 let here = &self.ctx.describe_json()["overlap"]["buckets_reduced_early_this_step"];
                 if here.as_u64().is_some_and(|n| n > 0) {
                     self.tally.count("early_reproducible");
