@@ -75,7 +75,7 @@ if [ -n "${DPSYNC_ULFM:-}" ]; then
   DPSYNC_TEST_RANKS=2 LD_LIBRARY_PATH="$DPSYNC_ULFM/lib" timeout 300 "$DPSYNC_ULFM/bin/mpirun" --allow-run-as-root \
     --oversubscribe --with-ft ulfm -n 2 "$exe" leave_body --exact --test-threads=1
 fi
-step "randomized cross-rank test: tests/world_random.rs (mpirun -n 2 and -n 3, default seeds; under Open MPI 5 with ULFM, also its kill variant: 3 seeds of an elastic world on 3 ranks where one rank SIGKILLs itself at a random call; more: scripts/world-random.sh, --kills for the kill variant)"
+step "randomized cross-rank test: tests/world_random.rs (mpirun -n 2 and -n 3, default seeds, and -n 2 with two replicas on each rank; under Open MPI 5 with ULFM, also its kill variant: 3 seeds of an elastic world on 3 ranks where one rank SIGKILLs itself at a random call; more: scripts/world-random.sh, --kills for the kill variant)"
 cargo test --release --features mpi --target-dir target/mpi --test world_random
 step "the same without shared memory between the ranks (DPSYNC_MPI_SHM=0: every piece over MPI messages, the ring's halves for reduce-scatter and allgather)"
 DPSYNC_MPI_SHM=0 cargo test --release --features mpi --target-dir target/mpi --test world_random

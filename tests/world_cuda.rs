@@ -537,3 +537,7 @@ use grads::Grads;
 /// Overlap on the staged route (tests/world_cuda_parts/staged_overlap.rs).
 #[path = "world_cuda_parts/staged_overlap.rs"]
 mod staged_overlap;
+
+/// Overlap in reproducible worlds on the staged route (tests/world_cuda_parts/staged_repro.rs).
+#[path = "world_cuda_parts/staged_repro.rs"]
+mod staged_repro;

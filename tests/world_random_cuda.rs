@@ -4,7 +4,8 @@
 //! sparse slice in device memory of CUDA replicas, read back after `dpsync_synchronize`.
 //!
 //! `random_calls_across_ranks_on_cuda` runs `random_cuda_body` under `mpirun -n 2` (1 and 2
-//! replicas: GPU 0; GPUs 0 and 1) and `-n 3` (3, 1 and 2: GPUs 0, 0 and 1; GPU 1; GPUs 0 and 0);
+//! replicas: GPU 0; GPUs 0 and 1), `-n 3` (3, 1 and 2: GPUs 0, 0 and 1; GPU 1; GPUs 0 and 0)
+//! and `-n 2` again with GPUs 0 and 1 on each rank (`DPSYNC_RANDOM_EVEN=2`);
 //! every rank runs the seeds with transport NCCL (one clique over every rank's GPUs), then with
 //! PEER_COPY (each rank's sum staged through page-locked host memory and MPI), in one mpirun so
 //! that each rank compiles dpsync's kernels once. scripts/test.sh runs it on the fake CUDA
@@ -83,6 +84,9 @@ fn random_calls_across_ranks_on_cuda() {
         // Every transport in one mpirun: each rank compiles dpsync's kernels once.
         launch("random_cuda_body", n, limit, None);
     }
+    // Two replicas on each of 2 ranks: reproducible float buckets start early there.
+    let even = Some(("DPSYNC_RANDOM_EVEN", std::path::Path::new("2")));
+    launch("random_cuda_body", 2, limit, even);
 }
 
 /// Each rank's CUDA ordinals, `layout`'s replica counts: two GPUs where there are (the fakes

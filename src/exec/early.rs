@@ -69,7 +69,8 @@ impl Executor {
             return Ok(Ticket(Box::new(StartedInGroups { buffers, avg })));
         }
         if site.levels.route == Route::RanksStaged {
-            return self.start_staged(site, ranks, &view(bucket, tensors), avg);
+            let reproducible = reproducible_contributions(site.levels, bucket.dtype);
+            return self.start_staged(site, ranks, &view(bucket, tensors), (avg, reproducible));
         }
         let how = (
             avg,
@@ -84,8 +85,9 @@ impl Executor {
     /// Whether `bucket` can start before its step agrees with `op` ([`Executor::start_early`]):
     /// every bucket but a reproducible context's float buckets, which start only with AVG (a
     /// SUM divided afterwards for an AVG step would round twice where the contract rounds
-    /// once) and where the engine sums them reproducibly as they go (host memory, as many
-    /// replicas on every rank: [`Ranks::starts_reproducibly`]); elsewhere they cross in
+    /// once) and where the engine sums them reproducibly as they go (host memory, or CUDA
+    /// replicas staged through it, as many replicas on every rank:
+    /// [`Ranks::starts_reproducibly`]); elsewhere (an NCCL clique, uneven ranks) they cross in
     /// pieces of their own (exec/repro.rs) once the step agreed. Alike on every rank.
     pub fn starts_early(&self, bucket: &Bucket, op: ReduceOp) -> bool {
         let site = self.site(bucket.memory);
@@ -99,7 +101,8 @@ impl Executor {
         // waited sum needs to hand the bucket to the engine (exec/repro.rs).
         let ranks = &site.levels.ranks;
         let alike = ranks.iter().all(|&r| r == ranks[0]);
-        let engine = (site.ranks).filter(|_| site.levels.route == Route::RanksFromHost && alike);
+        let through_host = matches!(site.levels.route, Route::RanksFromHost | Route::RanksStaged);
+        let engine = (site.ranks).filter(|_| through_host && alike);
         engine.is_some_and(|r| r.starts_reproducibly(bucket.dtype))
     }
 
@@ -286,17 +289,20 @@ impl Executor {
     /// it), the engine's transfer started on it, gated on the copy. The contribution is the
     /// allreduce's: the one replica's bucket; several replicas' sum over levels 1–2 in the
     /// fusion buffers (the same kernels and order, the replicas unchanged until the step
-    /// agrees); f16/bf16 every replica's bucket, summed by the engine in f32.
+    /// agrees); f16/bf16 every replica's bucket, summed by the engine in f32; a reproducible
+    /// sum (`reproducible`: the replicas on every rank) every replica's raw bucket, summed
+    /// reproducibly by the engine.
     fn start_staged(
         &self,
         site: super::Site<'_>,
         ranks: &dyn Ranks,
         bucket: &BucketView<'_>,
-        avg: Option<usize>,
+        (avg, reproducible): (Option<usize>, Option<usize>),
     ) -> Result<Ticket> {
         let streams = site.backend.streams().expect("the staged route is CUDA's");
         let local: usize = site.levels.groups.iter().map(Vec::len).sum();
-        let contributors = if bucket.dtype.is_half() { local } else { 1 };
+        let every = bucket.dtype.is_half() || reproducible.is_some();
+        let contributors = if every { local } else { 1 };
         let bytes = bucket.dtype.size() * bucket.elements();
         let stage = streams.bucket_stage(bytes * contributors)?;
         let copied = self.bracket_joined(false, || {
@@ -333,7 +339,7 @@ impl Executor {
                 data.0,
                 data.1,
                 data.2,
-                (avg, false, None),
+                (avg, false, reproducible),
                 Some(Box::new(move || gate())),
             )?
         };
@@ -346,9 +352,10 @@ impl Executor {
 }
 
 /// A started bucket's contributions on every rank where its sum is reproducible (a
-/// reproducible context's float bucket): the local replicas, as many on every rank where
-/// [`Executor::starts_early`] let it start.
+/// reproducible context's float bucket): the local replicas (host memory: one group; staged
+/// CUDA replicas: every device's), as many on every rank where [`Executor::starts_early`]
+/// let it start.
 fn reproducible_contributions(levels: &Levels, dtype: DType) -> Option<usize> {
     let reproducible = levels.reproducible && dtype.is_float();
-    reproducible.then(|| levels.groups[0].len())
+    reproducible.then(|| levels.groups.iter().map(Vec::len).sum())
 }

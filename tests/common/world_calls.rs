@@ -33,6 +33,14 @@ const FLOATS: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
 
 /// Replicas per rank: uneven, so that world indices and AVG's divisor are not the rank's.
 pub fn layout(ranks: usize) -> Vec<usize> {
+    // As many on every rank (`DPSYNC_RANDOM_EVEN=N`: N each), where a reproducible context's
+    // float buckets start early (the engine's reproducible sum as they go).
+    if let Some(n) = std::env::var("DPSYNC_RANDOM_EVEN")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        return vec![n; ranks];
+    }
     match ranks {
         3 => vec![3, 1, 2],
         n => (0..n).map(|r| 1 + r % 2).collect(),

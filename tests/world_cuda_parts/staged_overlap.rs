@@ -1,7 +1,7 @@
 //! `dpsync_grad_ready` on the staged route (CUDA replicas, no clique: PEER_COPY): buckets start
 //! early, each rank's contribution (its one replica's bucket, or its replicas' levels 1–2 sum)
 //! copied into page-locked memory of the bucket's own, the engine's transfer gated on the copy.
-//! Nothing is written before the step agrees.
+//! Nothing is written before the step agrees. Reproducible contexts: `staged_repro.rs`.
 
 use super::*;
 

@@ -96,16 +96,7 @@ impl World<'_> {
                 }
                 self.expect(st, &e, "dpsync_grad_ready");
             }
-            if self.setup.at.cuda() {
-                self.early_buckets(&every, dev.as_mut(), scatter);
-            } else if self.repro {
-                // Counted only (where they start is the library's: host replicas, as many on
-                // every rank, AVG): the values are checked as for every step.
-                let here = &self.ctx.describe_json()["overlap"]["buckets_reduced_early_this_step"];
-                if here.as_u64().is_some_and(|n| n > 0) {
-                    self.tally.count("early_reproducible");
-                }
-            }
+            self.early_buckets(&every, dev.as_mut(), scatter);
         }
         if !self.sparse.is_empty() && self.cfg.on("sparse_share") {
             self.tally.count("sparse_share");
@@ -181,8 +172,8 @@ impl World<'_> {
         }
     }
 
-    /// CUDA replicas, after the marks (`every`: each rank's): the buckets each rank started
-    /// early, on this rank as describe counts them. In bucket order (NCCL across the ranks
+    /// After the marks (`every`: each rank's): the buckets each rank started early, on this
+    /// rank as describe counts them. In bucket order (NCCL across the ranks
     /// and the staged path alike), on a rank whose registrations are those the last successful step agreed
     /// on. With buckets in flight on the NCCL clique, a
     /// rank that calls a collective other than a gradient step (`call`) is refused at once:
@@ -195,12 +186,18 @@ impl World<'_> {
         scatter: bool,
     ) {
         let buckets = model::buckets(&self.dense, self.fusion);
-        let starts = self.setup.at.cuda();
-        let can_start = |r: usize| starts && self.agreed[r] && self.last_op.is_some();
-        // Reproducible sums of CUDA replicas cross in pieces of their own: their float
-        // buckets only mark, and the buckets after one wait with it (integers start).
+        let can_start = |r: usize| self.agreed[r] && self.last_op.is_some();
+        // Reproducible sums: float buckets start only where the engine sums them as they go
+        // (host memory, or CUDA replicas staged through it), F32 or F64, as many replicas on
+        // every rank, after an AVG step; elsewhere (an NCCL clique, uneven ranks) they only
+        // mark, and the buckets after one wait with it (integers start).
         let floats = |b: &Vec<usize>| b.iter().any(|&t| FLOATS.contains(&self.dense[t].dtype));
-        let startable = |b: &Vec<usize>| !(self.repro && floats(b));
+        let wide = |b: &Vec<usize>| {
+            (b.iter()).all(|&t| matches!(self.dense[t].dtype, DType::F32 | DType::F64))
+        };
+        let alike = self.per_rank.iter().all(|&n| n == self.per_rank[0]);
+        let engine = !self.setup.nccl() && alike && self.last_op == Some(AVG);
+        let startable = |b: &Vec<usize>| !(self.repro && floats(b)) || (engine && wide(b));
         let started: Vec<usize> = (0..self.per_rank.len())
             .map(|r| {
                 let marked = |t: &usize| (0..self.per_rank[r]).all(|k| every[r].contains(&(*t, k)));
@@ -215,6 +212,13 @@ impl World<'_> {
             })
             .collect();
         let here = &self.ctx.describe_json()["overlap"]["buckets_reduced_early_this_step"];
+        if self.leaving {
+            // Host replicas mark at a leave too: this rank started what its last agreed step
+            // let it (the leave is learnt in the step), which the model, its world already
+            // without the leaver, no longer knows. The values are checked as always.
+            self.tally.count("marks_at_a_leave");
+            return;
+        }
         if here.as_u64() != Some(started[self.rank] as u64) {
             let want = started[self.rank];
             self.fail(format!(
@@ -223,6 +227,10 @@ impl World<'_> {
         }
         if started.iter().any(|&n| n > 0) {
             self.tally.count("early_buckets");
+            let mine = &buckets[..started[self.rank]];
+            if self.repro && mine.iter().any(floats) {
+                self.tally.count("early_reproducible_floats");
+            }
             if scatter {
                 self.tally.count("early_buckets_scatter");
             }

@@ -1,0 +1,211 @@
+//! `dpsync_grad_ready` in a reproducible world on the staged route (CUDA replicas, PEER_COPY):
+//! F32 buckets of as many replicas on every rank start early under AVG, every replica's raw
+//! bucket staged and summed by the engine's reproducible sum (whole through shared memory
+//! with one replica per rank, else the owners' exchange). Every step gives the bytes of one
+//! process holding every replica, marked or not; a failed or refused step writes nothing.
+
+use super::*;
+
+/// Two replicas on each of 2 ranks (GPUs 0 and 1: the owners' exchange), then one on each
+/// (through shared memory: whole).
+#[test]
+fn cuda_reproducible_overlap_across_ranks_staged() {
+    if under_mpirun() {
+        return;
+    }
+    launch("staged_repro::staged_repro_body", 2, 300, None);
+    let one = Some(("DPSYNC_TEST_STAGED_ONE", std::path::Path::new("1")));
+    launch("staged_repro::staged_repro_body", 2, 300, one);
+}
+
+const N: usize = 1000;
+const NAMES: [&str; 3] = ["r0", "r1", "r2"];
+
+/// World replica `w`'s tensor `t`: magnitudes 2^-12..2^12 of both signs, so that another
+/// summation order shows in the bytes.
+fn values(t: usize, w: usize) -> Vec<u8> {
+    let v: Vec<f32> = (0..N)
+        .map(|i| {
+            let h = ((t * 7919 + w * 104_729 + i) as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40;
+            let (m, scale) = ((h % 20_001) as f64 - 10_000.0, (h >> 15) % 25);
+            (m / 3.0 * 2f64.powi(scale as i32 - 12)) as f32
+        })
+        .collect();
+    bytes_of(&v)
+}
+
+/// Registers tensor bytes `data[t][k]` on replica `k` (`ptrs`: each one's address).
+fn register_all(ctx: &Context, ptrs: &[Vec<usize>]) {
+    for (t, per_replica) in ptrs.iter().enumerate() {
+        for (k, &p) in per_replica.iter().enumerate() {
+            let st = register_raw(ctx.0, NAMES[t], GRAD, k, p as *mut _, N, F32);
+            check(st, &format!("register {}", NAMES[t]));
+        }
+    }
+}
+
+#[test]
+fn staged_repro_body() {
+    let Some((rank, ranks)) = as_rank("staged_repro_body") else {
+        return;
+    };
+    let Some(place) = Place::gpus("staged_repro_body", 1) else {
+        return;
+    };
+    let gpus = common::place::device_count().clamp(1, 2) as i32;
+    let ordinals: Vec<i32> = match std::env::var_os("DPSYNC_TEST_STAGED_ONE") {
+        Some(_) => vec![rank as i32 % gpus],
+        None => (0..2).map(|d| d % gpus).collect(),
+    };
+    let (local, replicas) = (ordinals.len(), ordinals.len() * ranks);
+    let tag = |what: &str| format!("rank {rank}/{ranks} ({local} replicas): {what}");
+
+    // The bytes every replica must end with: one process holding every world replica.
+    let mut all: Vec<Vec<Vec<u8>>> = (0..NAMES.len())
+        .map(|t| (0..replicas).map(|w| values(t, w)).collect())
+        .collect();
+    let reference = Context::new(&{
+        let o = Options::host(replicas);
+        // SAFETY: valid options.
+        check(
+            unsafe { dpsync_options_set_reproducible(o.0, true) },
+            "reproducible",
+        );
+        o
+    });
+    let ptrs: Vec<Vec<usize>> = (all.iter_mut())
+        .map(|per| per.iter_mut().map(|b| b.as_mut_ptr() as usize).collect())
+        .collect();
+    register_all(&reference, &ptrs);
+    check(reference.allreduce_grads(AVG), &tag("one process"));
+    let want: Vec<Vec<u8>> = all.iter().map(|per| per[0].clone()).collect();
+
+    let Some(ctx) = cuda_context("staged_repro_body", &ordinals, |o| {
+        world(o, T_PEER_COPY);
+        o.set_fusion_bytes(4 * N);
+        // SAFETY: valid options.
+        check(
+            unsafe { dpsync_options_set_reproducible(o.0, true) },
+            "reproducible",
+        );
+    }) else {
+        return;
+    };
+    assert_eq!(ctx.describe_json()["world"]["cross_rank"], "mpi_staged");
+    let first = rank * local;
+    let mut g: Vec<Vec<Mem>> = (0..NAMES.len())
+        .map(|t| {
+            (0..local)
+                .map(|k| place.mem_on(ordinals[k], &values(t, first + k)))
+                .collect()
+        })
+        .collect();
+    let ptrs: Vec<Vec<usize>> = (g.iter())
+        .map(|per| per.iter().map(|m| m.ptr()).collect())
+        .collect();
+    register_all(&ctx, &ptrs);
+    let refill = |g: &mut Vec<Vec<Mem>>| {
+        for (t, per) in g.iter_mut().enumerate() {
+            for (k, m) in per.iter_mut().enumerate() {
+                m.write(&values(t, first + k));
+            }
+        }
+    };
+    let mark = || {
+        for t in (0..NAMES.len()).rev() {
+            for k in 0..local {
+                check(ctx.grad_ready(NAMES[t], k), &tag("grad_ready"));
+            }
+        }
+    };
+    // Every replica's tensor `t` as `want(t, w)` says (w: its world index).
+    let holds = |g: &Vec<Vec<Mem>>, want: &dyn Fn(usize, usize) -> Vec<u8>, what: &str| {
+        check(common::place::synchronize(&ctx), &tag("synchronize"));
+        for (t, per) in g.iter().enumerate() {
+            for (k, m) in per.iter().enumerate() {
+                let got = m.read();
+                let at = got
+                    .iter()
+                    .zip(want(t, first + k))
+                    .position(|(a, b)| *a != b);
+                let name = NAMES[t];
+                assert!(
+                    at.is_none(),
+                    "{}",
+                    tag(&format!("{what}: replica {k}'s {name} byte {at:?}"))
+                );
+            }
+        }
+    };
+    let summed = |t: usize, _: usize| want[t].clone();
+    let untouched = |t: usize, w: usize| values(t, w);
+    let early = || ctx.describe_json()["overlap"]["buckets_reduced_early_this_step"].clone();
+
+    // Step 1 sets the op (nothing starts before); step 2, marked: every bucket starts.
+    check(ctx.allreduce_grads(AVG), &tag("step 1"));
+    holds(&g, &summed, "step 1");
+    refill(&mut g);
+    mark();
+    assert_eq!(early(), 3, "{}", tag("step 2: buckets started early"));
+    holds(
+        &g,
+        &untouched,
+        "step 2: nothing written before allreduce_grads",
+    );
+    check(ctx.allreduce_grads(AVG), &tag("step 2"));
+    holds(&g, &summed, "step 2 (marked)");
+
+    // Step 3, marked, a reduce-scatter: each replica's own piece as one process's.
+    refill(&mut g);
+    mark();
+    // SAFETY: a live context.
+    check(
+        unsafe { dpsync_reduce_scatter_grads(ctx.0, AVG) },
+        &tag("step 3"),
+    );
+    let owned = |t: usize, w: usize| {
+        let (lo, hi) = (4 * (N * w / replicas), 4 * (N * (w + 1) / replicas));
+        let mut v = values(t, w);
+        v[lo..hi].copy_from_slice(&want[t][lo..hi]);
+        v
+    };
+    holds(&g, &owned, "step 3 (marked reduce-scatter)");
+
+    // Step 4: the agreement fails (the last rank marked nothing and registered another
+    // gradient: the others' started buckets meet stand-ins); nothing written, then again.
+    refill(&mut g);
+    let last = rank == ranks - 1;
+    let extra: Vec<Mem> = (0..local)
+        .map(|k| place.mem_on(ordinals[k], &bytes_of(&[1.0f32; 4])))
+        .collect();
+    match last {
+        true => {
+            for (k, m) in extra.iter().enumerate() {
+                let st = register_raw(ctx.0, "extra", GRAD, k, m.ptr() as *mut _, 4, F32);
+                check(st, &tag("register extra"));
+            }
+        }
+        false => mark(),
+    }
+    assert_eq!(ctx.allreduce_grads(AVG), INCONSISTENT, "{}", tag("step 4"));
+    holds(
+        &g,
+        &untouched,
+        "step 4: nothing written after a failed agreement",
+    );
+    if last {
+        check(ctx.unregister("extra"), &tag("unregister extra"));
+    }
+    check(ctx.allreduce_grads(AVG), &tag("step 4 again"));
+    holds(&g, &summed, "step 4 again");
+
+    // Step 5, marked: the last rank's op is invalid, refused everywhere; nothing written.
+    refill(&mut g);
+    mark();
+    let st = ctx.allreduce_grads(if last { 7 } else { AVG });
+    let refused = if last { INVALID_ARGUMENT } else { INCONSISTENT };
+    assert_eq!(st, refused, "{}: {}", tag("step 5"), last_error());
+    holds(&g, &untouched, "step 5: nothing written by a refused step");
+    check(ctx.allreduce_grads(AVG), &tag("step 5 again"));
+    holds(&g, &summed, "step 5 again");
+}
