@@ -22,13 +22,13 @@ use super::pieces::{stage, DEPTH, PIECE};
 use super::poll::Idle;
 use super::staging::mpi_type;
 use super::Engine;
-use crate::backend::host::{copy_streaming, repro};
+use crate::backend::host::repro;
 use crate::backend::{Channel, Segment};
 use crate::error::Result;
 use crate::types::DType;
 
 /// Element `i` of the flattened segments lies in block `r` for `first(r) <= i < first(r + 1)`.
-fn first(count: usize, n: usize, r: usize) -> usize {
+pub(super) fn first(count: usize, n: usize, r: usize) -> usize {
     // u128: count * r may pass usize on 32-bit hosts; exact either way.
     (count as u128 * r as u128 / n as u128) as usize
 }
@@ -77,8 +77,9 @@ unsafe fn copy_range(
 #[derive(Clone, Copy)]
 pub(super) enum Out {
     /// Into `held`; with `keep` (the results written early: the originals'
-    /// [`Aside::base`](super::aside::Aside)), each contribution's originals saved there as
-    /// they are staged (hot in cache, rather than read again before the results land).
+    /// [`Aside::base`](super::aside::Aside)), each chunk staged there to be sent, its own
+    /// block too, and left there: the staging is the saving (no copy more), in the exchange's
+    /// layout ([`Aside::exchanged`](super::aside::Aside)).
     Held {
         held: *mut u8,
         keep: Option<*mut u8>,
@@ -119,6 +120,9 @@ pub(super) struct Exchange {
     counts: [[Vec<c_int>; 4]; DEPTH],
     gather_counts: [[Vec<c_int>; 2]; DEPTH],
     exchanges: [Option<ffi::MPI_Request>; DEPTH],
+    /// Per slot, where its chunk's own block was staged (contribution `j` at `j * mine`
+    /// elements on): in the receive stage, or kept.
+    own: [usize; DEPTH],
     gathers: VecDeque<ffi::MPI_Request>,
     /// The ranges of originals saved at `keep` so far ([`Exchange::take_saved`]).
     saved: Vec<(usize, usize)>,
@@ -181,6 +185,7 @@ impl Exchange {
             counts: Default::default(),
             gather_counts: Default::default(),
             exchanges: [None; DEPTH],
+            own: [0; DEPTH],
             gathers: VecDeque::with_capacity(DEPTH),
             exchanged: 0,
             summed: 0,
@@ -198,6 +203,11 @@ impl Exchange {
     /// [`Aside::saved`](super::aside::Aside).
     pub(super) fn take_saved(&mut self) -> Vec<(usize, usize)> {
         std::mem::take(&mut self.saved)
+    }
+
+    /// Elements per chunk: the layout of what `keep` holds.
+    pub(super) fn chunk(&self) -> usize {
+        self.ch
     }
 
     /// The early writes stop: nothing more is saved; the ranges saved so far.
@@ -293,31 +303,32 @@ impl Exchange {
 
     /// Chunk `c`'s all-to-all: block `r` of the send stage holds every local contribution's
     /// elements of rank `r`'s block, one contribution after another; this rank's own block
-    /// stays out of it (counts 0), copied straight into the receive stage.
+    /// stays out of it (counts 0): in the receive stage, or, kept, at its place in the send
+    /// layout (chunk `c`'s of the kept originals: `k * c * ch` elements on).
     unsafe fn exchange(&mut self, c: usize) -> Result<()> {
         let (n, me, k, size) = (self.n, self.me, self.k, self.dtype.size());
         let (at, w, zeros) = (c * self.ch, self.width(c), self.zeros());
-        let (send, recv) = (self.at(0, c), self.at(1, c));
-        let (_, mine) = self.block(c, me);
         let keep = match self.out {
             Out::Held { keep, .. } => keep.filter(|_| !zeros),
             Out::Back => None,
         };
+        let recv = self.at(1, c);
+        let send = keep.map_or(self.at(0, c), |kept| kept.add(k * at * size));
+        let (a_me, mine) = self.block(c, me);
+        self.own[c % DEPTH] = match keep {
+            Some(_) => send.add(k * a_me * size),
+            None => recv.add(me * k * mine * size),
+        } as usize;
         for r in 0..n {
             let (a, l) = self.block(c, r);
             for j in 0..k {
                 let to = match r == me {
-                    true => recv.add((me * k + j) * mine * size),
+                    true => (self.own[c % DEPTH] as *mut u8).add(j * mine * size),
                     false => send.add((k * a + j * l) * size),
                 };
                 match zeros {
                     true => std::ptr::write_bytes(to, 0, l * size),
                     false => copy_range(&self.inputs, size, (at + a, at + a + l), Some(j), to),
-                }
-                if let Some(keep) = keep {
-                    // Non-temporal: read again only if the step fails.
-                    let original = keep.add((j * self.count + at + a) * size);
-                    copy_streaming(to, original, l * size);
                 }
             }
         }
@@ -352,17 +363,23 @@ impl Exchange {
         Ok(())
     }
 
-    /// This rank's block of chunk `c`: every rank's contributions, in the receive stage, summed
-    /// and divided into the sums' slot.
+    /// This rank's block of chunk `c`: every rank's contributions (the others' in the receive
+    /// stage, its own where [`Exchange::exchange`] staged them) summed and divided into the
+    /// sums' slot, which takes its first contribution first (the own block stays as staged:
+    /// kept, it is the saved originals).
     unsafe fn sum(&mut self, c: usize) {
-        let (_, mine) = self.block(c, self.me);
-        let size = self.dtype.size();
-        let recv = self.at(1, c) as usize;
-        let ptrs: Vec<usize> = (0..self.n * self.k)
-            .map(|i| recv + i * mine * size)
+        let (me, k, size) = (self.me, self.k, self.dtype.size());
+        let (_, mine) = self.block(c, me);
+        let (recv, sums, own) = (self.at(1, c) as usize, self.at(2, c), self.own[c % DEPTH]);
+        std::ptr::copy_nonoverlapping(own as *const u8, sums, mine * size);
+        let ptrs: Vec<usize> = (0..self.n * k)
+            .map(|i| match (i / k == me, i % k) {
+                (true, 0) => sums as usize,
+                (true, j) => own + j * mine * size,
+                (false, _) => recv + i * mine * size,
+            })
             .collect();
-        repro::reduce_ptrs(self.dtype, &ptrs, 0, mine, self.avg);
-        std::ptr::copy_nonoverlapping(recv as *const u8, self.at(2, c), mine * size);
+        repro::reduce_ptrs(self.dtype, &ptrs, me * k, mine, self.avg);
     }
 
     /// Chunk `c`'s allgather of the owners' sums, into the held result or a gather stage.

@@ -18,6 +18,7 @@
 //! - a reduce-scatter step after all: the originals are put back, then the owned elements
 //!   written from the held result (which the pieces fill as well).
 
+use super::alltoall::first;
 use super::pieces::Walk;
 use super::staging::{copy_spans, Way};
 use crate::types::DType;
@@ -39,6 +40,9 @@ pub(super) struct Aside {
     pub(super) live: bool,
     /// The outputs may differ from the originals over what was saved.
     dirty: bool,
+    /// Saved by an exchange in its layout (`alltoall.rs`): its elements per chunk, and the
+    /// ranks.
+    exchange: Option<(usize, usize)>,
 }
 
 impl Aside {
@@ -63,7 +67,16 @@ impl Aside {
             ranges: Vec::new(),
             live: true,
             dirty: false,
+            exchange: None,
         }
+    }
+
+    /// The originals are saved by an exchange of `ch` elements per chunk across `n` ranks,
+    /// each chunk as it sends it: chunk `c` at `c * ch * outputs` elements on, rank `r`'s
+    /// block of it (`alltoall::first`: its `a`, `l`) at `outputs * a` on, output `k`'s part
+    /// at `k * l` on. Its ranges ([`Aside::saved`]) are whole chunks.
+    pub(super) fn exchanged(&mut self, ch: usize, n: usize) {
+        self.exchange = Some((ch, n));
     }
 
     pub(super) fn outputs(&self) -> usize {
@@ -130,6 +143,9 @@ impl Aside {
         if !self.dirty {
             return;
         }
+        if let Some((ch, n)) = self.exchange {
+            return self.restore_exchanged(ch, n);
+        }
         let way = Way::Out { streaming: false };
         let mut ranges = std::mem::take(&mut self.ranges);
         ranges.push((0, self.saved));
@@ -140,6 +156,28 @@ impl Aside {
             for &(start, n) in ranges.iter().filter(|r| r.1 > 0) {
                 let range = (start * self.size, n * self.size);
                 copy_spans((&self.spans[k], walk), range, from.add(range.0), way);
+            }
+        }
+        self.dirty = false;
+    }
+
+    /// [`Aside::restore`] of what an exchange saved ([`Aside::exchanged`]).
+    unsafe fn restore_exchanged(&mut self, ch: usize, n: usize) {
+        let way = Way::Out { streaming: false };
+        let mut ranges = std::mem::take(&mut self.ranges);
+        ranges.sort_unstable();
+        debug_assert!(ranges.iter().all(|r| r.0 % ch == 0), "whole chunks");
+        let outputs = self.spans.len();
+        let base = self.at(0, 0);
+        for k in 0..outputs {
+            let walk = &mut Walk::default();
+            for &(at, w) in &ranges {
+                for r in 0..n {
+                    let (a, b) = (first(w, n, r), first(w, n, r + 1));
+                    let from = base.add((outputs * (at + a) + k * (b - a)) * self.size);
+                    let range = ((at + a) * self.size, (b - a) * self.size);
+                    copy_spans((&self.spans[k], walk), range, from, way);
+                }
             }
         }
         self.dirty = false;

@@ -295,15 +295,18 @@ impl Queue {
             if let Crossing::Exchange { k } = item.crossing {
                 let comm = (ring.comm(), ring.ranks(), ring.me());
                 let data = (item.dtype, item.inputs.clone(), k, item.count);
-                // Written early: the originals saved as the exchange stages them.
-                let live = item.aside.as_mut().filter(|a| a.live);
+                // Written early: the originals kept as the exchange stages them.
+                let mut live = item.aside.as_mut().filter(|a| a.live);
                 let held = Out::Held {
                     held: item.held.as_mut_ptr().cast(),
-                    keep: live.map(|a| a.base()),
+                    keep: live.as_mut().map(|a| a.base()),
                 };
                 let sums = (item.avg.take(), held, Some(item.abandoned.clone()));
                 // The queue's stages are idle while it crosses alone.
                 let exchange = Exchange::new(comm, data, sums, |b| stage(&mut self.stages, b));
+                if let Some(aside) = live {
+                    aside.exchanged(exchange.chunk(), ring.ranks());
+                }
                 self.inflight
                     .push_back((item.seq, 0, Transfer::Exchange(Box::new(exchange))));
                 item.issued += 1;
