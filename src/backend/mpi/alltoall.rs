@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use mpi::ffi;
 
-use super::calls::{check, count_of};
+use super::calls::{check, count_of, tested};
 use super::pieces::{stage, DEPTH, PIECE};
 use super::poll::Idle;
 use super::staging::mpi_type;
@@ -273,13 +273,7 @@ impl Exchange {
                 if self.gathered + DEPTH <= c && !self.complete_gathers()? {
                     break;
                 }
-                let request = self.exchanges[c % DEPTH].as_mut().expect("issued");
-                let mut flag = 0;
-                check(
-                    "MPI_Test",
-                    ffi::MPI_Test(request, &mut flag, ffi::RSMPI_STATUS_IGNORE),
-                )?;
-                if flag == 0 {
+                if !tested(self.exchanges[c % DEPTH].as_mut().expect("issued"))? {
                     break;
                 }
                 self.exchanges[c % DEPTH] = None;
@@ -417,12 +411,7 @@ impl Exchange {
     unsafe fn complete_gathers(&mut self) -> Result<bool> {
         let mut moved = false;
         while let Some(request) = self.gathers.front_mut() {
-            let mut flag = 0;
-            check(
-                "MPI_Test",
-                ffi::MPI_Test(request, &mut flag, ffi::RSMPI_STATUS_IGNORE),
-            )?;
-            if flag == 0 {
+            if !tested(request)? {
                 break;
             }
             self.gathers.pop_front();

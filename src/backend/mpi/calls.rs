@@ -33,6 +33,19 @@ pub(super) fn check(call: &str, rc: c_int) -> Result<()> {
     }
 }
 
+/// Whether `request` completed (MPI_REQUEST_NULL then), without waiting.
+///
+/// # Safety
+/// A request of this process.
+pub(super) unsafe fn tested(request: &mut ffi::MPI_Request) -> Result<bool> {
+    let mut flag: c_int = 0;
+    check(
+        "MPI_Test",
+        ffi::MPI_Test(request, &mut flag, ffi::RSMPI_STATUS_IGNORE),
+    )?;
+    Ok(flag != 0)
+}
+
 pub(super) fn count_of(n: usize) -> c_int {
     c_int::try_from(n).expect("chunked below C int range")
 }
