@@ -348,6 +348,15 @@ run() {
       "$dir/mpi/world_cuda" staged_overlap::staged_overlap_body --exact --nocapture \
       --test-threads=1 || failures=$((failures + 1))
     endsection
+    # A reproducible world's buckets started early on the staged route (every replica's raw
+    # bucket staged, the engine's reproducible sum): two replicas per rank, then one.
+    section "world_cuda staged_repro_body, 2 ranks of 2 replicas, then of 1"
+    DPSYNC_TEST_RANKS=2 timed $m -n 2 "$dir/mpi/world_cuda" staged_repro::staged_repro_body \
+      --exact --nocapture --test-threads=1 || failures=$((failures + 1))
+    DPSYNC_TEST_RANKS=2 DPSYNC_TEST_STAGED_ONE=1 timed $m -n 2 -x DPSYNC_TEST_STAGED_ONE \
+      "$dir/mpi/world_cuda" staged_repro::staged_repro_body --exact --nocapture \
+      --test-threads=1 || failures=$((failures + 1))
+    endsection
     for t in world_mpi world_comm world_agreement world_random world_random_cuda; do
       section "test binary $t"
       timed "$dir/mpi/$t" --test-threads=1 || failures=$((failures + 1))
