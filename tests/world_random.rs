@@ -29,7 +29,9 @@
 //! (collectives and registrations per seed), `DPSYNC_RANDOM_NO` (classes switched off, comma
 //! separated: `CLASSES`), `DPSYNC_RANDOM_RANKS` (`2,3`), `DPSYNC_RANDOM_LIMIT_S` (per mpirun),
 //! `DPSYNC_RANDOM_TIMEOUT_MS` (the contexts' timeout), `DPSYNC_RANDOM_TRACE=1` (rank 0 prints
-//! every call). scripts/world-random.sh sets them from its arguments. `DPSYNC_MPI_SHM=0`
+//! every call). scripts/world-random.sh sets them from its arguments. The launcher sets
+//! `DPSYNC_RANDOM_EVEN=2` (each rank's replica count) for its last run, which it always
+//! makes, so scripts/world-random.sh replays that run's seeds too. `DPSYNC_MPI_SHM=0`
 //! turns the shared memory between the ranks off (scripts/test.sh runs the test both ways):
 //! every piece then crosses in MPI messages, and the reduce-scatter and allgather of one
 //! replica per rank take their halves of the ring (`backend/mpi/owners.rs`).

@@ -11,9 +11,10 @@
 //! (which way a collective goes, and the waited sums the methods share), `ring.rs` (the
 //! ring allreduce), `shm.rs` (the shared memory it crosses), `scatter.rs` (the reduce-scatter
 //! through it), `owners.rs` (the reduce-scatter and allgather round the ring without it),
-//! `steps.rs` (the buckets started early; `whole.rs` and `aside.rs` its whole buckets through
-//! shared memory and the originals of early writes), `alltoall.rs` (reproducible sums to each
-//! element's owner) and `ulfm.rs` (elastic worlds: the vote after each call and the shrink
+//! `steps.rs` (the buckets started early; `steps/release.rs` what they write before and at
+//! their step's agreement; `whole.rs` and `aside.rs` its whole buckets through shared memory
+//! and the originals of early writes), `alltoall.rs` (reproducible sums to each element's
+//! owner, waited or started early) and `ulfm.rs` (elastic worlds: the vote after each call and the shrink
 //! after a loss).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize};

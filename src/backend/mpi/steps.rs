@@ -23,12 +23,12 @@ use super::poll::Idle;
 use super::ring::{Flight, Ring, Sum};
 use super::staging::{mpi_type, stage_in, stage_out};
 use super::whole::Whole;
-
-mod release;
 use crate::backend::host::copy_streaming;
 use crate::backend::{Gate, Segment};
 use crate::error::Result;
 use crate::types::DType;
+
+mod release;
 
 /// A started bucket, until [`MpiRanks::finish`](super::MpiRanks) takes its result.
 pub(super) struct Item {
