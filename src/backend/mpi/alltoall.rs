@@ -91,7 +91,8 @@ pub(super) enum Out {
 /// the owner's sums and chunk `c`'s allgather, the all-to-alls running [`DEPTH`] chunks ahead.
 /// Every rank issues the calls in this same order whatever completes when (MPI's rule for
 /// collectives on one communicator); each chunk's stages stay in cache (about a [`PIECE`] of
-/// every local contribution together) and are reused [`DEPTH`] chunks on.
+/// every local contribution together) and are reused [`DEPTH`] chunks on (but for a kept
+/// chunk's send stage: its place in the aside, `Out::Held`).
 pub(super) struct Exchange {
     comm: ffi::MPI_Comm,
     datatype: ffi::MPI_Datatype,
@@ -205,11 +206,6 @@ impl Exchange {
         std::mem::take(&mut self.saved)
     }
 
-    /// Elements per chunk: the layout of what `keep` holds.
-    pub(super) fn chunk(&self) -> usize {
-        self.ch
-    }
-
     /// The early writes stop: nothing more is saved; the ranges saved so far.
     pub(super) fn stop_saving(&mut self) -> Vec<(usize, usize)> {
         if let Out::Held { keep, .. } = &mut self.out {
@@ -261,13 +257,13 @@ impl Exchange {
     /// # Safety
     /// The inputs are valid (unless zeros) and the stages and `out` hold what `new` said.
     pub(super) unsafe fn advance(&mut self) -> Result<bool> {
-        let mut moved = self.complete_gathers()?;
+        let (mut moved, mut summed_one) = (self.complete_gathers()?, false);
         loop {
             if self.exchanged < self.chunks.min(self.summed + DEPTH) {
                 // Its stages are free: the chunk DEPTH before was summed.
                 self.exchange(self.exchanged)?;
                 self.exchanged += 1;
-            } else if self.summed < self.chunks {
+            } else if self.summed < self.chunks && !summed_one {
                 let c = self.summed;
                 // Its sums' slot is free once the allgather DEPTH before completed.
                 if self.gathered + DEPTH <= c && !self.complete_gathers()? {
@@ -279,14 +275,9 @@ impl Exchange {
                 self.exchanges[c % DEPTH] = None;
                 self.sum(c);
                 self.gather(c)?;
-                self.summed += 1;
-                // The next all-to-all (the same order on every rank), then the lock goes back.
-                if self.exchanged < self.chunks.min(self.summed + DEPTH) {
-                    self.exchange(self.exchanged)?;
-                    self.exchanged += 1;
-                }
-                moved = true;
-                break;
+                // The next all-to-all still goes (the same order on every rank), then the
+                // lock goes back.
+                (self.summed, summed_one) = (c + 1, true);
             } else {
                 break;
             }
@@ -309,15 +300,16 @@ impl Exchange {
         let recv = self.at(1, c);
         let send = keep.map_or(self.at(0, c), |kept| kept.add(k * at * size));
         let (a_me, mine) = self.block(c, me);
-        self.own[c % DEPTH] = match keep {
+        let own = match keep {
             Some(_) => send.add(k * a_me * size),
             None => recv.add(me * k * mine * size),
-        } as usize;
+        };
+        self.own[c % DEPTH] = own as usize;
         for r in 0..n {
             let (a, l) = self.block(c, r);
             for j in 0..k {
                 let to = match r == me {
-                    true => (self.own[c % DEPTH] as *mut u8).add(j * mine * size),
+                    true => own.add(j * mine * size),
                     false => send.add((k * a + j * l) * size),
                 };
                 match zeros {

@@ -40,9 +40,8 @@ pub(super) struct Aside {
     pub(super) live: bool,
     /// The outputs may differ from the originals over what was saved.
     dirty: bool,
-    /// Saved by an exchange in its layout (`alltoall.rs`): its elements per chunk, and the
-    /// ranks.
-    exchange: Option<(usize, usize)>,
+    /// Saved by an exchange in its layout (`alltoall.rs`), across this many ranks.
+    exchange: Option<usize>,
 }
 
 impl Aside {
@@ -71,12 +70,12 @@ impl Aside {
         }
     }
 
-    /// The originals are saved by an exchange of `ch` elements per chunk across `n` ranks,
-    /// each chunk as it sends it: chunk `c` at `c * ch * outputs` elements on, rank `r`'s
-    /// block of it (`alltoall::first`: its `a`, `l`) at `outputs * a` on, output `k`'s part
-    /// at `k * l` on. Its ranges ([`Aside::saved`]) are whole chunks.
-    pub(super) fn exchanged(&mut self, ch: usize, n: usize) {
-        self.exchange = Some((ch, n));
+    /// The originals are saved by an exchange across `n` ranks, each chunk as it sends it:
+    /// the chunk of elements `[at, at + w)` at `at * outputs` elements on, rank `r`'s block
+    /// of it (`alltoall::first`: its `a`, `l`) at `outputs * a` on, output `k`'s part at
+    /// `k * l` on. Its ranges ([`Aside::saved`]) are whole chunks, `(at, w)`.
+    pub(super) fn exchanged(&mut self, n: usize) {
+        self.exchange = Some(n);
     }
 
     pub(super) fn outputs(&self) -> usize {
@@ -143,8 +142,8 @@ impl Aside {
         if !self.dirty {
             return;
         }
-        if let Some((ch, n)) = self.exchange {
-            return self.restore_exchanged(ch, n);
+        if let Some(n) = self.exchange {
+            return self.restore_exchanged(n);
         }
         let way = Way::Out { streaming: false };
         let mut ranges = std::mem::take(&mut self.ranges);
@@ -162,11 +161,10 @@ impl Aside {
     }
 
     /// [`Aside::restore`] of what an exchange saved ([`Aside::exchanged`]).
-    unsafe fn restore_exchanged(&mut self, ch: usize, n: usize) {
+    unsafe fn restore_exchanged(&mut self, n: usize) {
         let way = Way::Out { streaming: false };
         let mut ranges = std::mem::take(&mut self.ranges);
         ranges.sort_unstable();
-        debug_assert!(ranges.iter().all(|r| r.0 % ch == 0), "whole chunks");
         let outputs = self.spans.len();
         let base = self.at(0, 0);
         for k in 0..outputs {

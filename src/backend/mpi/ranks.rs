@@ -243,8 +243,8 @@ impl Ranks for MpiRanks {
         gate: Option<Gate>,
     ) -> Result<Ticket> {
         self.refuse_if_failed()?;
-        let local = segments.iter().all(|s| Some(s.ptrs.len()) == reproducible);
-        if let Some(k) = reproducible.filter(|_| !self.starts_reproducibly(dtype) || !local) {
+        let as_said = segments.iter().all(|s| Some(s.ptrs.len()) == reproducible);
+        if let Some(k) = reproducible.filter(|_| !self.starts_reproducibly(dtype) || !as_said) {
             let message = format!(
                 "a reproducible sum of {count} x {dtype:?} ({k} contribution(s) per rank) \
                  cannot start early"

@@ -285,7 +285,7 @@ impl Queue {
                 // The queue's stages are idle while it crosses alone.
                 let exchange = Exchange::new(comm, data, sums, |b| stage(&mut self.stages, b));
                 if let Some(aside) = live {
-                    aside.exchanged(exchange.chunk(), ring.ranks());
+                    aside.exchanged(ring.ranks());
                 }
                 self.inflight
                     .push_back((item.seq, 0, Transfer::Exchange(Box::new(exchange))));
