@@ -276,6 +276,15 @@ run() {
         failures=$((failures + 1))
       endsection
     done
+    # A reproducible world's buckets started early over the clique (its route to the owners
+    # queued on the streams): two replicas per rank, then one, every one on the one GPU.
+    section "world_cuda repro_overlap_body over NCCL, 2 ranks of 2 replicas, then of 1"
+    for route in nccl nccl-one; do
+      DPSYNC_TEST_RANKS=2 DPSYNC_TEST_REPRO_ROUTE=$route timed "${mpi[@]}" -n 2 \
+        -x DPSYNC_TEST_REPRO_ROUTE "$dir/mpi/world_cuda" repro_overlap::repro_overlap_body \
+        --exact --nocapture --test-threads=1 || failures=$((failures + 1))
+    done
+    endsection
     section "test binary world_random_cuda, NCCL part (DPSYNC_RANDOM_TRANSPORTS=nccl)"
     DPSYNC_RANDOM_TRANSPORTS=nccl timed "$dir/mpi/world_random_cuda" --test-threads=1 --nocapture ||
       failures=$((failures + 1))
@@ -349,13 +358,14 @@ run() {
       --test-threads=1 || failures=$((failures + 1))
     endsection
     # A reproducible world's buckets started early on the staged route (every replica's raw
-    # bucket staged, the engine's reproducible sum): two replicas per rank, then one.
-    section "world_cuda staged_repro_body, 2 ranks of 2 replicas, then of 1"
-    DPSYNC_TEST_RANKS=2 timed $m -n 2 "$dir/mpi/world_cuda" staged_repro::staged_repro_body \
-      --exact --nocapture --test-threads=1 || failures=$((failures + 1))
-    DPSYNC_TEST_RANKS=2 DPSYNC_TEST_STAGED_ONE=1 timed $m -n 2 -x DPSYNC_TEST_STAGED_ONE \
-      "$dir/mpi/world_cuda" staged_repro::staged_repro_body --exact --nocapture \
-      --test-threads=1 || failures=$((failures + 1))
+    # bucket staged, the engine's reproducible sum): two replicas per rank, then one. Over
+    # NCCL: the --nccl part.
+    section "world_cuda repro_overlap_body, staged, 2 ranks of 2 replicas, then of 1"
+    for route in staged staged-one; do
+      DPSYNC_TEST_RANKS=2 DPSYNC_TEST_REPRO_ROUTE=$route timed $m -n 2 -x DPSYNC_TEST_REPRO_ROUTE \
+        "$dir/mpi/world_cuda" repro_overlap::repro_overlap_body --exact --nocapture \
+        --test-threads=1 || failures=$((failures + 1))
+    done
     endsection
     for t in world_mpi world_comm world_agreement world_random world_random_cuda; do
       section "test binary $t"

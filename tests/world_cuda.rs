@@ -538,6 +538,6 @@ use grads::Grads;
 #[path = "world_cuda_parts/staged_overlap.rs"]
 mod staged_overlap;
 
-/// Overlap in reproducible worlds on the staged route (tests/world_cuda_parts/staged_repro.rs).
-#[path = "world_cuda_parts/staged_repro.rs"]
-mod staged_repro;
+/// Overlap in reproducible worlds, staged and over NCCL (tests/world_cuda_parts/repro_overlap.rs).
+#[path = "world_cuda_parts/repro_overlap.rs"]
+mod repro_overlap;

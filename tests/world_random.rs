@@ -132,6 +132,7 @@ fn setup() -> Setup {
         at: Where::Host,
         transport: T_AUTO, // host replicas: unused
         lockstep: false,
+        groups: 0,
         replay: |_, seed, calls, ranks| {
             let no = env("DPSYNC_RANDOM_NO").map_or(String::new(), |v| format!(" --no {v}"));
             // Without shared memory between the ranks, the replay needs it off too.

@@ -195,6 +195,14 @@ fn cuda_body(rank: usize, ranks: usize, cfg: &Config) {
             at: Where::Cuda(place, on),
             transport,
             lockstep: nccl && flag("DPSYNC_FAKE_CUDA") && !flag("FAKE_CUDA_ASYNC"),
+            groups: (0..ranks)
+                .map(|r| {
+                    let mut on = ordinals(r, ranks);
+                    on.sort_unstable();
+                    on.dedup();
+                    on.len()
+                })
+                .sum(),
             replay,
         };
         run(rank, &per_rank, cfg, &setup);

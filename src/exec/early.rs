@@ -3,7 +3,7 @@
 //! memory), finished once the step agrees, or drained when it fails (context/overlap.rs).
 
 use super::shard::{owned_by, pieces_of, Place};
-use super::{dense, staged, view, Executor};
+use super::{dense, repro_clique, staged, view, Executor};
 use crate::backend::{BucketStage, BucketView, Done, Ranks, Segment, Ticket};
 use crate::error::Result;
 use crate::plan::{Bucket, Levels, Route};
@@ -62,10 +62,18 @@ impl Executor {
         let avg = (op == ReduceOp::Avg && divisor > 1).then_some(divisor);
         if site.levels.clique().is_some() {
             // NCCL across the ranks: queued on the groups' streams after what the callers
-            // queued, which do not wait for it.
+            // queued, which do not wait for it. A reproducible sum divides in its kernel.
+            let reproducible = reproducible_contributions(site.levels, bucket.dtype).is_some();
             let buffers = self.bracket_joined(false, || {
-                dense::start_in_groups(site, &view(bucket, tensors))
+                let view = view(bucket, tensors);
+                match reproducible {
+                    true => {
+                        repro_clique::start(site, Some(&view), (view.dtype, view.elements()), avg)
+                    }
+                    false => dense::start_in_groups(site, &view),
+                }
             })?;
+            let avg = avg.filter(|_| !reproducible);
             return Ok(Ticket(Box::new(StartedInGroups { buffers, avg })));
         }
         if site.levels.route == Route::RanksStaged {
@@ -85,10 +93,12 @@ impl Executor {
     /// Whether `bucket` can start before its step agrees with `op` ([`Executor::start_early`]):
     /// every bucket but a reproducible context's float buckets, which start only with AVG (a
     /// SUM divided afterwards for an AVG step would round twice where the contract rounds
-    /// once) and where the engine sums them reproducibly as they go (host memory, or CUDA
-    /// replicas staged through it, as many replicas on every rank:
-    /// [`Ranks::starts_reproducibly`]); elsewhere (an NCCL clique, uneven ranks) they cross in
-    /// pieces of their own (exec/repro.rs) once the step agreed. Alike on every rank.
+    /// once) and where they can be summed reproducibly as they go: by the engine (host
+    /// memory, or CUDA replicas staged through it, as many replicas on every rank:
+    /// [`Ranks::starts_reproducibly`]), or over an NCCL clique of the ranks, F32 and F64 by the
+    /// route to the owners ([`repro_clique::starts`]); elsewhere (F16/BF16, uneven ranks on
+    /// the engine) they cross in pieces of their own (exec/repro.rs) once the step agreed.
+    /// Alike on every rank.
     pub fn starts_early(&self, bucket: &Bucket, op: ReduceOp) -> bool {
         let site = self.site(bucket.memory);
         if !(site.levels.reproducible && bucket.dtype.is_float()) {
@@ -96,6 +106,9 @@ impl Executor {
         }
         if op != ReduceOp::Avg {
             return false;
+        }
+        if site.levels.clique().is_some() {
+            return repro_clique::starts(site, bucket.dtype);
         }
         // Alike on every rank: as many replicas on every rank (the levels' counts), as the
         // waited sum needs to hand the bucket to the engine (exec/repro.rs).
@@ -254,8 +267,15 @@ impl Executor {
             // (the clique then has the same collectives on every rank); the started buckets'
             // buffers go once their queued work has run.
             return self.bracket_joined(false, || {
+                let site = self.site(Memory::Device);
                 for &(dtype, elements, _) in stand_ins {
-                    dense::stand_in_groups(self.site(Memory::Device), dtype, elements)?;
+                    match reproducible_contributions(site.levels, dtype) {
+                        // SAFETY: no memory of the caller is read or written.
+                        Some(_) => drop(unsafe {
+                            repro_clique::start(site, None, (dtype, elements), None)?
+                        }),
+                        None => dense::stand_in_groups(site, dtype, elements)?,
+                    }
                 }
                 drop(tickets);
                 Ok(())

@@ -30,7 +30,9 @@ use serde_json::json;
 
 use super::clique::owners;
 use super::Site;
-use crate::backend::{BucketView, Collective, Layout, Links, Members, PeerOp, ReproStage, Slot};
+use crate::backend::{
+    Allocation, BucketView, Collective, Layout, Links, Members, PeerOp, ReproStage, Slot,
+};
 use crate::error::Result;
 use crate::timeline;
 use crate::types::DType;
@@ -46,71 +48,184 @@ pub(super) unsafe fn allreduce(
     bucket: &BucketView<'_>,
     avg: Option<usize>,
 ) -> Result<bool> {
-    if !matches!(bucket.dtype, DType::F32 | DType::F64) {
-        return Ok(false);
-    }
-    let Some(links) = site.backend.links() else {
+    let Some(owners) = Owners::of(site, bucket.dtype, bucket.elements()) else {
         return Ok(false);
     };
-    let Some(collective) = links.collective() else {
-        return Ok(false);
-    };
-    let Some((blocks, first)) = owners(site.levels, site.ranks.map_or(0, |r| r.rank())) else {
-        return Ok(false);
-    };
-    let groups = &site.levels.groups;
-    let (n, total, size) = (blocks.len(), bucket.elements(), bucket.dtype.size());
-    let k: usize = blocks.iter().map(Vec::len).sum();
-    if fields_pay(bucket.dtype, k, n) {
-        by_fields(site, bucket, avg, (links, collective), (n, k))?;
+    if fields_pay(bucket.dtype, owners.k, owners.n) {
+        let (n, k) = (owners.n, owners.k);
+        by_fields(site, bucket, avg, (owners.links, owners.collective), (n, k))?;
         return Ok(true);
     }
-    let width = total.div_ceil(n);
-    // Owner q's elements: [q width, q width + count(q)).
-    let count = |q: usize| total.saturating_sub(q * width).min(width);
-    let _span = timeline::span(
-        site.trace,
-        "reproducible sum over NCCL",
-        || json!({"clique": n, "contributions": k, "bytes": total * size}),
-    );
-    // Group g's buffer: its replicas' packed buckets (n blocks each), then a slot per
-    // contribution from another clique rank, in (source rank, replica) order.
-    let packed = n * width * size;
-    let mut buffers = Vec::with_capacity(groups.len());
-    let mut packs: Vec<(usize, u64, Layout)> = Vec::new();
-    let mut sums: Vec<(usize, Layout, usize)> = Vec::new();
-    let mut unpacks: Vec<(usize, u64, Layout)> = Vec::new();
-    for (g, members) in groups.iter().enumerate() {
-        let (q, r) = (first + g, members.len());
-        let buffer = links.buffer(g, Slot::Fusion, (r * packed) + (k - r) * width * size)?;
-        for (j, &replica) in members.iter().enumerate() {
-            let layout = links.layout(g, bucket, Members::One(replica))?;
-            packs.push((g, buffer + (j * packed) as u64, layout));
-        }
-        // The sum is written over every slot, the first replica's block among them: that is
-        // the allgather's own block.
-        let own = (0..r).map(|j| buffer + (j * packed + q * width * size) as u64);
-        let received = (0..k - r).map(|s| buffer + (r * packed + s * width * size) as u64);
-        let slots: Vec<u64> = own.chain(received).collect();
-        sums.push((g, links.slots_layout(g, count(q), &slots)?, count(q)));
-        unpacks.push((g, buffer, links.layout(g, bucket, Members::All)?));
-        buffers.push(buffer);
-    }
-    let ops = moves(&blocks, first, groups.len(), &buffers, (width, size), count);
-    for (g, at, layout) in &packs {
-        links.pack(*g, bucket, *layout, *at)?;
-    }
-    collective.exchange(&ops)?;
-    for (g, layout, count) in &sums {
-        if *count > 0 {
-            links.reproducible(*g, bucket.dtype, *layout, *count, avg)?;
-        }
-    }
-    collective.allgather(width * size, &buffers)?;
-    for (g, at, layout) in &unpacks {
-        links.unpack(*g, bucket, *layout, *at, None)?;
+    let _span = owners.span(site);
+    let links = owners.links;
+    let groups = 0..site.levels.groups.len();
+    let bytes = |g: usize| owners.bytes(site.levels.groups[g].len());
+    let buffers: Vec<u64> = (groups.clone())
+        .map(|g| links.buffer(g, Slot::Fusion, bytes(g)))
+        .collect::<Result<_>>()?;
+    let unpacks: Vec<Layout> =
+        (groups.map(|g| links.layout(g, bucket, Members::All))).collect::<Result<_>>()?;
+    owners.queue(site, Some(bucket), avg, &buffers)?;
+    for (g, layout) in unpacks.iter().enumerate() {
+        links.unpack(g, bucket, *layout, buffers[g], None)?;
     }
     Ok(true)
+}
+
+/// Whether a reproducible sum of `dtype` can start before its step over these levels
+/// ([`start`]): F32 or F64 across an NCCL clique of the ranks, by the route to the owners
+/// (the fields route writes its result with its last kernel, from the replicas). Alike on
+/// every process (the levels').
+pub(super) fn starts(site: Site<'_>, dtype: DType) -> bool {
+    let ranks = matches!(site.levels.route, crate::plan::Route::RanksOverClique(_));
+    (Owners::of(site, dtype, 0)).is_some_and(|o| ranks && !fields_pay(dtype, o.k, o.n))
+}
+
+/// A bucket's reproducible sum over the clique queued ahead of its step ([`starts`]), on
+/// buffers of its own, one per group: after the groups' streams' work, the sums are at each
+/// buffer's start as one group's packed bucket (divided by `avg`); nothing of the replicas is
+/// written (the caller unpacks them once the step agreed). With no bucket (`count` elements
+/// of `dtype`): a failed step's stand-in for a bucket other ranks started, the same NCCL
+/// calls over buffers nobody reads.
+///
+/// # Safety
+/// As for [`allreduce`], until the queued work has run.
+pub(super) unsafe fn start(
+    site: Site<'_>,
+    bucket: Option<&BucketView<'_>>,
+    (dtype, count): (DType, usize),
+    avg: Option<usize>,
+) -> Result<Vec<Allocation>> {
+    let owners = Owners::of(site, dtype, count).expect("starts() said so");
+    let _span = owners.span(site);
+    let groups = &site.levels.groups;
+    let buffers: Vec<Allocation> = (groups.iter())
+        .map(|members| site.backend.alloc(members[0], owners.bytes(members.len())))
+        .collect::<Result<_>>()?;
+    let ptrs: Vec<u64> = buffers.iter().map(|b| b.ptr() as u64).collect();
+    owners.queue(site, bucket, avg, &ptrs)?;
+    Ok(buffers)
+}
+
+/// The route to the owners over the clique for `total` elements of one dtype: the bucket,
+/// segment after segment, cut into one even block per clique rank (`width` elements, the last
+/// ones shorter), clique rank q owning block q.
+struct Owners<'a> {
+    links: &'a dyn Links,
+    collective: &'a dyn Collective,
+    /// Per clique rank, its replicas; this process's groups are ranks `first..`.
+    blocks: Vec<Vec<usize>>,
+    first: usize,
+    /// Clique ranks, and every replica of the clique.
+    n: usize,
+    k: usize,
+    dtype: DType,
+    total: usize,
+    width: usize,
+}
+
+impl<'a> Owners<'a> {
+    /// None where the levels cross no NCCL clique or the dtype has no kernel.
+    fn of(site: Site<'a>, dtype: DType, total: usize) -> Option<Owners<'a>> {
+        if !matches!(dtype, DType::F32 | DType::F64) {
+            return None;
+        }
+        let links = site.backend.links()?;
+        let collective = links.collective()?;
+        let (blocks, first) = owners(site.levels, site.ranks.map_or(0, |r| r.rank()))?;
+        let (n, k) = (blocks.len(), blocks.iter().map(Vec::len).sum());
+        Some(Owners {
+            links,
+            collective,
+            blocks,
+            first,
+            n,
+            k,
+            dtype,
+            total,
+            width: total.div_ceil(n),
+        })
+    }
+
+    /// Owner q's elements: `[q width, q width + count(q))`.
+    fn count(&self, q: usize) -> usize {
+        self.total.saturating_sub(q * self.width).min(self.width)
+    }
+
+    /// A group's buffer for `r` replicas: their packed buckets (n blocks each), then a slot
+    /// per contribution from another clique rank, in (source rank, replica) order.
+    fn bytes(&self, r: usize) -> usize {
+        let size = self.dtype.size();
+        r * self.n * self.width * size + (self.k - r) * self.width * size
+    }
+
+    fn span(&self, site: Site<'_>) -> Option<timeline::Span> {
+        let (n, k, bytes) = (self.n, self.k, self.total * self.dtype.size());
+        timeline::span(
+            site.trace,
+            "reproducible sum over NCCL",
+            || json!({"clique": n, "contributions": k, "bytes": bytes}),
+        )
+    }
+
+    /// Each group's replicas packed into `buffers` (with a bucket), the all-to-all, each
+    /// owner's sum over its slots (with a bucket: a stand-in's are read by nobody), then the
+    /// owners' sums gathered into every buffer's first packed bucket.
+    ///
+    /// # Safety
+    /// The buffers hold [`Owners::bytes`] each; the bucket's pointers are valid.
+    unsafe fn queue(
+        &self,
+        site: Site<'_>,
+        bucket: Option<&BucketView<'_>>,
+        avg: Option<usize>,
+        buffers: &[u64],
+    ) -> Result<()> {
+        let (links, size, width) = (self.links, self.dtype.size(), self.width);
+        let packed = self.n * width * size;
+        // Every layout made before any transfer: nothing between the exchange and the
+        // gather allocates.
+        let mut packs: Vec<(usize, u64, Layout)> = Vec::new();
+        let mut sums: Vec<(usize, Layout, usize)> = Vec::new();
+        for (g, members) in site.levels.groups.iter().enumerate() {
+            let Some(bucket) = bucket else { break };
+            let (q, r, buffer) = (self.first + g, members.len(), buffers[g]);
+            for (j, &replica) in members.iter().enumerate() {
+                let layout = links.layout(g, bucket, Members::One(replica))?;
+                packs.push((g, buffer + (j * packed) as u64, layout));
+            }
+            // The sum is written over every slot, the first replica's block among them: that
+            // is the allgather's own block.
+            let own = (0..r).map(|j| buffer + (j * packed + q * width * size) as u64);
+            let received = (0..self.k - r).map(|s| buffer + (r * packed + s * width * size) as u64);
+            let slots: Vec<u64> = own.chain(received).collect();
+            sums.push((
+                g,
+                links.slots_layout(g, self.count(q), &slots)?,
+                self.count(q),
+            ));
+        }
+        let local = site.levels.groups.len();
+        let count = |q: usize| self.count(q);
+        let ops = moves(
+            &self.blocks,
+            self.first,
+            local,
+            buffers,
+            (width, size),
+            count,
+        );
+        for (g, at, layout) in &packs {
+            links.pack(*g, bucket.expect("packs come with a bucket"), *layout, *at)?;
+        }
+        self.collective.exchange(&ops)?;
+        for (g, layout, count) in &sums {
+            if *count > 0 {
+                links.reproducible(*g, self.dtype, *layout, *count, avg)?;
+            }
+        }
+        self.collective.allgather(width * size, buffers)
+    }
 }
 
 /// Bytes of one exponent field as [`Collective::max_fields`] takes it.

@@ -59,6 +59,9 @@ pub struct Setup {
     /// their work (the fake driver without FAKE_CUDA_ASYNC=1): its NCCL collectives complete
     /// only once every rank queued them, so every rank must start the same buckets early.
     pub lockstep: bool,
+    /// CUDA replicas: the GPUs of every rank together (each rank's counted apart: NCCL's
+    /// clique ranks); host replicas: 0.
+    pub groups: usize,
     /// The command line that replays seed `.1` with `.2` calls on `.3` ranks.
     pub replay: fn(&Setup, u64, usize, usize) -> String,
 }

@@ -187,17 +187,31 @@ impl World<'_> {
     ) {
         let buckets = model::buckets(&self.dense, self.fusion);
         let can_start = |r: usize| self.agreed[r] && self.last_op.is_some();
-        // Reproducible sums: float buckets start only where the engine sums them as they go
-        // (host memory, or CUDA replicas staged through it), F32 or F64, as many replicas on
-        // every rank, after an AVG step; elsewhere (an NCCL clique, uneven ranks) they only
-        // mark, and the buckets after one wait with it (integers start).
+        // Reproducible sums: float buckets start only after an AVG step, F32 or F64, where they
+        // can be summed as they go: by the engine (host memory, or CUDA replicas staged
+        // through it) with as many replicas on every rank, or over an NCCL clique by its
+        // route to the owners (not where exponent fields then integers move fewer bytes:
+        // `k + n` element sizes against `2 n (field + 8)`, k replicas over n GPUs); elsewhere
+        // (F16/BF16, uneven ranks on the engine) they only mark, and the buckets after one
+        // wait with it (integers start).
         let floats = |b: &Vec<usize>| b.iter().any(|&t| FLOATS.contains(&self.dense[t].dtype));
         let wide = |b: &Vec<usize>| {
             (b.iter()).all(|&t| matches!(self.dense[t].dtype, DType::F32 | DType::F64))
         };
         let alike = self.per_rank.iter().all(|&n| n == self.per_rank[0]);
-        let engine = !self.setup.nccl() && alike && self.last_op == Some(AVG);
-        let startable = |b: &Vec<usize>| !(self.repro && floats(b)) || (engine && wide(b));
+        let avg = self.last_op == Some(AVG);
+        let engine = !self.setup.nccl() && alike && avg;
+        let (k, n) = (self.per_rank.iter().sum::<usize>(), self.setup.groups);
+        let to_owners = |b: &Vec<usize>| {
+            let (size, field) = match self.dense[b[0]].dtype {
+                DType::F64 => (8, 2),
+                _ => (4, 1),
+            };
+            (k + n) * size <= 2 * n * (field + 8)
+        };
+        let clique = |b: &Vec<usize>| self.setup.nccl() && avg && to_owners(b);
+        let startable =
+            |b: &Vec<usize>| !(self.repro && floats(b)) || ((engine || clique(b)) && wide(b));
         let started: Vec<usize> = (0..self.per_rank.len())
             .map(|r| {
                 let marked = |t: &usize| (0..self.per_rank[r]).all(|k| every[r].contains(&(*t, k)));

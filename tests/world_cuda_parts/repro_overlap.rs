@@ -1,21 +1,25 @@
-//! `dpsync_grad_ready` in a reproducible world on the staged route (CUDA replicas, PEER_COPY):
-//! F32 buckets of as many replicas on every rank start early under AVG, every replica's raw
-//! bucket staged and summed by the engine's reproducible sum (whole through shared memory
-//! with one replica per rank, else the owners' exchange). Every step gives the bytes of one
-//! process holding every replica, marked or not; a failed or refused step writes nothing.
+//! `dpsync_grad_ready` in a reproducible world of CUDA replicas: F32 buckets start early under
+//! AVG. On the staged route (PEER_COPY, as many replicas on every rank), every replica's raw
+//! bucket is staged and summed by the engine's reproducible sum (whole through shared memory
+//! with one replica per rank, else the owners' exchange); over an NCCL clique of the ranks,
+//! the clique's route to the owners is queued on its streams (exec/repro_clique.rs). Every
+//! step gives the bytes of one process holding every replica, marked or not; a failed or
+//! refused step writes nothing.
 
 use super::*;
 
-/// Two replicas on each of 2 ranks (GPUs 0 and 1: the owners' exchange), then one on each
-/// (through shared memory: whole).
+/// Two replicas on each of 2 ranks (GPUs 0 and 1), then one on each (`DPSYNC_TEST_REPRO_ROUTE`:
+/// staged, staged-one, nccl, nccl-one). Staged: the owners' exchange, then whole through
+/// shared memory.
 #[test]
-fn cuda_reproducible_overlap_across_ranks_staged() {
+fn cuda_reproducible_overlap_across_ranks() {
     if under_mpirun() {
         return;
     }
-    launch("staged_repro::staged_repro_body", 2, 300, None);
-    let one = Some(("DPSYNC_TEST_STAGED_ONE", std::path::Path::new("1")));
-    launch("staged_repro::staged_repro_body", 2, 300, one);
+    for route in ["staged", "staged-one", "nccl", "nccl-one"] {
+        let env = Some(("DPSYNC_TEST_REPRO_ROUTE", std::path::Path::new(route)));
+        launch("repro_overlap::repro_overlap_body", 2, 300, env);
+    }
 }
 
 const N: usize = 1000;
@@ -45,20 +49,25 @@ fn register_all(ctx: &Context, ptrs: &[Vec<usize>]) {
 }
 
 #[test]
-fn staged_repro_body() {
-    let Some((rank, ranks)) = as_rank("staged_repro_body") else {
+fn repro_overlap_body() {
+    let Some((rank, ranks)) = as_rank("repro_overlap_body") else {
         return;
     };
-    let Some(place) = Place::gpus("staged_repro_body", 1) else {
+    let Some(place) = Place::gpus("repro_overlap_body", 1) else {
         return;
+    };
+    let route = std::env::var("DPSYNC_TEST_REPRO_ROUTE").unwrap_or_default();
+    let (transport, cross) = match route.starts_with("nccl") {
+        true => (T_NCCL, "nccl"),
+        false => (T_PEER_COPY, "mpi_staged"),
     };
     let gpus = common::place::device_count().clamp(1, 2) as i32;
-    let ordinals: Vec<i32> = match std::env::var_os("DPSYNC_TEST_STAGED_ONE") {
-        Some(_) => vec![rank as i32 % gpus],
-        None => (0..2).map(|d| d % gpus).collect(),
+    let ordinals: Vec<i32> = match route.ends_with("-one") {
+        true => vec![rank as i32 % gpus],
+        false => (0..2).map(|d| d % gpus).collect(),
     };
     let (local, replicas) = (ordinals.len(), ordinals.len() * ranks);
-    let tag = |what: &str| format!("rank {rank}/{ranks} ({local} replicas): {what}");
+    let tag = |what: &str| format!("rank {rank}/{ranks} ({route}, {local} replicas): {what}");
 
     // The bytes every replica must end with: one process holding every world replica.
     let mut all: Vec<Vec<Vec<u8>>> = (0..NAMES.len())
@@ -80,8 +89,8 @@ fn staged_repro_body() {
     check(reference.allreduce_grads(AVG), &tag("one process"));
     let want: Vec<Vec<u8>> = all.iter().map(|per| per[0].clone()).collect();
 
-    let Some(ctx) = cuda_context("staged_repro_body", &ordinals, |o| {
-        world(o, T_PEER_COPY);
+    let Some(ctx) = cuda_context("repro_overlap_body", &ordinals, |o| {
+        world(o, transport);
         o.set_fusion_bytes(4 * N);
         // SAFETY: valid options.
         check(
@@ -91,7 +100,7 @@ fn staged_repro_body() {
     }) else {
         return;
     };
-    assert_eq!(ctx.describe_json()["world"]["cross_rank"], "mpi_staged");
+    assert_eq!(ctx.describe_json()["world"]["cross_rank"], cross);
     let first = rank * local;
     let mut g: Vec<Vec<Mem>> = (0..NAMES.len())
         .map(|t| {
@@ -173,31 +182,40 @@ fn staged_repro_body() {
 
     // Step 4: the agreement fails (the last rank marked nothing and registered another
     // gradient: the others' started buckets meet stand-ins); nothing written, then again.
+    // Over NCCL, ranks that start different buckets need streams that run apart from the
+    // host: the fake NCCL's synchronous mode runs a collective inside the call that queues
+    // it, until every process queued it.
+    let apart = transport != T_NCCL || std::env::var("FAKE_CUDA_ASYNC").as_deref() == Ok("1");
     refill(&mut g);
+    if !apart {
+        println!("repro_overlap_body ({route}): step 4 skipped: it needs FAKE_CUDA_ASYNC=1");
+    }
     let last = rank == ranks - 1;
-    let extra: Vec<Mem> = (0..local)
-        .map(|k| place.mem_on(ordinals[k], &bytes_of(&[1.0f32; 4])))
-        .collect();
-    match last {
-        true => {
-            for (k, m) in extra.iter().enumerate() {
-                let st = register_raw(ctx.0, "extra", GRAD, k, m.ptr() as *mut _, 4, F32);
-                check(st, &tag("register extra"));
+    if apart {
+        let extra: Vec<Mem> = (0..local)
+            .map(|k| place.mem_on(ordinals[k], &bytes_of(&[1.0f32; 4])))
+            .collect();
+        match last {
+            true => {
+                for (k, m) in extra.iter().enumerate() {
+                    let st = register_raw(ctx.0, "extra", GRAD, k, m.ptr() as *mut _, 4, F32);
+                    check(st, &tag("register extra"));
+                }
             }
+            false => mark(),
         }
-        false => mark(),
+        assert_eq!(ctx.allreduce_grads(AVG), INCONSISTENT, "{}", tag("step 4"));
+        holds(
+            &g,
+            &untouched,
+            "step 4: nothing written after a failed agreement",
+        );
+        if last {
+            check(ctx.unregister("extra"), &tag("unregister extra"));
+        }
+        check(ctx.allreduce_grads(AVG), &tag("step 4 again"));
+        holds(&g, &summed, "step 4 again");
     }
-    assert_eq!(ctx.allreduce_grads(AVG), INCONSISTENT, "{}", tag("step 4"));
-    holds(
-        &g,
-        &untouched,
-        "step 4: nothing written after a failed agreement",
-    );
-    if last {
-        check(ctx.unregister("extra"), &tag("unregister extra"));
-    }
-    check(ctx.allreduce_grads(AVG), &tag("step 4 again"));
-    holds(&g, &summed, "step 4 again");
 
     // Step 5, marked: the last rank's op is invalid, refused everywhere; nothing written.
     refill(&mut g);
