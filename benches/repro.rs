@@ -6,9 +6,9 @@
 //! 1. Host, 4 replicas x 64 MiB f32: `dpsync_allreduce_grads` reproducible vs plain (target
 //!    <= 1.5x).
 //! 2. CUDA, 2 replicas on GPU 0 x 64 MiB f32: the same (target <= 2.5x).
-//! 3. World, 2 ranks x 1 and 2 replicas, 64 MiB f32, and the ResNet-50 gradient set fused (1
-//!    replica): the same (target <= 2.0x); `DPSYNC_MPI_SHM=0` runs the ranks as if on
-//!    several hosts.
+//! 3. World, 2 ranks x 1 and 2 replicas and of 1 and 2 (uneven), 64 MiB f32, and the
+//!    ResNet-50 gradient set fused (1 replica): the same (target <= 2.0x); `DPSYNC_MPI_SHM=0`
+//!    runs the ranks as if on several hosts.
 //!
 //! For scale: ReproBLAS's reproducible sums cost 4-7x a plain sum (Demmel, Ahrens, Nguyen,
 //! "Efficient reproducible floating point summation and BLAS", 2016).
@@ -140,10 +140,11 @@ mod world {
     }
 
     /// `tensors` (name, elements) registered on a plain and a reproducible context of
-    /// `replicas` per rank, timed alternately; rank 0 prints `what`.
+    /// `replicas` on this rank (`layout` says every rank's), timed alternately; rank 0 prints
+    /// `what`.
     fn compare(
         world: &SimpleCommunicator,
-        (what, replicas): (&str, usize),
+        (what, replicas, layout): (&str, usize, &str),
         tensors: &[(String, usize)],
         reps: usize,
     ) {
@@ -176,7 +177,7 @@ mod world {
                 _ => "shared memory",
             };
             println!(
-                "world ({shm}), 2 ranks x {replicas} replica(s), {what}: reproducible {:.2} ms | plain {:.2} ms | ratio {:.2} (target <= 2.0)",
+                "world ({shm}), 2 ranks x {layout} replica(s), {what}: reproducible {:.2} ms | plain {:.2} ms | ratio {:.2} (target <= 2.0)",
                 ms(t_repro),
                 ms(t_plain),
                 ratio(t_repro, t_plain)
@@ -190,10 +191,14 @@ mod world {
         let world = universe.world();
         let reps = if quick { 3 } else { 9 };
         let n = if quick { 1 << 20 } else { 16 << 20 };
+        let what = format!("one {} MiB f32 GRAD", (n * 4) >> 20);
         for replicas in [1, 2] {
-            let what = format!("one {} MiB f32 GRAD", (n * 4) >> 20);
-            compare(&world, (&what, replicas), &[("g".into(), n)], reps);
+            let layout = replicas.to_string();
+            compare(&world, (&what, replicas, &layout), &[("g".into(), n)], reps);
         }
+        // Rank 0 one replica, rank 1 two: the owners' exchange with other counts per rank.
+        let uneven = 1 + world.rank() as usize % 2;
+        compare(&world, (&what, uneven, "(1, 2)"), &[("g".into(), n)], reps);
         let resnet = load_param_set("resnet50_params.tsv");
         let total: usize = resnet.iter().map(|(_, n)| n).sum();
         let what = format!(
@@ -201,7 +206,7 @@ mod world {
             resnet.len(),
             total as f64 / 1e6
         );
-        compare(&world, (&what, 1), &resnet, reps);
+        compare(&world, (&what, 1, "1"), &resnet, reps);
     }
 }
 

@@ -39,19 +39,18 @@ pub(crate) trait Ranks: Send {
 
     /// The reproducible sum (backend/host/repro.rs) of every segment over the ranks, divided by
     /// `avg` if given, into its `ptrs` (at least `ptrs[0]`), where the engine can compute it from
-    /// the ranks' raw values: F32 or F64, as many contributions on every rank (one per rank
-    /// through shared memory: its ring; otherwise every contribution's slice sent raw to the
-    /// slice's owner rank, summed there, the sums gathered back). The same bytes as the
-    /// exponents' maximum then the integers' sum (exec/repro.rs). `false` (and nothing moved)
-    /// where it cannot, alike on every rank.
+    /// the ranks' raw values: F32 or F64, `contributions[r]` on rank r (this rank's: every
+    /// segment's `ptrs`; one per rank through shared memory: its ring; otherwise every
+    /// contribution's slice sent raw to the slice's owner rank, summed there, the sums
+    /// gathered back). The same bytes as the exponents' maximum then the integers' sum
+    /// (exec/repro.rs). `false` (and nothing moved) where it cannot, alike on every rank.
     ///
     /// # Safety
     /// As for [`Ranks::allreduce`].
     unsafe fn allreduce_reproducible(
         &self,
         channel: Channel,
-        dtype: DType,
-        segments: &[Segment<'_>],
+        data: (DType, &[Segment<'_>], &[usize]),
         avg: Option<usize>,
     ) -> Result<bool>;
 
@@ -108,9 +107,9 @@ pub(crate) trait Ranks: Send {
     /// bytes kept aside and put back if the step fails (`finish` without `write`, or
     /// [`Ranks::hold`]). With `gate`, nothing of the contributions is read before the gate
     /// says they are ready (a device-to-host copy still running into them). With
-    /// `reproducible` (the contributions on every rank, as many on each), the sum is
-    /// [`Ranks::allreduce_reproducible`]'s (its bytes), where [`Ranks::starts_reproducibly`]
-    /// says the engine can.
+    /// `reproducible` (every rank's contributions, this rank's every segment's `ptrs`), the
+    /// sum is [`Ranks::allreduce_reproducible`]'s (its bytes), where
+    /// [`Ranks::starts_reproducibly`] says the engine can.
     ///
     /// # Safety
     /// As for [`Ranks::allreduce`], until `finish` or until the ticket is dropped.
@@ -119,13 +118,13 @@ pub(crate) trait Ranks: Send {
         dtype: DType,
         segments: &[Segment<'_>],
         count: usize,
-        avg_early_reproducible: (Option<usize>, bool, Option<usize>),
+        avg_early_reproducible: (Option<usize>, bool, Option<&[usize]>),
         gate: Option<Gate>,
     ) -> Result<Ticket>;
 
-    /// Whether [`Ranks::start`] can sum a bucket of `dtype` reproducibly (host contributions,
-    /// as many on every rank): the engine's own reproducible sum of the ranks' raw values, as
-    /// the started transfer goes. Alike on every rank.
+    /// Whether [`Ranks::start`] can sum a bucket of `dtype` reproducibly (host contributions):
+    /// the engine's own reproducible sum of the ranks' raw values, as the started transfer
+    /// goes. Alike on every rank.
     fn starts_reproducibly(&self, dtype: DType) -> bool {
         let _ = dtype;
         false

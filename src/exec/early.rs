@@ -94,11 +94,10 @@ impl Executor {
     /// every bucket but a reproducible context's float buckets, which start only with AVG (a
     /// SUM divided afterwards for an AVG step would round twice where the contract rounds
     /// once) and where they can be summed reproducibly as they go: by the engine (host
-    /// memory, or CUDA replicas staged through it, as many replicas on every rank:
-    /// [`Ranks::starts_reproducibly`]), or over an NCCL clique of the ranks, F32 and F64 by the
-    /// route to the owners ([`repro_clique::starts`]); elsewhere (F16/BF16, uneven ranks on
-    /// the engine) they cross in pieces of their own (exec/repro.rs) once the step agreed.
-    /// Alike on every rank.
+    /// memory, or CUDA replicas staged through it: [`Ranks::starts_reproducibly`]), or over an
+    /// NCCL clique of the ranks, F32 and F64 by the route to the owners
+    /// ([`repro_clique::starts`]); elsewhere (F16/BF16) they cross in pieces of their own
+    /// (exec/repro.rs) once the step agreed. Alike on every rank.
     pub fn starts_early(&self, bucket: &Bucket, op: ReduceOp) -> bool {
         let site = self.site(bucket.memory);
         if !(site.levels.reproducible && bucket.dtype.is_float()) {
@@ -110,12 +109,8 @@ impl Executor {
         if site.levels.clique().is_some() {
             return repro_clique::starts(site, bucket.dtype);
         }
-        // Alike on every rank: as many replicas on every rank (the levels' counts), as the
-        // waited sum needs to hand the bucket to the engine (exec/repro.rs).
-        let ranks = &site.levels.ranks;
-        let alike = ranks.iter().all(|&r| r == ranks[0]);
         let through_host = matches!(site.levels.route, Route::RanksFromHost | Route::RanksStaged);
-        let engine = (site.ranks).filter(|_| through_host && alike);
+        let engine = site.ranks.filter(|_| through_host);
         engine.is_some_and(|r| r.starts_reproducibly(bucket.dtype))
     }
 
@@ -317,7 +312,7 @@ impl Executor {
         site: super::Site<'_>,
         ranks: &dyn Ranks,
         bucket: &BucketView<'_>,
-        (avg, reproducible): (Option<usize>, Option<usize>),
+        (avg, reproducible): (Option<usize>, Option<&[usize]>),
     ) -> Result<Ticket> {
         let streams = site.backend.streams().expect("the staged route is CUDA's");
         let local: usize = site.levels.groups.iter().map(Vec::len).sum();
@@ -372,10 +367,9 @@ impl Executor {
 }
 
 /// A started bucket's contributions on every rank where its sum is reproducible (a
-/// reproducible context's float bucket): the local replicas (host memory: one group; staged
-/// CUDA replicas: every device's), as many on every rank where [`Executor::starts_early`]
-/// let it start.
-fn reproducible_contributions(levels: &Levels, dtype: DType) -> Option<usize> {
+/// reproducible context's float bucket): every rank's replicas (host memory: its one group;
+/// staged CUDA replicas: every device's), the levels' counts.
+fn reproducible_contributions(levels: &Levels, dtype: DType) -> Option<&[usize]> {
     let reproducible = levels.reproducible && dtype.is_float();
-    reproducible.then(|| levels.groups.iter().map(Vec::len).sum())
+    reproducible.then_some(&levels.ranks[..])
 }

@@ -110,10 +110,12 @@ unsafe fn pieces(
     avg: Option<usize>,
 ) -> Result<()> {
     let n = view.elements();
-    // Every rank with as many contributions: the engine's choice of route is alike on every
-    // rank.
-    let alike = site.levels.ranks.iter().all(|&r| r == members.len());
-    if let (Some(ranks), true, true) = (site.ranks, members == write_to, alike) {
+    // Every rank's contributions its replicas (the levels' counts), so the engine's choice of
+    // route is alike on every rank; it writes every member (`write_to` among them).
+    let as_counted = site
+        .ranks
+        .is_some_and(|r| site.levels.ranks.get(r.rank()) == Some(&members.len()));
+    if let (Some(ranks), true) = (site.ranks, as_counted) {
         if direct(site, ranks, view, members, avg)? {
             return Ok(());
         }
@@ -162,8 +164,8 @@ unsafe fn pieces(
     Ok(())
 }
 
-/// A world of as many replicas on every rank: the engine's reproducible sum from the ranks'
-/// raw values ([`Ranks::allreduce_reproducible`]: through shared memory, or to each element's
+/// A world (host replicas, or device replicas staged to the host, any number on each rank):
+/// the engine's reproducible sum from the ranks' raw values ([`Ranks::allreduce_reproducible`]: through shared memory, or to each element's
 /// owner and back), where it has one for the bucket (the same answer on every rank); the
 /// result in every member's memory.
 ///
@@ -190,7 +192,8 @@ unsafe fn direct(
         "reproducible sum across ranks",
         || json!({"ranks": ranks.ranks(), "bytes": view.elements() * view.dtype.size()}),
     );
-    ranks.allreduce_reproducible(site.channel, view.dtype, &segments, avg)
+    let data = (view.dtype, &segments[..], &site.levels.ranks[..]);
+    ranks.allreduce_reproducible(site.channel, data, avg)
 }
 
 /// `exps[i] := max over the ranks of their exps[i]` (one byte each where the dtype's field

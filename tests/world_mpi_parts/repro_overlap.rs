@@ -6,7 +6,7 @@
 use super::*;
 
 /// One replica per rank through shared memory with 2 and 3 ranks and over MPI's messages;
-/// two per rank with and without shared memory.
+/// two per rank with and without shared memory; one and two (uneven) with and without.
 #[test]
 fn reproducible_buckets_start_early() {
     if under_mpirun() {
@@ -18,6 +18,8 @@ fn reproducible_buckets_start_early() {
     launch("repro_overlap::repro_overlap_body", 2, 300, no_shm);
     launch("repro_overlap::repro_overlap_two_body", 2, 300, None);
     launch("repro_overlap::repro_overlap_two_body", 2, 300, no_shm);
+    launch("repro_overlap::repro_overlap_uneven_body", 2, 300, None);
+    launch("repro_overlap::repro_overlap_uneven_body", 2, 300, no_shm);
 }
 
 /// A gradient's name, count and dtype: f32 buckets on and off the ring, an f64 one and an
@@ -85,26 +87,37 @@ fn register_all(ctx: &Context, replica: usize, g: &mut [Vec<u8>]) {
 #[test]
 fn repro_overlap_body() {
     if let Some((rank, ranks)) = as_rank("repro_overlap_body") {
-        run(rank, ranks, 1);
+        run(rank, &vec![1; ranks]);
     }
 }
 
 #[test]
 fn repro_overlap_two_body() {
     if let Some((rank, ranks)) = as_rank("repro_overlap_two_body") {
-        run(rank, ranks, 2);
+        run(rank, &vec![2; ranks]);
+    }
+}
+
+/// Rank r holds 1 + r % 2 replicas: the owners' exchange with other contributions per rank.
+#[test]
+fn repro_overlap_uneven_body() {
+    if let Some((rank, ranks)) = as_rank("repro_overlap_uneven_body") {
+        run(rank, &(0..ranks).map(|r| 1 + r % 2).collect::<Vec<_>>());
     }
 }
 
 /// Every replica's gradients, each as bytes.
 type Grads = Vec<Vec<Vec<u8>>>;
 
-fn run(rank: usize, ranks: usize, local: usize) {
+/// Rank `rank` of a world of `per_rank[r]` replicas on rank r.
+fn run(rank: usize, per_rank: &[usize]) {
+    let (ranks, local) = (per_rank.len(), per_rank[rank]);
     let shm = std::env::var("DPSYNC_MPI_SHM").as_deref() != Ok("0");
-    let tag = |what: &str| {
-        format!("rank {rank}/{ranks}, {local} replica(s) (shared memory {shm}): {what}")
-    };
-    let world = ranks * local;
+    let tag =
+        |what: &str| format!("rank {rank}/{ranks} of {per_rank:?} (shared memory {shm}): {what}");
+    let world: usize = per_rank.iter().sum();
+    // World replica `first + r` on this rank's replica r.
+    let first: usize = per_rank[..rank].iter().sum();
     // The bytes every replica must end with: one process holding every world replica.
     let one_process = |op: u32| {
         let mut all: Grads = (0..world).map(filled).collect();
@@ -123,15 +136,14 @@ fn run(rank: usize, ranks: usize, local: usize) {
     reproducible(&o);
     o.set_fusion_bytes(4 * 300_000);
     let ctx = Context::new(&o);
-    // World replica rank * local + r on replica r.
-    let mut g: Grads = (0..local).map(|r| filled(rank * local + r)).collect();
+    let mut g: Grads = (0..local).map(|r| filled(first + r)).collect();
     for (r, g) in g.iter_mut().enumerate() {
         register_all(&ctx, r, g);
     }
     // In place: the registered memory stays where it is.
     let fill = |g: &mut Grads| {
         for (r, g) in g.iter_mut().enumerate() {
-            for (buf, new) in g.iter_mut().zip(filled(rank * local + r)) {
+            for (buf, new) in g.iter_mut().zip(filled(first + r)) {
                 buf.copy_from_slice(&new);
             }
         }
@@ -202,7 +214,7 @@ fn run(rank: usize, ranks: usize, local: usize) {
         &tag("step 4"),
     );
     for (r, g) in g.iter().enumerate() {
-        let w = rank * local + r;
+        let w = first + r;
         for (t, &(name, n, dtype)) in GRADS.iter().enumerate() {
             let size = if dtype == F64 { 8 } else { 4 };
             let (lo, hi) = (n * w / world * size, n * (w + 1) / world * size);

@@ -99,8 +99,10 @@ pub(super) struct Exchange {
     dtype: DType,
     n: usize,
     me: usize,
-    /// Contributions per rank (the same on every rank).
+    /// This rank's contributions; every rank's contributions before rank r's (`n + 1`
+    /// entries: the last, every contribution).
     k: usize,
+    before: Vec<usize>,
     /// Per segment: every local contribution's pointer, and the count (none: zeros, a
     /// stand-in).
     inputs: Vec<(Vec<usize>, usize)>,
@@ -140,20 +142,23 @@ pub(super) struct Exchange {
 unsafe impl Send for Exchange {}
 
 impl Exchange {
-    /// The exchange of a bucket of `count` elements of `dtype` (F32 or F64) with `k`
-    /// contributions on every rank of `comm` (`n` ranks, this one `me`), its sums divided by
+    /// The exchange of a bucket of `count` elements of `dtype` (F32 or F64) with
+    /// `contributions[r]` on rank r of `comm` (`n` ranks, this one `me`), its sums divided by
     /// `avg` into `out`; its stages from `stages(bytes)`, which must stay valid (and are
     /// never freed while a call may use them) until it finished.
     pub(super) fn new(
         (comm, n, me): (ffi::MPI_Comm, usize, usize),
-        (dtype, inputs, k, count): (DType, Vec<(Vec<usize>, usize)>, usize, usize),
+        (dtype, inputs, contributions, count): (DType, Vec<(Vec<usize>, usize)>, &[usize], usize),
         (avg, out, abandoned): (Option<usize>, Out, Option<Arc<AtomicBool>>),
         stages: impl FnOnce(usize) -> *mut u8,
     ) -> Exchange {
         let (datatype, size) = mpi_type(dtype);
-        // About a PIECE of every local contribution together: the stages of the chunks in
-        // flight then fit in this VM's L2. At least one element per rank.
-        let ch = (PIECE / size / k.max(1)).max(n);
+        let before: Vec<usize> = (0..=n).map(|r| contributions[..r].iter().sum()).collect();
+        let (k, most_k) = (contributions[me], contributions.iter().copied().max());
+        // About a PIECE of every local contribution together (of the most on a rank: the
+        // chunks are alike on every rank): the stages of the chunks in flight then fit in
+        // this VM's L2. At least one element per rank.
+        let ch = (PIECE / size / most_k.unwrap_or(1).max(1)).max(n);
         let most = ch.div_ceil(n);
         let slot = |bytes: usize| bytes.next_multiple_of(64);
         let gather = match out {
@@ -162,7 +167,7 @@ impl Exchange {
         };
         let slots = [
             slot(k * ch * size),
-            slot(n * k * most * size),
+            slot(before[n] * most * size),
             slot(most * size),
             gather,
         ];
@@ -174,6 +179,7 @@ impl Exchange {
             n,
             me,
             k,
+            before,
             inputs,
             abandoned,
             count,
@@ -302,7 +308,7 @@ impl Exchange {
         let (a_me, mine) = self.block(c, me);
         let own = match keep {
             Some(_) => send.add(k * a_me * size),
-            None => recv.add(me * k * mine * size),
+            None => recv.add(self.before[me] * mine * size),
         };
         self.own[c % DEPTH] = own as usize;
         for r in 0..n {
@@ -326,8 +332,8 @@ impl Exchange {
         self.counts[c % DEPTH] = [
             of(&|r| others(k * (first(w, n, r + 1) - first(w, n, r)), r)),
             of(&|r| k * first(w, n, r)),
-            of(&|r| others(k * mine, r)),
-            of(&|r| r * k * mine),
+            of(&|r| others((self.before[r + 1] - self.before[r]) * mine, r)),
+            of(&|r| self.before[r] * mine),
         ];
         let [sc, sd, rc, rd] = &self.counts[c % DEPTH];
         let mut request = MaybeUninit::<ffi::MPI_Request>::uninit();
@@ -354,18 +360,23 @@ impl Exchange {
     /// sums' slot, which takes its first contribution first (the own block stays as staged:
     /// kept, it is the saved originals).
     unsafe fn sum(&mut self, c: usize) {
-        let (me, k, size) = (self.me, self.k, self.dtype.size());
+        let (me, size, before) = (self.me, self.dtype.size(), &self.before);
         let (_, mine) = self.block(c, me);
         let (recv, sums, own) = (self.at(1, c) as usize, self.at(2, c), self.own[c % DEPTH]);
         std::ptr::copy_nonoverlapping(own as *const u8, sums, mine * size);
-        let ptrs: Vec<usize> = (0..self.n * k)
-            .map(|i| match (i / k == me, i % k) {
-                (true, 0) => sums as usize,
-                (true, j) => own + j * mine * size,
-                (false, _) => recv + i * mine * size,
+        let ptrs: Vec<usize> = (0..before[self.n])
+            .map(|i| {
+                let own_j = (before[me]..before[me + 1])
+                    .contains(&i)
+                    .then(|| i - before[me]);
+                match own_j {
+                    Some(0) => sums as usize,
+                    Some(j) => own + j * mine * size,
+                    None => recv + i * mine * size,
+                }
             })
             .collect();
-        repro::reduce_ptrs(self.dtype, &ptrs, me * k, mine, self.avg);
+        repro::reduce_ptrs(self.dtype, &ptrs, before[me], mine, self.avg);
     }
 
     /// Chunk `c`'s allgather of the owners' sums, into the held result or a gather stage.
@@ -420,13 +431,22 @@ impl Exchange {
 }
 
 impl Engine {
-    /// Whether [`Engine::alltoall_reproducible`] takes this bucket: F32 or F64, every segment
-    /// with the same contributions. Alike on every rank where exec hands every rank the same
-    /// number of contributions.
-    pub(super) fn alltoall_takes(&self, dtype: DType, segments: &[Segment<'_>]) -> bool {
-        let k = segments.first().map_or(0, |s| s.ptrs.len());
+    /// Whether [`Engine::alltoall_reproducible`] takes this bucket: F32 or F64, some
+    /// contributions on every rank, every segment with this rank's. Alike on every rank, as
+    /// exec's `contributions` are (and the segments as they say).
+    pub(super) fn alltoall_takes(
+        &self,
+        dtype: DType,
+        segments: &[Segment<'_>],
+        contributions: &[usize],
+    ) -> bool {
         let wide_enough = matches!(dtype, DType::F32 | DType::F64);
-        wide_enough && k > 0 && segments.iter().all(|s| s.ptrs.len() == k)
+        let every_rank = contributions.len() == self.size && contributions.iter().all(|&k| k > 0);
+        let as_said = every_rank
+            && segments
+                .iter()
+                .all(|s| s.ptrs.len() == contributions[self.rank]);
+        wide_enough && as_said
     }
 
     /// Every contribution of every segment := the reproducible sum over every rank's
@@ -439,8 +459,7 @@ impl Engine {
     pub(super) unsafe fn alltoall_reproducible(
         &self,
         channel: Channel,
-        dtype: DType,
-        segments: &[Segment<'_>],
+        (dtype, segments, contributions): (DType, &[Segment<'_>], &[usize]),
         avg: Option<usize>,
     ) -> Result<()> {
         let count: usize = segments.iter().map(|s| s.count).sum();
@@ -451,12 +470,11 @@ impl Engine {
             .iter()
             .map(|s| (s.ptrs.to_vec(), s.count))
             .collect();
-        let k = segments[0].ptrs.len();
         let mut scratch = self.scratch.lock();
         let comm = (self.comm_of(channel), self.size, self.rank);
         let mut exchange = Exchange::new(
             comm,
-            (dtype, inputs, k, count),
+            (dtype, inputs, contributions, count),
             (avg, Out::Back, None),
             |bytes| stage(&mut scratch, bytes),
         );

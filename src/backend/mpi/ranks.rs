@@ -85,17 +85,17 @@ impl Ranks for MpiRanks {
     unsafe fn allreduce_reproducible(
         &self,
         channel: Channel,
-        dtype: DType,
-        segments: &[Segment<'_>],
+        (dtype, segments, contributions): (DType, &[Segment<'_>], &[usize]),
         avg: Option<usize>,
     ) -> Result<bool> {
         self.refuse_if_failed()?;
-        if !self.sums_reproducibly(channel, dtype, segments) {
-            if !self.alltoall_takes(dtype, segments) {
+        let one_each = contributions.iter().all(|&k| k == 1);
+        if !(one_each && self.sums_reproducibly(channel, dtype, segments)) {
+            if !self.alltoall_takes(dtype, segments, contributions) {
                 return Ok(false);
             }
             self.alone(channel, |_| {
-                self.alltoall_reproducible(channel, dtype, segments, avg)
+                self.alltoall_reproducible(channel, (dtype, segments, contributions), avg)
             })?;
             return Ok(true);
         }
@@ -239,14 +239,16 @@ impl Ranks for MpiRanks {
         dtype: DType,
         segments: &[Segment<'_>],
         count: usize,
-        (avg, early, reproducible): (Option<usize>, bool, Option<usize>),
+        (avg, early, reproducible): (Option<usize>, bool, Option<&[usize]>),
         gate: Option<Gate>,
     ) -> Result<Ticket> {
         self.refuse_if_failed()?;
-        let as_said = segments.iter().all(|s| Some(s.ptrs.len()) == reproducible);
-        if let Some(k) = reproducible.filter(|_| !self.starts_reproducibly(dtype) || !as_said) {
+        let mine = reproducible.and_then(|every| every.get(self.rank).copied());
+        let as_said = segments.iter().all(|s| Some(s.ptrs.len()) == mine)
+            && reproducible.is_some_and(|every| every.len() == self.size);
+        if let Some(every) = reproducible.filter(|_| !self.starts_reproducibly(dtype) || !as_said) {
             let message = format!(
-                "a reproducible sum of {count} x {dtype:?} ({k} contribution(s) per rank) \
+                "a reproducible sum of {count} x {dtype:?} ({every:?} contributions per rank) \
                  cannot start early"
             );
             return Err(Error::new(ErrorKind::Panic, message));
@@ -260,8 +262,12 @@ impl Ranks for MpiRanks {
         // every rank, as the bucket, dtype, options and contributions are.
         let ring = self.ring(Channel::Steps);
         let crossing = match reproducible {
-            Some(1) if ring.shared() => Crossing::Whole { reproducible: true },
-            Some(k) => Crossing::Exchange { k },
+            Some(every) if ring.shared() && every.iter().all(|&k| k == 1) => {
+                Crossing::Whole { reproducible: true }
+            }
+            Some(every) => Crossing::Exchange {
+                contributions: every.to_vec(),
+            },
             None if ring.shared() && ring.takes(count * size) && !dtype.is_half() => {
                 Crossing::Whole {
                     reproducible: false,

@@ -91,25 +91,25 @@ impl Item {
 }
 
 /// How a started bucket crosses the ranks.
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub(super) enum Crossing {
     /// In pieces: an MPI_Iallreduce each, or round the ring.
     Pieces,
     /// As one [`Whole`] through shared memory (summed as
     /// [`Ranks::allreduce_reproducible`](crate::backend::Ranks) sums with `reproducible`).
     Whole { reproducible: bool },
-    /// As one reproducible [`Exchange`] over MPI, `k` contributions on every rank; its
-    /// result into `held`, and written early into the outputs chunk by chunk as it lands
-    /// while the `aside` is live ([`Item::write_early`]; the exchange saves the originals).
-    Exchange { k: usize },
+    /// As one reproducible [`Exchange`] over MPI, `contributions[r]` on rank r; its result
+    /// into `held`, and written early into the outputs chunk by chunk as it lands while the
+    /// `aside` is live ([`Item::write_early`]; the exchange saves the originals).
+    Exchange { contributions: Vec<usize> },
 }
 
 impl Crossing {
     /// Crosses as one transfer, which divides as it sums: one piece, and `avg` none once
     /// issued; a whole bucket released before it went (`direct_from` 0) writes the outputs
     /// itself.
-    fn at_once(self) -> bool {
-        self != Crossing::Pieces
+    fn at_once(&self) -> bool {
+        *self != Crossing::Pieces
     }
 }
 
@@ -220,12 +220,12 @@ impl Queue {
             count,
             avg,
             held,
-            crossing,
-            piece,
             pieces: match crossing.at_once() {
                 true => 1,
                 false => count.div_ceil(piece),
             },
+            crossing,
+            piece,
             issued: 0,
             done: 0,
             walk: Walk::default(),
@@ -272,9 +272,14 @@ impl Queue {
                 // before it.
                 return Ok(false);
             }
-            if let Crossing::Exchange { k } = item.crossing {
+            if let Crossing::Exchange { contributions } = &item.crossing {
                 let comm = (ring.comm(), ring.ranks(), ring.me());
-                let data = (item.dtype, item.inputs.clone(), k, item.count);
+                let data = (
+                    item.dtype,
+                    item.inputs.clone(),
+                    &contributions[..],
+                    item.count,
+                );
                 // Written early: the originals kept as the exchange stages them.
                 let mut live = item.aside.as_mut().filter(|a| a.live);
                 let held = Out::Held {
@@ -293,7 +298,7 @@ impl Queue {
                 self.issued += 1;
                 continue;
             }
-            if let Crossing::Whole { reproducible } = item.crossing {
+            if let Crossing::Whole { reproducible } = item.crossing.clone() {
                 let slots = ring.slots().expect("a whole bucket through shared memory");
                 let data = (item.dtype, item.count, item.inputs.clone(), reproducible);
                 let held = item.held.as_mut_ptr().cast::<u8>();

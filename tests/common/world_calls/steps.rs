@@ -189,18 +189,16 @@ impl World<'_> {
         let can_start = |r: usize| self.agreed[r] && self.last_op.is_some();
         // Reproducible sums: float buckets start only after an AVG step, F32 or F64, where they
         // can be summed as they go: by the engine (host memory, or CUDA replicas staged
-        // through it) with as many replicas on every rank, or over an NCCL clique by its
-        // route to the owners (not where exponent fields then integers move fewer bytes:
-        // `k + n` element sizes against `2 n (field + 8)`, k replicas over n GPUs); elsewhere
-        // (F16/BF16, uneven ranks on the engine) they only mark, and the buckets after one
-        // wait with it (integers start).
+        // through it), or over an NCCL clique by its route to the owners (not where exponent
+        // fields then integers move fewer bytes: `k + n` element sizes against
+        // `2 n (field + 8)`, k replicas over n GPUs); elsewhere (F16/BF16) they only mark, and
+        // the buckets after one wait with it (integers start).
         let floats = |b: &Vec<usize>| b.iter().any(|&t| FLOATS.contains(&self.dense[t].dtype));
         let wide = |b: &Vec<usize>| {
             (b.iter()).all(|&t| matches!(self.dense[t].dtype, DType::F32 | DType::F64))
         };
-        let alike = self.per_rank.iter().all(|&n| n == self.per_rank[0]);
         let avg = self.last_op == Some(AVG);
-        let engine = !self.setup.nccl() && alike && avg;
+        let engine = !self.setup.nccl() && avg;
         let (k, n) = (self.per_rank.iter().sum::<usize>(), self.setup.groups);
         let to_owners = |b: &Vec<usize>| {
             let (size, field) = match self.dense[b[0]].dtype {
