@@ -3,8 +3,8 @@
 //! common/world_calls.rs's, shared with the CUDA form (tests/world_random_cuda.rs).
 //!
 //! `random_calls_across_ranks` runs `random_body` under `mpirun -n 2` (1 and 2 host replicas),
-//! `-n 3` (3, 1 and 2) and `-n 2` again with 2 and 2 (`DPSYNC_RANDOM_EVEN=2`: a reproducible
-//! context's float buckets start early only where every rank holds as many); every third seed puts one replica on every rank (the engine's own
+//! `-n 3` (3, 1 and 2) and `-n 2` again with 2 and 2 (`DPSYNC_RANDOM_EVEN=2`: as many on
+//! every rank, where a reproducible context's float buckets cross even, as they do uneven); every third seed puts one replica on every rank (the engine's own
 //! reduce-scatter and allgather, early buckets serving either gradient step). Every rank draws the same calls from each seed: registrations of
 //! every dtype and role, sparse gradients and their slices, `dpsync_grad_ready` marks, the
 //! collectives, reduce-scatter steps and allgathers, and per seed the reproducible-sum option. Now and then one rank deviates (another op, name, root, roles or call, an
@@ -75,7 +75,7 @@ fn random_calls_across_ranks() {
         let n = n.trim().parse().expect("DPSYNC_RANDOM_RANKS: e.g. 2,3");
         launch("random_body", n, limit, None);
     }
-    // Two replicas on each of 2 ranks: reproducible float buckets start early there.
+    // Two replicas on each of 2 ranks: as many on every rank (the layouts above are uneven).
     let even = Some(("DPSYNC_RANDOM_EVEN", std::path::Path::new("2")));
     launch("random_body", 2, limit, even);
 }

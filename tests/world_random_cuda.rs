@@ -84,7 +84,7 @@ fn random_calls_across_ranks_on_cuda() {
         // Every transport in one mpirun: each rank compiles dpsync's kernels once.
         launch("random_cuda_body", n, limit, None);
     }
-    // Two replicas on each of 2 ranks: reproducible float buckets start early there.
+    // Two replicas on each of 2 ranks: as many on every rank (the layouts above are uneven).
     let even = Some(("DPSYNC_RANDOM_EVEN", std::path::Path::new("2")));
     launch("random_cuda_body", 2, limit, even);
 }

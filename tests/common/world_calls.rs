@@ -33,8 +33,8 @@ const FLOATS: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
 
 /// Replicas per rank: uneven, so that world indices and AVG's divisor are not the rank's.
 pub fn layout(ranks: usize) -> Vec<usize> {
-    // As many on every rank (`DPSYNC_RANDOM_EVEN=N`: N each), where a reproducible context's
-    // float buckets start early (the engine's reproducible sum as they go).
+    // As many on every rank (`DPSYNC_RANDOM_EVEN=N`: N each): the even layout beside the
+    // uneven ones below.
     if let Some(n) = std::env::var("DPSYNC_RANDOM_EVEN")
         .ok()
         .and_then(|v| v.parse().ok())
