@@ -72,6 +72,9 @@ unsafe fn copy_range(
     }
 }
 
+/// Per segment: every local contribution's pointer, and the count.
+pub(super) type Inputs = Vec<(Vec<usize>, usize)>;
+
 /// Where an [`Exchange`]'s sums go: a bucket's held result (the steps queue), or back into
 /// every contribution (a waited sum).
 #[derive(Clone, Copy)]
@@ -148,7 +151,7 @@ impl Exchange {
     /// never freed while a call may use them) until it finished.
     pub(super) fn new(
         (comm, n, me): (ffi::MPI_Comm, usize, usize),
-        (dtype, inputs, contributions, count): (DType, Vec<(Vec<usize>, usize)>, &[usize], usize),
+        (dtype, inputs, contributions, count): (DType, Inputs, &[usize], usize),
         (avg, out, abandoned): (Option<usize>, Out, Option<Arc<AtomicBool>>),
         stages: impl FnOnce(usize) -> *mut u8,
     ) -> Exchange {
