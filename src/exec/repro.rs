@@ -165,9 +165,10 @@ unsafe fn pieces(
 }
 
 /// A world (host replicas, or device replicas staged to the host, any number on each rank):
-/// the engine's reproducible sum from the ranks' raw values ([`Ranks::allreduce_reproducible`]: through shared memory, or to each element's
-/// owner and back), where it has one for the bucket (the same answer on every rank); the
-/// result in every member's memory.
+/// the engine's reproducible sum from the ranks' raw values
+/// ([`Ranks::allreduce_reproducible`]: through shared memory, or to each element's owner and
+/// back), where it has one for the bucket (the same answer on every rank); the result in
+/// every member's memory.
 ///
 /// # Safety
 /// As for [`pieces`].

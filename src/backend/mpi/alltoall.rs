@@ -102,13 +102,14 @@ pub(super) struct Exchange {
     dtype: DType,
     n: usize,
     me: usize,
-    /// This rank's contributions; every rank's contributions before rank r's (`n + 1`
-    /// entries: the last, every contribution).
+    /// This rank's contributions.
     k: usize,
+    /// Per rank r, every rank's contributions before r's (`n + 1` entries: the last, every
+    /// contribution): where rank r's land in a receive stage, and in the owner's sum.
     before: Vec<usize>,
     /// Per segment: every local contribution's pointer, and the count (none: zeros, a
     /// stand-in).
-    inputs: Vec<(Vec<usize>, usize)>,
+    inputs: Inputs,
     /// Its ticket was dropped: zeros go for what is left, the caller's memory untouched.
     abandoned: Option<Arc<AtomicBool>>,
     count: usize,

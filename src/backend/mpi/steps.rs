@@ -298,7 +298,7 @@ impl Queue {
                 self.issued += 1;
                 continue;
             }
-            if let Crossing::Whole { reproducible } = item.crossing.clone() {
+            if let &Crossing::Whole { reproducible } = &item.crossing {
                 let slots = ring.slots().expect("a whole bucket through shared memory");
                 let data = (item.dtype, item.count, item.inputs.clone(), reproducible);
                 let held = item.held.as_mut_ptr().cast::<u8>();
