@@ -20,7 +20,8 @@
 //!    receive buffers). Alone: `--part shards`.
 //! 6. Overlap: a ResNet-50 step whose backward sleeps 250 µs per tensor (a GPU's backward
 //!    leaves the CPU free), 2 ranks x 1 and x 2 replicas: backward alone, allreduce alone, the
-//!    step without and with `dpsync_grad_ready`. Alone: `--part overlap`; `DPSYNC_OVERLAP_US`
+//!    step without and with `dpsync_grad_ready`. Alone: `--part overlap` (also ranks of 1 and 2
+//!    replicas); `DPSYNC_OVERLAP_US`
 //!    sets the sleep per tensor (0: every mark at once, the buckets' own pace);
 //!    `DPSYNC_BENCH_REPRODUCIBLE=1` makes the context reproducible.
 //! 7. Elastic worlds (only alone, under an MPI with ULFM: `--part elastic`): 2 ranks x 1
@@ -192,12 +193,17 @@ fn resnet(world: &SimpleCommunicator, rank0: bool, quick: bool) {
 }
 
 /// Part 6: overlap. A ResNet-50 step whose backward leaves the CPU free, as a GPU's does (a
-/// 250 µs sleep per tensor, in reverse order), on 2 ranks × `replicas` replicas: the backward
+/// 250 µs sleep per tensor, in reverse order), on 2 ranks × `replicas` replicas (0: rank r
+/// holds 1 + r % 2, ranks of different counts): the backward
 /// alone, `dpsync_allreduce_grads` alone, the step without marks (backward, then
 /// `allreduce_grads`) and with `dpsync_grad_ready` on every replica as each tensor is final
 /// (buckets then cross the ranks during backward); the four alternate, every one started by a
 /// barrier. Target: marked <= 1.25x the longer of backward and allreduce alone, and <= unmarked.
 fn overlap(world: &SimpleCommunicator, rank0: bool, quick: bool, replicas: usize) {
+    let (replicas, layout) = match replicas {
+        0 => (1 + world.rank() as usize % 2, "1 and 2".to_owned()),
+        n => (n, n.to_string()),
+    };
     let reps = if quick { 2 } else { 7 };
     // DPSYNC_OVERLAP_US: another backward per tensor (0: every mark at once, the buckets'
     // own pace through the steps queue).
@@ -265,7 +271,7 @@ fn overlap(world: &SimpleCommunicator, rank0: bool, quick: bool, replicas: usize
     if rank0 {
         let longer = t[0].max(t[1]);
         println!(
-            "overlap, ResNet-50 step ({} tensors x {} us sleep), 2 ranks x {replicas} replica(s){}{}: backward alone {:.2} ms | allreduce_grads alone {:.2} ms | step without marks {:.2} ms | step with marks {:.2} ms (its backward {:.2} ms) | marked/unmarked {:.2} (target <= 1) | marked/longer {:.2} (target <= 1.25) | unmarked/longer {:.2}",
+            "overlap, ResNet-50 step ({} tensors x {} us sleep), 2 ranks x {layout} replica(s){}{}: backward alone {:.2} ms | allreduce_grads alone {:.2} ms | step without marks {:.2} ms | step with marks {:.2} ms (its backward {:.2} ms) | marked/unmarked {:.2} (target <= 1) | marked/longer {:.2} (target <= 1.25) | unmarked/longer {:.2}",
             params.len(),
             per_tensor.as_micros(),
             if std::env::var_os("DPSYNC_MPI_SHM").is_some_and(|v| v == "0") { ", no shared memory" } else { "" },
@@ -472,10 +478,12 @@ fn main() {
             big_gradient(&world, rank0, quick);
             resnet(&world, rank0, quick);
         }
-        // Part 6 alone, 1 then 2 replicas per rank (DPSYNC_MPI_SHM=0: over MPI's messages).
+        // Part 6 alone, 1 then 2 replicas per rank, then 1 and 2 (DPSYNC_MPI_SHM=0: over
+        // MPI's messages).
         "overlap" => {
             overlap(&world, rank0, quick, 1);
             overlap(&world, rank0, quick, 2);
+            overlap(&world, rank0, quick, 0);
         }
         // Shards alone (part 5): mpirun -n 2 <bench binary> --part shards
         "shards" => shards(&world, rank0, quick),
