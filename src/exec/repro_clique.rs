@@ -33,7 +33,7 @@ use super::Site;
 use crate::backend::{
     Allocation, BucketView, Collective, Layout, Links, Members, PeerOp, ReproStage, Slot,
 };
-use crate::error::Result;
+use crate::error::{Error, ErrorKind, Result};
 use crate::timeline;
 use crate::types::DType;
 
@@ -96,7 +96,11 @@ pub(super) unsafe fn start(
     (dtype, count): (DType, usize),
     avg: Option<usize>,
 ) -> Result<Vec<Allocation>> {
-    let owners = Owners::of(site, dtype, count).expect("starts() said so");
+    let Some(owners) = Owners::of(site, dtype, count) else {
+        // `starts` said no: exec never starts such a bucket (an error, not a panic).
+        let message = format!("a reproducible sum of {count} x {dtype:?} cannot start over NCCL");
+        return Err(Error::new(ErrorKind::Panic, message));
+    };
     let _span = owners.span(site);
     let groups = &site.levels.groups;
     let buffers: Vec<Allocation> = (groups.iter())
