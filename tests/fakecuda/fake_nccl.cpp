@@ -375,9 +375,14 @@ int submit(const Op& o, void* stream) {
 }
 
 ncclUniqueId new_id() {
+  // The clock at this process's first id besides its pid: a process killed in a test leaves its
+  // cliques' files in /dev/shm, and a later process given the same pid (pid_max is 32768 here)
+  // would otherwise open them, stale rounds and all.
+  static const unsigned long long born =
+      (unsigned long long)std::chrono::system_clock::now().time_since_epoch().count();
   ncclUniqueId id{};
-  std::snprintf(id.internal, sizeof id.internal, "fake NCCL unique id %d.%llu", int(getpid()),
-                ++ids_issued);
+  std::snprintf(id.internal, sizeof id.internal, "fake NCCL unique id %d.%llu.%llx", int(getpid()),
+                ++ids_issued, born);
   std::string key(id.internal, sizeof id.internal);
   cliques[key] = new Clique;
   cliques[key]->id = id.internal;
