@@ -6,9 +6,9 @@
 //! 1. Host, 4 replicas x 64 MiB f32: `dpsync_allreduce_grads` reproducible vs plain (target
 //!    <= 1.5x).
 //! 2. CUDA, 2 replicas on GPU 0 x 64 MiB f32: the same (target <= 2.5x).
-//! 3. World, 2 ranks x 1 and 2 replicas and of 1 and 2 (uneven), 64 MiB f32, and the
-//!    ResNet-50 gradient set fused (1 replica): the same (target <= 2.0x); `DPSYNC_MPI_SHM=0`
-//!    runs the ranks as if on several hosts.
+//! 3. World, 2 ranks x 1 and 2 replicas and of 1 and 2 (uneven), 64 MiB f32, the same
+//!    elements as bf16 (1 replica), and the ResNet-50 gradient set fused (1 replica): the same
+//!    (target <= 2.0x); `DPSYNC_MPI_SHM=0` runs the ranks as if on several hosts.
 //!
 //! For scale: ReproBLAS's reproducible sums cost 4-7x a plain sum (Demmel, Ahrens, Nguyen,
 //! "Efficient reproducible floating point summation and BLAS", 2016).
@@ -26,6 +26,12 @@ use dpsync::*;
 fn set_reproducible(o: &Options, on: bool) {
     // SAFETY: valid options.
     check(unsafe { dpsync_options_set_reproducible(o.0, on) });
+}
+
+/// `v` rounded to bf16 (nearest, ties to even), as bits.
+fn bf16_bits(v: f32) -> u32 {
+    let b = v.to_bits();
+    (b + 0x7fff + (b >> 16 & 1)) >> 16
 }
 
 fn ratio(a: Duration, b: Duration) -> f64 {
@@ -139,25 +145,37 @@ mod world {
         Context::new(&o)
     }
 
-    /// `tensors` (name, elements) registered on a plain and a reproducible context of
-    /// `replicas` on this rank (`layout` says every rank's), timed alternately; rank 0 prints
-    /// `what`.
+    /// `tensors` (name, elements) of `dtype` (F32 or BF16) registered on a plain and a
+    /// reproducible context of `replicas` on this rank (`layout` says every rank's), timed
+    /// alternately; rank 0 prints `what`.
     fn compare(
         world: &SimpleCommunicator,
         (what, replicas, layout): (&str, usize, &str),
-        tensors: &[(String, usize)],
+        (tensors, dtype): (&[(String, usize)], u32),
         reps: usize,
     ) {
         let (plain, repro) = (context(false, replicas), context(true, replicas));
-        let mut a: Vec<Vec<f32>> = (0..replicas)
-            .flat_map(|r| tensors.iter().map(move |(_, n)| filled(*n, 3 + r, -0.5)))
+        // Every value as bits of the dtype's width, in words of 4 bytes.
+        let words = |n: usize, seed: usize| -> Vec<u32> {
+            let values = filled(n, seed, -0.5);
+            match dtype {
+                F32 => values.iter().map(|v| v.to_bits()).collect(),
+                _ => (values.chunks(2))
+                    .map(|p| p.iter().rev().fold(0, |w, v| w << 16 | bf16_bits(*v)))
+                    .collect(),
+            }
+        };
+        let mut a: Vec<Vec<u32>> = (0..replicas)
+            .flat_map(|r| tensors.iter().map(move |(_, n)| (*n, 3 + r)))
+            .map(|(n, seed)| words(n, seed))
             .collect();
         let mut b = a.clone();
         for r in 0..replicas {
-            for (k, (name, _)) in tensors.iter().enumerate() {
+            for (k, (name, n)) in tensors.iter().enumerate() {
                 let i = r * tensors.len() + k;
-                plain.reg(name, GRAD, r, &mut a[i], F32);
-                repro.reg(name, GRAD, r, &mut b[i], F32);
+                let (pa, pb) = (a[i].as_mut_ptr().cast(), b[i].as_mut_ptr().cast());
+                register(&plain, name, GRAD, r, pa, *n, dtype);
+                register(&repro, name, GRAD, r, pb, *n, dtype);
             }
         }
         let (t_repro, t_plain) = side_by_side(
@@ -192,13 +210,17 @@ mod world {
         let reps = if quick { 3 } else { 9 };
         let n = if quick { 1 << 20 } else { 16 << 20 };
         let what = format!("one {} MiB f32 GRAD", (n * 4) >> 20);
+        let one = [("g".to_string(), n)];
         for replicas in [1, 2] {
             let layout = replicas.to_string();
-            compare(&world, (&what, replicas, &layout), &[("g".into(), n)], reps);
+            compare(&world, (&what, replicas, &layout), (&one, F32), reps);
         }
         // Rank 0 one replica, rank 1 two: the owners' exchange with other counts per rank.
         let uneven = 1 + world.rank() as usize % 2;
-        compare(&world, (&what, uneven, "(1, 2)"), &[("g".into(), n)], reps);
+        compare(&world, (&what, uneven, "(1, 2)"), (&one, F32), reps);
+        // The same elements as bf16 (half the bytes), one replica per rank.
+        let what = format!("one {} MiB bf16 GRAD", (n * 2) >> 20);
+        compare(&world, (&what, 1, "1"), (&one, BF16), reps);
         let resnet = load_param_set("resnet50_params.tsv");
         let total: usize = resnet.iter().map(|(_, n)| n).sum();
         let what = format!(
@@ -206,7 +228,7 @@ mod world {
             resnet.len(),
             total as f64 / 1e6
         );
-        compare(&world, (&what, 1, "1"), &resnet, reps);
+        compare(&world, (&what, 1, "1"), (&resnet, F32), reps);
     }
 }
 

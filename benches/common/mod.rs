@@ -18,6 +18,7 @@ pub const SUM: u32 = dpsync_reduce_op::DPSYNC_REDUCE_SUM as u32;
 pub const GRAD: u32 = dpsync_role::DPSYNC_ROLE_GRAD as u32;
 pub const PARAM: u32 = dpsync_role::DPSYNC_ROLE_PARAM as u32;
 pub const F32: u32 = dpsync_dtype::DPSYNC_DTYPE_F32 as u32;
+pub const BF16: u32 = dpsync_dtype::DPSYNC_DTYPE_BF16 as u32;
 pub const I64: u32 = dpsync_dtype::DPSYNC_DTYPE_I64 as u32;
 
 /// Panics with dpsync's message unless `status` is OK.

@@ -1,7 +1,8 @@
 //! `dpsync_grad_ready` in a reproducible world: float buckets start early and are summed as
-//! the reproducible sum is, whole through shared memory where each rank holds one replica
-//! (`backend/mpi/whole.rs`), else at each element's owner (`backend/mpi/alltoall.rs`). A
-//! step gives the bytes of one process holding every replica, marked or not.
+//! the reproducible sum is, whole through shared memory where each rank holds one replica of
+//! F32 or F64 (`backend/mpi/whole.rs`), else at each element's owner (F16 and BF16 always:
+//! `backend/mpi/alltoall.rs`). A step gives the bytes of one process holding every replica,
+//! marked or not.
 
 use super::*;
 
@@ -22,14 +23,25 @@ fn reproducible_buckets_start_early() {
     launch("repro_overlap::repro_overlap_uneven_body", 2, 300, no_shm);
 }
 
-/// A gradient's name, count and dtype: f32 buckets on and off the ring, an f64 one and an
-/// integer one (exact already: it starts as a plain sum).
-const GRADS: [(&str, usize, u32); 4] = [
+/// A gradient's name, count and dtype: f32 buckets on and off the ring, f64, bf16 and f16
+/// ones and an integer one, the first in backward order (exact already: it starts as a plain
+/// sum).
+const GRADS: [(&str, usize, u32); 6] = [
     ("a", 300_000, F32),
     ("b", 1000, F32),
     ("c", 50_000, F64),
+    ("e", 40_000, BF16),
+    ("f", 3000, F16),
     ("d", 1000, I32),
 ];
+
+fn size_of(dtype: u32) -> usize {
+    match dtype {
+        F64 => 8,
+        F16 | BF16 => 2,
+        _ => 4,
+    }
+}
 
 /// World replica `w`'s element `i` of gradient `t`: magnitudes from 2^-12 to 2^12 and both
 /// signs, so that any other summation order would show in the bytes.
@@ -38,6 +50,8 @@ fn value(t: usize, w: usize, i: usize) -> f64 {
     let (mantissa, scale) = ((h % 20_001) as f64 - 10_000.0, (h >> 15) % 25);
     match GRADS[t].2 {
         I32 => (mantissa / 100.0).round(),
+        // Within f16's normal range, sums of every replica included.
+        F16 => mantissa / 3.0 * 2f64.powi((scale % 8) as i32 - 10),
         _ => mantissa / 3.0 * 2f64.powi(scale as i32 - 12),
     }
 }
@@ -52,6 +66,8 @@ fn filled(w: usize) -> Vec<Vec<u8>> {
                     match dtype {
                         F32 => (v as f32).to_ne_bytes().to_vec(),
                         F64 => v.to_ne_bytes().to_vec(),
+                        BF16 => half::bf16::from_f64(v).to_ne_bytes().to_vec(),
+                        F16 => half::f16::from_f64(v).to_ne_bytes().to_vec(),
                         _ => (v as i32).to_ne_bytes().to_vec(),
                     }
                 })
@@ -216,7 +232,7 @@ fn run(rank: usize, per_rank: &[usize]) {
     for (r, g) in g.iter().enumerate() {
         let w = first + r;
         for (t, &(name, n, dtype)) in GRADS.iter().enumerate() {
-            let size = if dtype == F64 { 8 } else { 4 };
+            let size = size_of(dtype);
             let (lo, hi) = (n * w / world * size, n * (w + 1) / world * size);
             let was = &before[r][t];
             assert!(

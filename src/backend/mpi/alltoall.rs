@@ -72,6 +72,16 @@ unsafe fn copy_range(
     }
 }
 
+/// MPI's type for `dtype`'s own bytes: nothing is summed by MPI here, so f16 and bf16 travel
+/// as they are (the ring widens them, for MPI's sums).
+fn raw_type(dtype: DType) -> ffi::MPI_Datatype {
+    match dtype.is_half() {
+        // SAFETY: a link-time constant of the MPI library.
+        true => unsafe { ffi::RSMPI_UINT16_T },
+        false => mpi_type(dtype).0,
+    }
+}
+
 /// Per segment: every local contribution's pointer, and the count.
 pub(super) type Inputs = Vec<(Vec<usize>, usize)>;
 
@@ -146,7 +156,7 @@ pub(super) struct Exchange {
 unsafe impl Send for Exchange {}
 
 impl Exchange {
-    /// The exchange of a bucket of `count` elements of `dtype` (F32 or F64) with
+    /// The exchange of a bucket of `count` elements of a float `dtype` with
     /// `contributions[r]` on rank r of `comm` (`n` ranks, this one `me`), its sums divided by
     /// `avg` into `out`; its stages from `stages(bytes)`, which must stay valid (and are
     /// never freed while a call may use them) until it finished.
@@ -156,7 +166,7 @@ impl Exchange {
         (avg, out, abandoned): (Option<usize>, Out, Option<Arc<AtomicBool>>),
         stages: impl FnOnce(usize) -> *mut u8,
     ) -> Exchange {
-        let (datatype, size) = mpi_type(dtype);
+        let (datatype, size) = (raw_type(dtype), dtype.size());
         let before: Vec<usize> = (0..=n).map(|r| contributions[..r].iter().sum()).collect();
         let (k, most_k) = (contributions[me], contributions.iter().copied().max());
         // About a PIECE of every local contribution together (of the most on a rank: the
@@ -435,7 +445,7 @@ impl Exchange {
 }
 
 impl Engine {
-    /// Whether [`Engine::alltoall_reproducible`] takes this bucket: F32 or F64, some
+    /// Whether [`Engine::alltoall_reproducible`] takes this bucket: a float dtype, some
     /// contributions on every rank, every segment with this rank's. Alike on every rank, as
     /// exec's `contributions` are (and the segments as they say).
     pub(super) fn alltoall_takes(
@@ -444,13 +454,12 @@ impl Engine {
         segments: &[Segment<'_>],
         contributions: &[usize],
     ) -> bool {
-        let wide_enough = matches!(dtype, DType::F32 | DType::F64);
         let every_rank = contributions.len() == self.size && contributions.iter().all(|&k| k > 0);
         let as_said = every_rank
             && segments
                 .iter()
                 .all(|s| s.ptrs.len() == contributions[self.rank]);
-        wide_enough && as_said
+        dtype.is_float() && as_said
     }
 
     /// Every contribution of every segment := the reproducible sum over every rank's

@@ -13,7 +13,7 @@ use super::pieces::{piece_of, stage, Walk, DEPTH, PIECE};
 use super::poll::poll;
 use super::ring::Sum;
 use super::scatter;
-use super::staging::{copy_spans, mpi_type, outputs, stage_out, Way};
+use super::staging::{copy_spans, mpi_type, outputs, Way};
 use super::steps::{Crossing, Handle, Until};
 use super::MpiRanks;
 use crate::backend::{allgather_packed, Channel, EveryRank, Gate, Ranks, Segment, Ticket};
@@ -262,7 +262,7 @@ impl Ranks for MpiRanks {
         // every rank, as the bucket, dtype, options and contributions are.
         let ring = self.ring(Channel::Steps);
         let crossing = match reproducible {
-            Some(every) if ring.shared() && every.iter().all(|&k| k == 1) => {
+            Some(every) if ring.shared() && every.iter().all(|&k| k == 1) && !dtype.is_half() => {
                 Crossing::Whole { reproducible: true }
             }
             Some(every) => Crossing::Exchange {
@@ -293,9 +293,9 @@ impl Ranks for MpiRanks {
     }
 
     fn starts_reproducibly(&self, dtype: DType) -> bool {
-        // The ranks' raw values meet in shared memory (`whole.rs`) or at each element's owner
-        // (`alltoall.rs`).
-        matches!(dtype, DType::F32 | DType::F64)
+        // The ranks' raw values meet in shared memory (`whole.rs`, F32 and F64) or at each
+        // element's owner (`alltoall.rs`, any float).
+        dtype.is_float()
     }
 
     unsafe fn release(&self, ticket: &Ticket, owned: Option<&[(usize, usize)]>) {
@@ -341,10 +341,8 @@ impl Ranks for MpiRanks {
         let mut item = item;
         if write {
             // The pieces that completed before the step agreed (the others are written).
-            let recv = item.held.as_ptr().cast::<u8>();
             for out in &item.outs {
-                let outs = (&out[..], &mut Walk::default());
-                stage_out(item.dtype, recv, outs, (0, item.held_count()), item.avg);
+                item.write_held((out, &mut Walk::default()), (0, item.held_count()));
             }
         } else if let Some(aside) = item.aside.as_mut() {
             // Drained: what was written early goes back.

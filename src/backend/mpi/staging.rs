@@ -237,6 +237,31 @@ pub(super) unsafe fn stage_out(
     );
 }
 
+/// As [`stage_out`] for results in the dtype's own bytes, divided already (an exchange's
+/// sums, `alltoall.rs`): copied as they are.
+///
+/// # Safety
+/// As for [`stage_out`].
+pub(super) unsafe fn copy_out(
+    dtype: DType,
+    recv: *const u8,
+    (outs, walk): (&[(usize, usize)], &mut Walk),
+    range: (usize, usize),
+) {
+    let size = dtype.size();
+    walk.parts(
+        |k| outs[k].1,
+        outs.len(),
+        range,
+        |k, skip, n, at| {
+            if outs[k].0 != 0 {
+                let dst = (outs[k].0 as *mut u8).add(skip * size);
+                std::ptr::copy_nonoverlapping(recv.add(at * size), dst, n * size);
+            }
+        },
+    );
+}
+
 /// The outputs `(ptr, count)` of `segments` laid end to end, for [`stage_out`]: each
 /// segment's `ptrs[0]`, or with `owned` each contribution's own elements ([`only_owned`]).
 pub(super) fn outputs(

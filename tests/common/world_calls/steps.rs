@@ -187,12 +187,12 @@ impl World<'_> {
     ) {
         let buckets = model::buckets(&self.dense, self.fusion);
         let can_start = |r: usize| self.agreed[r] && self.last_op.is_some();
-        // Reproducible sums: float buckets start only after an AVG step, F32 or F64, where they
-        // can be summed as they go: by the engine (host memory, or CUDA replicas staged
-        // through it), or over an NCCL clique by its route to the owners (not where exponent
-        // fields then integers move fewer bytes: `k + n` element sizes against
-        // `2 n (field + 8)`, k replicas over n GPUs); elsewhere (F16/BF16) they only mark, and
-        // the buckets after one wait with it (integers start).
+        // Reproducible sums: float buckets start only after an AVG step, where they can be
+        // summed as they go: by the engine (host memory, or CUDA replicas staged through it:
+        // any float), or over an NCCL clique by its route to the owners (F32 or F64, and not
+        // where exponent fields then integers move fewer bytes: `k + n` element sizes against
+        // `2 n (field + 8)`, k replicas over n GPUs); elsewhere they only mark, and the
+        // buckets after one wait with it (integers start).
         let floats = |b: &Vec<usize>| b.iter().any(|&t| FLOATS.contains(&self.dense[t].dtype));
         let wide = |b: &Vec<usize>| {
             (b.iter()).all(|&t| matches!(self.dense[t].dtype, DType::F32 | DType::F64))
@@ -209,7 +209,7 @@ impl World<'_> {
         };
         let clique = |b: &Vec<usize>| self.setup.nccl() && avg && to_owners(b);
         let startable =
-            |b: &Vec<usize>| !(self.repro && floats(b)) || ((engine || clique(b)) && wide(b));
+            |b: &Vec<usize>| !(self.repro && floats(b)) || engine || (clique(b) && wide(b));
         let started: Vec<usize> = (0..self.per_rank.len())
             .map(|r| {
                 let marked = |t: &usize| (0..self.per_rank[r]).all(|k| every[r].contains(&(*t, k)));

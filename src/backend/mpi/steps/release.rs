@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 
 use super::{segments, Crossing, Handle, Item, Queue, Transfer};
 use crate::backend::mpi::pieces::Walk;
-use crate::backend::mpi::staging::{mpi_type, only_owned, stage_in, stage_out};
+use crate::backend::mpi::staging::{copy_out, mpi_type, only_owned, stage_in, stage_out};
 
 impl Item {
     /// Elements `[start, end)` of `held` just landed (an exchange's, which saved their
@@ -28,10 +28,35 @@ impl Item {
             return;
         }
         let range = (start, end - start);
-        let part = (self.held.as_ptr().cast::<u8>()).add(start * mpi_type(self.dtype).1);
-        self.walk_out.resize_with(self.outs.len(), Walk::default);
-        for (out, walk) in self.outs.iter().zip(self.walk_out.iter_mut()) {
-            stage_out(self.dtype, part, (out, walk), range, self.avg);
+        let mut walks = std::mem::take(&mut self.walk_out);
+        walks.resize_with(self.outs.len(), Walk::default);
+        for (out, walk) in self.outs.iter().zip(walks.iter_mut()) {
+            self.write_held((out, walk), range);
+        }
+        self.walk_out = walks;
+    }
+
+    /// Elements `(start, n)` of `held` into the outputs `out` (their walk): an exchange's
+    /// sums are in the dtype's own bytes and divided already, other crossings' in MPI's type
+    /// (f16 and bf16 widened) and divided as they go out.
+    ///
+    /// # Safety
+    /// The outputs are valid.
+    pub(in crate::backend::mpi) unsafe fn write_held(
+        &self,
+        (out, walk): (&[(usize, usize)], &mut Walk),
+        (start, n): (usize, usize),
+    ) {
+        let exchanged = matches!(self.crossing, Crossing::Exchange { .. });
+        let size = if exchanged {
+            self.dtype.size()
+        } else {
+            mpi_type(self.dtype).1
+        };
+        let from = self.held.as_ptr().cast::<u8>().add(start * size);
+        match exchanged {
+            true => copy_out(self.dtype, from, (out, walk), (start, n)),
+            false => stage_out(self.dtype, from, (out, walk), (start, n), self.avg),
         }
     }
 }
