@@ -1,8 +1,9 @@
-//! `dpsync_grad_ready` in a reproducible world of CUDA replicas: F32 buckets start early under
-//! AVG. On the staged route (PEER_COPY, as many replicas on every rank), every replica's raw
-//! bucket is staged and summed by the engine's reproducible sum (whole through shared memory
-//! with one replica per rank, else the owners' exchange); over an NCCL clique of the ranks,
-//! the clique's route to the owners is queued on its streams (exec/repro_clique.rs). Every
+//! `dpsync_grad_ready` in a reproducible world of CUDA replicas: float buckets start early
+//! under AVG. On the staged route (PEER_COPY), every replica's raw bucket is staged and summed
+//! by the engine's reproducible sum (F32 whole through shared memory with one replica per
+//! rank, else, and BF16 always, the owners' exchange); over an NCCL clique of the ranks, the
+//! clique's route to the owners is queued on its streams for F32 (exec/repro_clique.rs), and
+//! the BF16 bucket, the last, only marks. Every
 //! step gives the bytes of one process holding every replica, marked or not; a failed or
 //! refused step writes nothing.
 
@@ -23,26 +24,42 @@ fn cuda_reproducible_overlap_across_ranks() {
 }
 
 const N: usize = 1000;
-const NAMES: [&str; 3] = ["r0", "r1", "r2"];
+/// Registered in this order: the bf16 tensor's bucket comes last in backward order.
+const NAMES: [&str; 4] = ["h", "r0", "r1", "r2"];
+const DTYPES: [u32; 4] = [BF16, F32, F32, F32];
+
+/// Tensor `t`'s bytes per element.
+fn size_of(t: usize) -> usize {
+    if DTYPES[t] == BF16 {
+        2
+    } else {
+        4
+    }
+}
 
 /// World replica `w`'s tensor `t`: magnitudes 2^-12..2^12 of both signs, so that another
 /// summation order shows in the bytes.
 fn values(t: usize, w: usize) -> Vec<u8> {
-    let v: Vec<f32> = (0..N)
+    let v: Vec<f64> = (0..N)
         .map(|i| {
             let h = ((t * 7919 + w * 104_729 + i) as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40;
             let (m, scale) = ((h % 20_001) as f64 - 10_000.0, (h >> 15) % 25);
-            (m / 3.0 * 2f64.powi(scale as i32 - 12)) as f32
+            m / 3.0 * 2f64.powi(scale as i32 - 12)
         })
         .collect();
-    bytes_of(&v)
+    match DTYPES[t] {
+        BF16 => (v.iter())
+            .flat_map(|x| half::bf16::from_f64(*x).to_ne_bytes())
+            .collect(),
+        _ => bytes_of(&v.iter().map(|x| *x as f32).collect::<Vec<f32>>()),
+    }
 }
 
 /// Registers tensor bytes `data[t][k]` on replica `k` (`ptrs`: each one's address).
 fn register_all(ctx: &Context, ptrs: &[Vec<usize>]) {
     for (t, per_replica) in ptrs.iter().enumerate() {
         for (k, &p) in per_replica.iter().enumerate() {
-            let st = register_raw(ctx.0, NAMES[t], GRAD, k, p as *mut _, N, F32);
+            let st = register_raw(ctx.0, NAMES[t], GRAD, k, p as *mut _, N, DTYPES[t]);
             check(st, &format!("register {}", NAMES[t]));
         }
     }
@@ -150,12 +167,14 @@ fn repro_overlap_body() {
     let untouched = |t: usize, w: usize| values(t, w);
     let early = || ctx.describe_json()["overlap"]["buckets_reduced_early_this_step"].clone();
 
-    // Step 1 sets the op (nothing starts before); step 2, marked: every bucket starts.
+    // Step 1 sets the op (nothing starts before); step 2, marked: every bucket starts, but
+    // for the bf16 one over NCCL.
     check(ctx.allreduce_grads(AVG), &tag("step 1"));
     holds(&g, &summed, "step 1");
     refill(&mut g);
     mark();
-    assert_eq!(early(), 3, "{}", tag("step 2: buckets started early"));
+    let starting = if transport == T_NCCL { 3 } else { 4 };
+    assert_eq!(early(), starting, "{}", tag("step 2: buckets started early"));
     holds(
         &g,
         &untouched,
@@ -173,7 +192,8 @@ fn repro_overlap_body() {
         &tag("step 3"),
     );
     let owned = |t: usize, w: usize| {
-        let (lo, hi) = (4 * (N * w / replicas), 4 * (N * (w + 1) / replicas));
+        let size = size_of(t);
+        let (lo, hi) = (size * (N * w / replicas), size * (N * (w + 1) / replicas));
         let mut v = values(t, w);
         v[lo..hi].copy_from_slice(&want[t][lo..hi]);
         v
