@@ -174,7 +174,12 @@ fn repro_overlap_body() {
     refill(&mut g);
     mark();
     let starting = if transport == T_NCCL { 3 } else { 4 };
-    assert_eq!(early(), starting, "{}", tag("step 2: buckets started early"));
+    assert_eq!(
+        early(),
+        starting,
+        "{}",
+        tag("step 2: buckets started early")
+    );
     holds(
         &g,
         &untouched,
