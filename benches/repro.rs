@@ -28,12 +28,6 @@ fn set_reproducible(o: &Options, on: bool) {
     check(unsafe { dpsync_options_set_reproducible(o.0, on) });
 }
 
-/// `v` rounded to bf16 (nearest, ties to even), as bits.
-fn bf16_bits(v: f32) -> u32 {
-    let b = v.to_bits();
-    (b + 0x7fff + (b >> 16 & 1)) >> 16
-}
-
 fn ratio(a: Duration, b: Duration) -> f64 {
     a.as_secs_f64() / b.as_secs_f64()
 }
@@ -161,7 +155,10 @@ mod world {
             match dtype {
                 F32 => values.iter().map(|v| v.to_bits()).collect(),
                 _ => (values.chunks(2))
-                    .map(|p| p.iter().rev().fold(0, |w, v| w << 16 | bf16_bits(*v)))
+                    .map(|p| {
+                        let bits = |v: &f32| u32::from(half::bf16::from_f32(*v).to_bits());
+                        p.iter().rev().fold(0, |w, v| w << 16 | bits(v))
+                    })
                     .collect(),
             }
         };
