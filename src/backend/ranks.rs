@@ -39,8 +39,8 @@ pub(crate) trait Ranks: Send {
 
     /// The reproducible sum (backend/host/repro.rs) of every segment over the ranks, divided by
     /// `avg` if given, into its `ptrs` (at least `ptrs[0]`), where the engine can compute it from
-    /// the ranks' raw values: F32 or F64, `contributions[r]` on rank r (this rank's: every
-    /// segment's `ptrs`; one per rank through shared memory: its ring; otherwise every
+    /// the ranks' raw values: any float, `contributions[r]` on rank r (this rank's: every
+    /// segment's `ptrs`; one F32/F64 per rank through shared memory: its ring; otherwise every
     /// contribution's slice sent raw to the slice's owner rank, summed there, the sums
     /// gathered back). The same bytes as the exponents' maximum then the integers' sum
     /// (exec/repro.rs). `false` (and nothing moved) where it cannot, alike on every rank.

@@ -94,10 +94,10 @@ impl Executor {
     /// every bucket but a reproducible context's float buckets, which start only with AVG (a
     /// SUM divided afterwards for an AVG step would round twice where the contract rounds
     /// once) and where they can be summed reproducibly as they go: by the engine (host
-    /// memory, or CUDA replicas staged through it: [`Ranks::starts_reproducibly`]), or over an
-    /// NCCL clique of the ranks, F32 and F64 by the route to the owners
-    /// ([`repro_clique::starts`]); elsewhere (F16/BF16) they cross in pieces of their own
-    /// (exec/repro.rs) once the step agreed. Alike on every rank.
+    /// memory, or CUDA replicas staged through it, any float: [`Ranks::starts_reproducibly`]),
+    /// or over an NCCL clique of the ranks, F32 and F64 by the route to the owners
+    /// ([`repro_clique::starts`]); elsewhere (F16/BF16 over the clique) they cross in pieces
+    /// of their own (exec/repro.rs) once the step agreed. Alike on every rank.
     pub fn starts_early(&self, bucket: &Bucket, op: ReduceOp) -> bool {
         let site = self.site(bucket.memory);
         if !(site.levels.reproducible && bucket.dtype.is_float()) {

@@ -10,8 +10,9 @@
 //! 3. the sum turned back into the dtype once (AVG divided) and written to every replica.
 //!
 //! Host memory in one process runs all three block by block ([`Backend::reduce_reproducible`]),
-//! and so do F32 and F64 replicas of one device in one process, in a kernel. A world of host
-//! replicas may hand the bucket to the engine's own reproducible sum (`direct`). F32 and F64
+//! and so do F32 and F64 replicas of one device in one process, in a kernel. A world (host
+//! replicas, or device replicas through the host stage) hands the bucket to the engine's own
+//! reproducible sum (`direct`: the ranks' raw values, any float). F32 and F64
 //! over an NCCL clique (several GPUs in one process, NCCL across the ranks) stay on the GPUs:
 //! each block raw to its owner GPU, summed there by the same kernel, gathered back, or, where
 //! GPUs hold many replicas, each GPU's exponent fields and integer sums across the clique
