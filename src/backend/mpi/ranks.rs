@@ -117,8 +117,11 @@ impl Ranks for MpiRanks {
     ) -> Result<bool> {
         self.refuse_if_failed()?;
         let count: usize = segments.iter().map(|s| s.count).sum();
-        // Reproducible sums take the owners' way through shared memory only (exact there).
-        let exact = reproducible && self.sums_reproducibly(channel, dtype, segments);
+        // Reproducible sums take the owners' way through shared memory only (exact there), with
+        // one contribution on every rank: the levels' word (alike on every rank), not this
+        // rank's count alone.
+        let one_each = every_rank.as_ref().is_some_and(|e| e.one_each);
+        let exact = reproducible && one_each && self.sums_reproducibly(channel, dtype, segments);
         let every_rank = every_rank.filter(|_| !reproducible || exact);
         if let Some(every) = every_rank.filter(|e| self.scatters_owned(channel, *e, count, dtype)) {
             let ring = self.ring(channel);
@@ -153,9 +156,7 @@ impl Ranks for MpiRanks {
         let data = (dtype, segments, &outs[..]);
         let sum = match reproducible {
             false => (Sum::Plain, avg),
-            true if self.sums_reproducibly(channel, dtype, segments) => {
-                (Sum::Reproducible(avg), None)
-            }
+            true if exact => (Sum::Reproducible(avg), None),
             true => return Ok(false),
         };
         self.reduce_into(channel, data, sum)?;
