@@ -445,21 +445,25 @@ impl Exchange {
 }
 
 impl Engine {
-    /// Whether [`Engine::alltoall_reproducible`] takes this bucket: a float dtype, some
-    /// contributions on every rank, every segment with this rank's. Alike on every rank, as
-    /// exec's `contributions` are (and the segments as they say).
+    /// Whether [`Engine::alltoall_reproducible`] takes this bucket: a float dtype,
+    /// [`Engine::counted`]. Alike on every rank, as exec's `contributions` are.
     pub(super) fn alltoall_takes(
         &self,
         dtype: DType,
         segments: &[Segment<'_>],
         contributions: &[usize],
     ) -> bool {
+        dtype.is_float() && self.counted(segments, contributions)
+    }
+
+    /// Whether `contributions` (every rank's) say what `segments` hold here: some on every
+    /// rank, every segment with this rank's.
+    pub(super) fn counted(&self, segments: &[Segment<'_>], contributions: &[usize]) -> bool {
         let every_rank = contributions.len() == self.size && contributions.iter().all(|&k| k > 0);
-        let as_said = every_rank
+        every_rank
             && segments
                 .iter()
-                .all(|s| s.ptrs.len() == contributions[self.rank]);
-        dtype.is_float() && as_said
+                .all(|s| s.ptrs.len() == contributions[self.rank])
     }
 
     /// Every contribution of every segment := the reproducible sum over every rank's

@@ -244,9 +244,7 @@ impl Ranks for MpiRanks {
         gate: Option<Gate>,
     ) -> Result<Ticket> {
         self.refuse_if_failed()?;
-        let mine = reproducible.and_then(|every| every.get(self.rank).copied());
-        let as_said = segments.iter().all(|s| Some(s.ptrs.len()) == mine)
-            && reproducible.is_some_and(|every| every.len() == self.size);
+        let as_said = reproducible.is_some_and(|every| self.counted(segments, every));
         if let Some(every) = reproducible.filter(|_| !self.starts_reproducibly(dtype) || !as_said) {
             let message = format!(
                 "a reproducible sum of {count} x {dtype:?} ({every:?} contributions per rank) \
