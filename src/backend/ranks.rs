@@ -21,6 +21,11 @@ pub(crate) trait Ranks: Send {
     /// `dpsync_allreduce(name='w', op=Sum)`): errors, timeouts above all, name it.
     fn begin(&self, call: &str);
 
+    /// The collective's agreement passed on every rank: from now on a failure of this rank's
+    /// part of it is voted a loss ([`Ranks::vote_lost`]), so that every survivor answers it
+    /// alike.
+    fn agreed(&self) {}
+
     /// Every segment's `ptrs[0]` := the sum over the ranks of the sum of its `ptrs` (this
     /// rank's contributions: the leader alone after a local reduction, or every local replica),
     /// divided by `avg` if given; the same bytes on every rank. The segments travel as one
@@ -173,8 +178,10 @@ pub(crate) trait Ranks: Send {
 
     /// An elastic world's vote after a collective (every rank that made its agreement votes):
     /// whether a rank was lost, alike on every survivor; `None` where nothing was agreed since
-    /// the last vote, or the world is not elastic.
-    fn vote_lost(&self) -> Result<Option<bool>>;
+    /// the last vote, or the world is not elastic. `failed_here`: why this rank's part of the
+    /// call failed after its agreement passed (its device, a copy, a peer's process seen gone),
+    /// which this rank votes a loss for.
+    fn vote_lost(&self, failed_here: Option<&str>) -> Result<Option<bool>>;
 
     /// An elastic world's other ranks on this host and their process ids: the CUDA backend
     /// watches them in its waits on the device (`WorldCollective::watch`).

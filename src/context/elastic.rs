@@ -142,7 +142,15 @@ impl Context {
             // that never voted, and a vote now would wait alone on the old communicator.
             return outcome;
         }
-        let lost = match ranks.vote_lost() {
+        // A failure of this rank's own part after the agreement (its device, the watch of the
+        // other ranks' processes) is voted a loss; a refusal is alike on every rank.
+        let here = match &outcome {
+            Err(e) if matches!(e.kind, ErrorKind::Backend | ErrorKind::Timeout) => {
+                Some(e.message.as_str())
+            }
+            _ => None,
+        };
+        let lost = match ranks.vote_lost(here) {
             Ok(None | Some(false)) => return outcome,
             Ok(Some(true)) => ranks.shrunk(),
             Err(e) => Err(e),

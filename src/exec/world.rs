@@ -349,6 +349,7 @@ pub fn agree(
     let records = ranks.allgather_fixed(&record).map_err(refused)?;
     let agreed = records.chunks(RECORD / 8).all(|r| r[..2] == record[..2]);
     if agreed && status == 0 {
+        ranks.agreed();
         return Ok(Records(records));
     }
     // Every rank saw the same records, so every rank takes this second exchange.

@@ -282,6 +282,7 @@ impl MpiRanks {
             shared_note: String::new(),
             elastic,
             begun: AtomicBool::new(false),
+            agreed: AtomicBool::new(false),
             neighbours: Vec::new(),
         };
         let mut ranks = MpiRanks {

@@ -126,6 +126,9 @@ pub(crate) struct Engine {
     neighbours: Vec<(usize, u32)>,
     /// A collective began (its agreement) since the last vote: its ranks vote after it.
     begun: AtomicBool,
+    /// That collective's latest agreement passed on every rank (a failure after it is voted a
+    /// loss).
+    agreed: AtomicBool,
 }
 
 impl Engine {

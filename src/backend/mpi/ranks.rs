@@ -48,16 +48,24 @@ impl Ranks for MpiRanks {
     fn begin(&self, call: &str) {
         call.clone_into(&mut self.call.lock());
         self.begun.store(true, Ordering::Relaxed);
+        self.agreed.store(false, Ordering::Relaxed);
     }
 
-    fn vote_lost(&self) -> Result<Option<bool>> {
+    fn agreed(&self) {
+        self.agreed.store(true, Ordering::Relaxed);
+    }
+
+    fn vote_lost(&self, failed_here: Option<&str>) -> Result<Option<bool>> {
+        let agreed = self.agreed.swap(false, Ordering::Relaxed);
         if !self.elastic || !self.begun.swap(false, Ordering::Relaxed) {
             return Ok(None);
         }
+        // A refused agreement's error is alike on every rank: no loss of this rank's.
+        let failed_here = failed_here.filter(|_| agreed);
         // The progress thread stays out of MPI meanwhile (it moves the queue under its lock):
         // else Open MPI 5.0 answered false losses (docs/ARCHITECTURE.md, "Pitfalls seen").
         let _queue = self.queue.lock();
-        MpiRanks::vote_lost(self).map(Some)
+        MpiRanks::vote_lost(self, failed_here).map(Some)
     }
 
     fn shrunk(&self) -> Result<(Box<dyn Ranks>, Vec<usize>)> {

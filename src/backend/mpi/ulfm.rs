@@ -104,9 +104,12 @@ impl MpiRanks {
     /// An elastic world's vote at the end of a collective (every rank that made the call's
     /// agreement votes): whether any rank knows of a lost rank. A rank whose transfers failed
     /// revokes the world's communicators first, so that every other rank's pending transfers
-    /// fail too and it reaches the vote. `MPIX_Comm_iagree` decides alike on every survivor,
-    /// polled within the world's timeout.
-    pub(crate) fn vote_lost(&self) -> Result<bool> {
+    /// fail too and it reaches the vote. A rank whose part of the call failed otherwise
+    /// (`failed_here`: its device, or a peer's process seen gone before MPI noticed) votes a
+    /// loss too: ULFM's agreement may complete without a rank that died inside it, and the
+    /// others would answer OK where this rank failed. `MPIX_Comm_iagree` decides alike on every
+    /// survivor, polled within the world's timeout.
+    pub(crate) fn vote_lost(&self, failed_here: Option<&str>) -> Result<bool> {
         let u = ulfm()?;
         let failed = self.failed.lock().is_some();
         // SAFETY: this engine's communicators; the request and flag live until it completes.
@@ -116,7 +119,7 @@ impl MpiRanks {
                 (u.revoke)(self.steps.0);
             }
             let known = failures_known(u, self.comm.0)?;
-            let mine = c_int::from(known == 0 && !failed);
+            let mine = c_int::from(known == 0 && !failed && failed_here.is_none());
             let mut flag = mine;
             let mut request = MaybeUninit::<ffi::MPI_Request>::uninit();
             let rc = (u.iagree)(self.comm.0, &mut flag, request.as_mut_ptr());
@@ -133,11 +136,12 @@ impl MpiRanks {
             if flag != 0 {
                 return Ok(false);
             }
-            let why = match (failed, known, mine) {
+            let why = match (failed, known, failed_here) {
                 (true, _, _) => "this rank's engine had failed".to_owned(),
-                (_, k, 0) => format!("this rank knew of {k} failed process(es)"),
-                _ => "another rank voted it (its engine failed, or it knew of a failed \
-                      process)"
+                (_, k, _) if k > 0 => format!("this rank knew of {k} failed process(es)"),
+                (_, _, Some(why)) => format!("this rank's part of the call failed: {why}"),
+                _ => "another rank voted it (its engine or its part of the call failed, or \
+                      it knew of a failed process)"
                     .to_owned(),
             };
             Ok(self.voted_loss(why))
