@@ -6,7 +6,10 @@
 //! operations ended by the shrink; the fake NCCL fails a collective whose peer's process is
 //! gone), and again with the fake NCCL quiet about the dead rank (it never fails the
 //! survivors' collectives, as real NCCL between ranks sharing a GPU) and rank 2 dying inside
-//! an NCCL collective: the survivors' waits on the device watch the other ranks' processes.
+//! an NCCL collective: the survivors' waits on the device watch the other ranks' processes;
+//! last with rank 2 dying as soon as its part of an NCCL collective is done (between the
+//! survivors' data and their vote: one survivor's watch may see it gone and another not, and
+//! ULFM may not know yet; every survivor must still answer alike).
 //!
 //! A step of all three ranks; then, while the ranks alternate `broadcast` and `average` of a
 //! device PARAM of 1 MiB per replica and `allreduce_grads`, a thread kills rank 2 at a moment
@@ -60,11 +63,15 @@ fn cuda_replicas_lose_a_rank_and_go_on() {
     }
     // nccl_quiet: the fake NCCL does not report the dead rank (FAKE_NCCL_QUIET_PEERS=1, as
     // real NCCL between ranks sharing a GPU): the survivors' waits on the device see it gone.
-    for variant in ["peer_copy", "nccl", "nccl_quiet"] {
-        let transport = variant.trim_end_matches("_quiet");
+    // nccl_after: rank 2 dies once its part of an NCCL collective is done (the fake's
+    // fake_nccl_die_after_next_round).
+    for variant in ["peer_copy", "nccl", "nccl_quiet", "nccl_after"] {
+        let transport = variant
+            .trim_end_matches("_quiet")
+            .trim_end_matches("_after");
         let fake = std::env::var_os("DPSYNC_FAKE_CUDA").is_some();
-        if variant == "nccl_quiet" && !fake {
-            continue; // real NCCL reports a dead peer as it does
+        if variant.contains('_') && !fake {
+            continue; // real NCCL reports a dead peer as it does, and has no hook to die
         }
         if variant == "nccl_quiet" && std::env::var("FAKE_CUDA_ASYNC").as_deref() != Ok("1") {
             // Synchronous fake streams run a round inside the call that queues it, so a
@@ -85,9 +92,11 @@ fn cuda_replicas_lose_a_rank_and_go_on() {
             continue;
         }
         let quiet = if variant == "nccl_quiet" { "1" } else { "0" };
+        let death = if variant == "nccl_after" { "after" } else { "" };
         let env = [
             ("DPSYNC_TEST_TRANSPORT", transport),
             ("FAKE_NCCL_QUIET_PEERS", quiet),
+            ("DPSYNC_TEST_DEATH", death),
         ];
         launch_ulfm("cuda_lost_body", 3, 300, &venv, &env, 2);
     }
@@ -139,6 +148,13 @@ fn f32s(bytes: &[u8]) -> Vec<f32> {
 
 fn close(x: f64, want: f64) -> bool {
     (x - want).abs() <= 1e-9 * want.abs().max(1.0)
+}
+
+/// A number that differs from launch to launch: the clock's nanoseconds.
+fn clock_nanos() -> u32 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |t| t.subsec_nanos())
 }
 
 fn die() -> ! {
@@ -295,8 +311,10 @@ fn cuda_lost_body() {
 
     // 2. Rank 2 dies at a moment of its own while the ranks alternate calls; with the fake
     // NCCL quiet, inside its next NCCL collective, which the survivors then wait for on their
-    // devices (the case their watch of its process is for).
+    // devices (the case their watch of its process is for); with DPSYNC_TEST_DEATH=after, as
+    // soon as its part of its next NCCL collective is done.
     let quiet = std::env::var("FAKE_NCCL_QUIET_PEERS").as_deref() == Ok("1");
+    let after = std::env::var("DPSYNC_TEST_DEATH").as_deref() == Ok("after");
     if rank == 2 && quiet {
         // SAFETY: the fake NCCL this process loaded; `void fake_nccl_die_at_next_round()`.
         unsafe {
@@ -304,14 +322,23 @@ fn cuda_lost_body() {
             let die = lib.get::<unsafe extern "C" fn()>(b"fake_nccl_die_at_next_round");
             die.expect("the fake NCCL's fake_nccl_die_at_next_round")();
         }
+    } else if rank == 2 && after {
+        // Up to 30 ms after its part: the survivors then wait for it in that call's vote (or
+        // before it, on their devices, where their watch may see it gone).
+        let delay_us = clock_nanos() % 30_000;
+        println!("rank 2 dies {delay_us} us after its part of its next NCCL collective");
+        // SAFETY: the fake NCCL this process loaded;
+        // `void fake_nccl_die_after_next_round(unsigned delay_us)`.
+        unsafe {
+            let lib = libloading::Library::new("libnccl.so.2").expect("the fake NCCL");
+            let die = lib.get::<unsafe extern "C" fn(u32)>(b"fake_nccl_die_after_next_round");
+            die.expect("the fake NCCL's fake_nccl_die_after_next_round")(delay_us);
+        }
     } else if rank == 2 {
         std::thread::spawn(|| {
-            let nanos = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |t| t.subsec_nanos());
             // Up to 0.3 s: the loss may come in any of the three calls, any part of it.
             std::thread::sleep(std::time::Duration::from_micros(
-                1_000 + (nanos % 300_000) as u64,
+                1_000 + u64::from(clock_nanos() % 300_000),
             ));
             die();
         });

@@ -598,6 +598,9 @@ uint64_t fake_nccl_sent_bytes(const char* kind) {
 }
 // Test aid: this process dies (SIGKILL) before it posts its next round across processes.
 void fake_nccl_die_at_next_round() { die_next.store(true); }
+// Test aid: this process dies (SIGKILL) `delay_us` µs after its next round across processes
+// is done here.
+void fake_nccl_die_after_next_round(unsigned delay_us) { die_after_us = delay_us, die_after = true; }
 uint64_t fake_nccl_calls(const char* kind) {
   uint64_t total = 0;
   for (int k = 0; k < 6; k++)

@@ -116,10 +116,18 @@ std::string wait_all(Clique* q, std::atomic<uint64_t> Slot::*field, uint64_t rou
 }
 
 // fake_nccl_die_at_next_round: this process SIGKILLs itself before it posts its next round
-// (a rank dead inside a collective the others have queued).
-std::atomic<bool> die_next{false};
-void die_if_asked() {
-  if (die_next.load()) kill(getpid(), SIGKILL);
+// (a rank dead inside a collective the others have queued); fake_nccl_die_after_next_round:
+// `die_after_us` µs after its next round is done here (a rank dead between the others' data
+// and their vote, or inside the vote).
+std::atomic<bool> die_next{false}, die_after{false};
+std::atomic<unsigned> die_after_us{0};
+void die_if_asked(bool done = false) {
+  if (!done && die_next.load()) kill(getpid(), SIGKILL);
+  if (done && die_after.exchange(false))
+    std::thread([] {
+      std::this_thread::sleep_for(std::chrono::microseconds(die_after_us.load()));
+      kill(getpid(), SIGKILL);
+    }).detach();
 }
 
 // One collective across processes: `local` are this process's ranks' ops (all alike).
@@ -165,6 +173,7 @@ std::string round_across(Clique* q, uint64_t round, const std::vector<const Op*>
   }
   run(q->nranks, srcs, local);
   for (const Op* o : local) q->shared->slot[o->comm->rank].consumed.store(round);
+  die_if_asked(true);
   return "";
 }
 
@@ -268,5 +277,6 @@ std::string p2p_across(Clique* q, uint64_t round, const std::vector<const Op*>& 
   }
   for (int r = 0; r < n; r++)
     if (q->ranks[r] && !q->ranks[r]->dead) q->shared->slot[r].consumed.store(round);
+  die_if_asked(true);
   return "";
 }
