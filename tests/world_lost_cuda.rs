@@ -102,6 +102,119 @@ fn cuda_replicas_lose_a_rank_and_go_on() {
     }
 }
 
+/// One rank's device fails after the ranks agreed on a call (the fake driver's
+/// `fake_cuda_fault`, sticky as a faulted GPU context, met by the staging copies of PEER_COPY):
+/// no rank was lost, so neither rank may answer OK or RANK_LOST. Both ranks' calls fail
+/// (BACKEND_ERROR) saying that every rank survived; the context is failed on both
+/// (INVALID_STATE after), and nothing hangs. (Over an NCCL clique the fault shows before the
+/// agreement, where the call's events are recorded on the callers' streams: docs/ARCHITECTURE.md,
+/// known gaps.)
+#[test]
+fn a_device_fault_on_one_rank_fails_the_elastic_world_on_every_rank() {
+    if under_mpirun() {
+        return; // a rank runs cuda_fault_body only
+    }
+    let test = "a_device_fault_on_one_rank_fails_the_elastic_world_on_every_rank";
+    let Some(venv) = ulfm_venv(test) else {
+        return;
+    };
+    if std::env::var_os("DPSYNC_FAKE_CUDA").is_none() {
+        common::skip::skip(format_args!(
+            "{test}: skipped: it needs the fake driver's fake_cuda_fault (scripts/test.sh)"
+        ));
+        return;
+    }
+    launch_ulfm("cuda_fault_body", 2, 300, &venv, &[], 2);
+}
+
+#[test]
+fn cuda_fault_body() {
+    let Some((rank, ranks)) = as_rank("cuda_fault_body") else {
+        return;
+    };
+    assert_eq!(ranks, 2, "cuda_fault_body runs on 2 ranks");
+    let Some(place) = Place::gpus("cuda_fault_body", 1) else {
+        return;
+    };
+    let tag = |what: &str| format!("rank {rank}/{ranks}: {what}");
+    let ordinals = layout(rank);
+    let offset: usize = (0..rank).map(|r| layout(r).len()).sum();
+    let Some(ctx) = cuda_context("cuda_fault_body", &ordinals, |o| {
+        // Generous: the busy machine must not make a rank time out.
+        o.set_timeout_ms(120_000);
+        o.set_transport(T_PEER_COPY);
+        // SAFETY: valid options; NULL is MPI_COMM_WORLD.
+        unsafe {
+            check(
+                dpsync_options_set_world_mpi(o.0, ptr::null()),
+                "set_world_mpi",
+            );
+            check(dpsync_options_set_elastic(o.0, 1), "set_elastic");
+        }
+    }) else {
+        return;
+    };
+    let g: Vec<Mem> = (0..ordinals.len())
+        .map(|k| place.mem_on(ordinals[k], &g_bytes(offset + k)))
+        .collect();
+    for (k, mem) in g.iter().enumerate() {
+        let st = register_raw(ctx.0, "g", GRAD, k, mem.ptr() as *mut _, G_LEN, F32);
+        check(st, &tag("register g"));
+    }
+    let st = ctx.allreduce_grads(SUM);
+    assert_eq!(st, OK, "{}: {}", tag("first step"), last_error());
+    assert_eq!(synchronize(&ctx), OK, "{}", tag("synchronize"));
+    let all: Vec<usize> = (0..layout(0).len() + layout(1).len()).collect();
+    expect_grads(&g, &all, &tag("first step"));
+
+    // SAFETY: the fake driver this process loaded; `void fake_cuda_fault(int)`.
+    let fault = unsafe {
+        let lib = libloading::Library::new("libcuda.so.1").expect("the fake driver");
+        *lib.get::<extern "C" fn(i32)>(b"fake_cuda_fault")
+            .expect("the fake driver's fake_cuda_fault")
+    };
+    if rank == 1 {
+        fault(700); // CUDA_ERROR_ILLEGAL_ADDRESS, from the next call that touches the device
+    }
+    let st = ctx.allreduce_grads(SUM);
+    let msg = last_error();
+    let later = ctx.allreduce_grads(SUM);
+    let later_msg = last_error();
+    let epoch = ctx.describe_json()["world"]["epoch"].clone();
+    fault(0);
+    drop(ctx);
+    let failed = [
+        dpsync_status::DPSYNC_STATUS_BACKEND_ERROR,
+        dpsync_status::DPSYNC_STATUS_TIMEOUT,
+    ];
+    assert!(
+        failed.contains(&st),
+        "{}: {st:?}: {msg}",
+        tag("the faulted step")
+    );
+    assert!(
+        msg.contains("every rank survived"),
+        "{}: {msg}",
+        tag("the faulted step")
+    );
+    if rank == 1 {
+        assert!(
+            msg.contains("CUDA_ERROR_ILLEGAL_ADDRESS"),
+            "{}: {msg}",
+            tag("names the fault")
+        );
+    }
+    assert_eq!(
+        later,
+        INVALID_STATE,
+        "{}: {later_msg}",
+        tag("the step after")
+    );
+    assert_eq!(epoch, 0, "{}", tag("no rank lost, no new world"));
+    println!("rank {rank}: {st:?}: {msg}");
+    println!("SURVIVED cuda_fault_body");
+}
+
 /// Rank r's CUDA replicas: 1 + r % 2 of them over the fake driver's two GPUs (all on GPU 0
 /// where there is one).
 fn layout(rank: usize) -> Vec<i32> {

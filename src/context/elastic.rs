@@ -130,6 +130,33 @@ impl Context {
         }
     }
 
+    /// A vote found a loss, yet every rank survived: a rank's part of the call failed (a
+    /// transfer, a timeout, its device). The world fails on every rank, as a plain world's
+    /// does: each rank whose call failed answers its error, the others BACKEND_ERROR, not
+    /// RANK_LOST (the world does not go on). What the call wrote is put back where it can be.
+    fn failed_alike(&mut self, outcome: Result<()>) -> Result<()> {
+        let _ = self.undo_written(); // the context fails whatever comes of it
+                                     // The engine says why the vote found a loss, where that is not this call's error.
+        let failed = self
+            .executor
+            .ranks()
+            .map(|r| r.describe()["failed"].clone());
+        let why = match (failed, &outcome) {
+            (Some(Value::String(why)), Err(e)) if why.contains(&e.message) => String::new(),
+            (Some(Value::String(why)), _) => format!("{why}; "),
+            _ => String::new(),
+        };
+        let mut e = outcome.err().unwrap_or_else(|| {
+            Error::new(ErrorKind::Backend, "the call failed on a rank of the world")
+        });
+        e.message = format!(
+            "{} ({why}every rank survived; this world is failed)",
+            e.message
+        );
+        self.membership.departed = Some(e.message.clone());
+        Err(e)
+    }
+
     /// An elastic world's end of a call: the survivors vote on whether a rank was lost (alike
     /// on all of them); if so the world is made again over them and the call answers
     /// RANK_LOST, its GRAD tensors to be computed again and the call made again.
@@ -157,6 +184,9 @@ impl Context {
         };
         if let Some(c) = self.executor.world_collective() {
             c.watch(Vec::new()); // the dead are known: the drains below must not fail on them
+        }
+        if matches!(&lost, Ok((_, gone)) if gone.is_empty()) {
+            return self.failed_alike(outcome);
         }
         if let Ok((_, gone)) = &lost {
             if !gone.is_empty() && self.topology.world_size - gone.len() >= self.options.elastic {
@@ -188,26 +218,6 @@ impl Context {
                 return Err(e);
             }
         };
-        if lost.is_empty() {
-            // Voted a loss, yet every rank survived: a failed transfer (e.g. a timeout). The
-            // engine says why the vote found one.
-            let failed = self
-                .executor
-                .ranks()
-                .map(|r| r.describe()["failed"].clone());
-            let why = match failed {
-                Some(Value::String(why)) => format!(" ({why}; every rank survived)"),
-                _ => String::new(),
-            };
-            return match outcome {
-                Err(mut e) => {
-                    e.message.push_str(&why);
-                    self.membership.departed = Some(e.message.clone());
-                    Err(e)
-                }
-                Ok(()) => fail(self, format!("a transfer of the world failed{why}")),
-            };
-        }
         let before = self.topology.world_size;
         let named = ranks_text(&lost);
         let remain = before - lost.len();

@@ -102,19 +102,19 @@ unsafe fn failures_known(u: &Ulfm, comm: ffi::MPI_Comm) -> Result<usize> {
 
 impl MpiRanks {
     /// An elastic world's vote at the end of a collective (every rank that made the call's
-    /// agreement votes): whether any rank knows of a lost rank. A rank whose transfers failed
-    /// revokes the world's communicators first, so that every other rank's pending transfers
-    /// fail too and it reaches the vote. A rank whose part of the call failed otherwise
-    /// (`failed_here`: its device, or a peer's process seen gone before MPI noticed) votes a
-    /// loss too: ULFM's agreement may complete without a rank that died inside it, and the
-    /// others would answer OK where this rank failed. `MPIX_Comm_iagree` decides alike on every
+    /// agreement votes): whether any rank knows of a lost rank. A rank whose part of the call
+    /// failed (its transfers, or `failed_here`: its device, a peer's process seen gone before
+    /// MPI noticed) votes a loss, and revokes the world's communicators first, so that every
+    /// other rank's pending transfers fail too and it reaches the vote. Else ULFM's agreement
+    /// may complete without a rank that died inside it, and the others would answer OK where
+    /// this rank failed. `MPIX_Comm_iagree` decides alike on every
     /// survivor, polled within the world's timeout.
     pub(crate) fn vote_lost(&self, failed_here: Option<&str>) -> Result<bool> {
         let u = ulfm()?;
         let failed = self.failed.lock().is_some();
         // SAFETY: this engine's communicators; the request and flag live until it completes.
         unsafe {
-            if failed {
+            if failed || failed_here.is_some() {
                 (u.revoke)(self.comm.0);
                 (u.revoke)(self.steps.0);
             }
