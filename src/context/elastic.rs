@@ -135,8 +135,9 @@ impl Context {
     /// does: each rank whose call failed answers its error, the others BACKEND_ERROR, not
     /// RANK_LOST (the world does not go on). What the call wrote is put back where it can be.
     fn failed_alike(&mut self, outcome: Result<()>) -> Result<()> {
-        let _ = self.undo_written(); // the context fails whatever comes of it
-                                     // The engine says why the vote found a loss, where that is not this call's error.
+        // The context fails whatever comes of the undo.
+        let _ = self.undo_written();
+        // The engine says why the vote found a loss, where that is not this call's error.
         let failed = self
             .executor
             .ranks()

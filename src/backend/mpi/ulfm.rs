@@ -107,8 +107,8 @@ impl MpiRanks {
     /// MPI noticed) votes a loss, and revokes the world's communicators first, so that every
     /// other rank's pending transfers fail too and it reaches the vote. Else ULFM's agreement
     /// may complete without a rank that died inside it, and the others would answer OK where
-    /// this rank failed. `MPIX_Comm_iagree` decides alike on every
-    /// survivor, polled within the world's timeout.
+    /// this rank failed. `MPIX_Comm_iagree` decides alike on every survivor, polled within the
+    /// world's timeout.
     pub(crate) fn vote_lost(&self, failed_here: Option<&str>) -> Result<bool> {
         let u = ulfm()?;
         let failed = self.failed.lock().is_some();
