@@ -139,19 +139,7 @@ fn cuda_fault_body() {
     let tag = |what: &str| format!("rank {rank}/{ranks}: {what}");
     let ordinals = layout(rank);
     let offset: usize = (0..rank).map(|r| layout(r).len()).sum();
-    let Some(ctx) = cuda_context("cuda_fault_body", &ordinals, |o| {
-        // Generous: the busy machine must not make a rank time out.
-        o.set_timeout_ms(120_000);
-        o.set_transport(T_PEER_COPY);
-        // SAFETY: valid options; NULL is MPI_COMM_WORLD.
-        unsafe {
-            check(
-                dpsync_options_set_world_mpi(o.0, ptr::null()),
-                "set_world_mpi",
-            );
-            check(dpsync_options_set_elastic(o.0, 1), "set_elastic");
-        }
-    }) else {
+    let Some(ctx) = elastic_context("cuda_fault_body", &ordinals, T_PEER_COPY, 1) else {
         return;
     };
     let g: Vec<Mem> = (0..ordinals.len())
@@ -213,6 +201,28 @@ fn cuda_fault_body() {
     assert_eq!(epoch, 0, "{}", tag("no rank lost, no new world"));
     println!("rank {rank}: {st:?}: {msg}");
     println!("SURVIVED cuda_fault_body");
+}
+
+/// A context of CUDA replicas on `ordinals` in an elastic world over MPI_COMM_WORLD.
+fn elastic_context(
+    test: &str,
+    ordinals: &[i32],
+    transport: u32,
+    min_ranks: usize,
+) -> Option<Context> {
+    cuda_context(test, ordinals, |o| {
+        // Generous: the busy machine must not make a rank time out.
+        o.set_timeout_ms(120_000);
+        o.set_transport(transport);
+        // SAFETY: valid options; NULL is MPI_COMM_WORLD.
+        unsafe {
+            check(
+                dpsync_options_set_world_mpi(o.0, ptr::null()),
+                "set_world_mpi",
+            );
+            check(dpsync_options_set_elastic(o.0, min_ranks), "set_elastic");
+        }
+    })
 }
 
 /// Rank r's CUDA replicas: 1 + r % 2 of them over the fake driver's two GPUs (all on GPU 0
@@ -357,19 +367,8 @@ fn cuda_lost_body() {
     let offset: usize = (0..rank).map(|r| layout(r).len()).sum();
     let below = |n: usize| -> Vec<usize> { (0..(0..n).map(|r| layout(r).len()).sum()).collect() };
     let tag = |what: &str| format!("rank {rank}/{ranks}: {what}");
-    let Some(ctx) = cuda_context("cuda_lost_body", &ordinals, |o| {
-        // Generous: the busy machine must not make a survivor time out.
-        o.set_timeout_ms(120_000);
-        o.set_transport(if nccl { T_NCCL } else { T_PEER_COPY });
-        // SAFETY: valid options; NULL is MPI_COMM_WORLD.
-        unsafe {
-            check(
-                dpsync_options_set_world_mpi(o.0, ptr::null()),
-                "set_world_mpi",
-            );
-            check(dpsync_options_set_elastic(o.0, 2), "set_elastic");
-        }
-    }) else {
+    let transport = if nccl { T_NCCL } else { T_PEER_COPY };
+    let Some(ctx) = elastic_context("cuda_lost_body", &ordinals, transport, 2) else {
         return;
     };
     let cross = if nccl { "nccl" } else { "mpi_staged" };
