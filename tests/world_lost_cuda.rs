@@ -7,9 +7,10 @@
 //! gone), and again with the fake NCCL quiet about the dead rank (it never fails the
 //! survivors' collectives, as real NCCL between ranks sharing a GPU) and rank 2 dying inside
 //! an NCCL collective: the survivors' waits on the device watch the other ranks' processes;
-//! last with rank 2 dying as soon as its part of an NCCL collective is done (between the
-//! survivors' data and their vote: one survivor's watch may see it gone and another not, and
-//! ULFM may not know yet; every survivor must still answer alike).
+//! last with rank 2 dying up to 30 ms after its part of an NCCL collective is done (between
+//! the survivors' data and their vote, or inside the vote: one survivor's watch may see it
+//! gone and another not, and ULFM may not know yet; every survivor must still answer alike).
+//! Besides, a device fault on one of 2 ranks fails the world alike on both (`cuda_fault_body`).
 //!
 //! A step of all three ranks; then, while the ranks alternate `broadcast` and `average` of a
 //! device PARAM of 1 MiB per replica and `allreduce_grads`, a thread kills rank 2 at a moment
@@ -63,8 +64,8 @@ fn cuda_replicas_lose_a_rank_and_go_on() {
     }
     // nccl_quiet: the fake NCCL does not report the dead rank (FAKE_NCCL_QUIET_PEERS=1, as
     // real NCCL between ranks sharing a GPU): the survivors' waits on the device see it gone.
-    // nccl_after: rank 2 dies once its part of an NCCL collective is done (the fake's
-    // fake_nccl_die_after_next_round).
+    // nccl_after: rank 2 dies up to 30 ms after its part of an NCCL collective is done (the
+    // fake's fake_nccl_die_after_next_round).
     for variant in ["peer_copy", "nccl", "nccl_quiet", "nccl_after"] {
         let transport = variant
             .trim_end_matches("_quiet")
